@@ -1,0 +1,62 @@
+"""``drafttrain`` command line: one subcommand per pipeline stage.
+
+Each stage module exposes ``add_arguments(parser)`` and ``run(args) -> int``; they are imported lazily so that
+``drafttrain --help`` stays fast and a stage's heavy imports load only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from drafttrain import DrafttrainError, __version__
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("drafttrain.data.prepare", "load, regenerate, tokenise conversations and build the draft vocab"),
+    "train": ("drafttrain.training.cli", "train a draft head from a recipe (also under accelerate launch)"),
+    "eval": ("drafttrain.evaluation.cli", "measure speculative decoding: tau, acceptance, speedup"),
+    "quickstart": ("drafttrain.quickstart", "prepare, train and evaluate the bundled SmolLM2 quick recipe"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="drafttrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"drafttrain {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(_module=module)
+        # Only the chosen subcommand's module is imported: peek at argv to avoid importing every stage.
+        if _chosen_command() in (name, None):
+            importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def _chosen_command() -> str | None:
+    for arg in sys.argv[1:]:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except DrafttrainError as err:
+        print(f"drafttrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"drafttrain {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,195 @@
+"""The one typed recipe schema. Every stage reads its section from here; nothing reads raw YAML.
+
+Recipes are validated in full before any work starts: unknown keys and wrong types are rejected with the
+dotted path of the offending field. ``key.sub=value`` overrides from the CLI are applied before validation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from drafttrain import DrafttrainError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    # A built-in name (see drafttrain.targets.BUILTIN_TARGETS), a Hub id, a local folder, or a .gguf file.
+    model: str = "smollm2-135m-instruct"
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    # Override the tokenizer's chat template: a Jinja string or a path to a .jinja file.
+    chat_template: str | None = None
+
+
+class SourceConfig(Section):
+    path: str  # local file (json/jsonl/parquet, optionally .gz) or a Hub dataset id
+    format: Literal["auto", "sharegpt", "openai", "alpaca", "fastchat", "gsm8k", "mbpp", "self_instruct"] = "auto"
+    split: str = "train"  # Hub datasets only
+    subset: str | None = None  # Hub dataset config name
+    weight: float = Field(1.0, gt=0)  # share of data.num_samples, relative to the other sources
+    max_samples: int | None = Field(None, gt=0)  # hard cap on rows taken from this source
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(min_length=1)
+    num_samples: int | None = Field(None, gt=0)  # total conversations after mixing; None = all
+    dedupe: bool = True
+    validation_fraction: float = Field(0.05, ge=0, lt=1)
+    max_length: int = Field(2048, gt=8)
+    # Conversations longer than max_length are cut (keeping what fits) or dropped (counted in the summary).
+    overlength: Literal["truncate", "drop"] = "truncate"
+    packing: bool = False  # pack several conversations per row (document-aware position ids)
+    cache_dir: str | None = None  # default: <output_dir>/cache
+
+
+class RegenerateConfig(Section):
+    enabled: bool = True
+    backend: Literal["hf", "openai"] = "hf"
+    base_url: str | None = None  # OpenAI-compatible server (vLLM / SGLang), backend=openai
+    api_key_env: str = "OPENAI_API_KEY"  # the key is read from this variable, never from the recipe
+    served_model: str | None = None  # model name on the server; default: target.model
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(256, gt=0)
+    batch_size: int = Field(8, gt=0)
+    # Keep the dataset's response when the target's answer is empty (counted), instead of dropping the row.
+    keep_original_on_empty: bool = False
+
+
+class DraftVocabConfig(Section):
+    enabled: bool = False
+    size: int = Field(32000, gt=0)
+
+
+class DraftConfig(Section):
+    """Base for every draft kind's section. ``kind`` picks the registered class (drafttrain.drafts.registry)."""
+
+    kind: str
+
+
+class TrainingConfig(Section):
+    hidden_states: Literal["online", "offline"] = "online"
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    batch_size: int = Field(1, gt=0)  # per device
+    gradient_accumulation: int = Field(1, gt=0)
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float = Field(0.5, gt=0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    deepspeed: str | None = None  # path to a DeepSpeed JSON config
+    save_every: int = Field(100, gt=0)
+    keep_last: int = Field(2, gt=0)
+    log_every: int = Field(10, gt=0)
+    num_workers: int = Field(0, ge=0)
+
+
+class EvalConfig(Section):
+    suite: str = "mt_bench"
+    num_prompts: int = Field(8, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    proposer: str | None = None  # default: the draft kind's own proposer
+    depth: int = Field(5, gt=0)  # chain length k / tree depth
+    tree: Literal["chain", "dynamic"] = "chain"
+    every_checkpoint: bool = True
+
+
+class WandbConfig(Section):
+    enabled: bool = True
+    project: str = "drafttrain"
+    # "offline" unless WANDB_API_KEY is set; "disabled" turns it off.
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+
+
+class Recipe(Section):
+    output_dir: str = "runs/default"
+    seed: int = 0
+    target: TargetConfig = TargetConfig()
+    data: DataConfig | None = None
+    regenerate: RegenerateConfig = RegenerateConfig(enabled=False)
+    draft_vocab: DraftVocabConfig = DraftVocabConfig()
+    draft: DraftConfig | None = None
+    training: TrainingConfig = TrainingConfig()
+    eval: EvalConfig = EvalConfig()
+    wandb: WandbConfig = WandbConfig()
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _draft_kind(cls, value: Any) -> Any:
+        """Validate the draft section against the config class that its kind registered."""
+        if value is None or isinstance(value, DraftConfig):
+            return value
+        if not isinstance(value, dict) or "kind" not in value:
+            raise ValueError("needs a 'kind' (one of the registered draft kinds)")
+        from drafttrain.drafts.registry import draft_config_class
+
+        return draft_config_class(value["kind"]).model_validate(value)
+
+    @model_validator(mode="after")
+    def _vocab_needs_data(self) -> "Recipe":
+        if self.draft_vocab.enabled and self.data is None:
+            raise ValueError("draft_vocab.enabled needs a data section to count token frequencies over")
+        return self
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides; the value is parsed as YAML (so 3, true, [1,2] keep their types)."""
+    for item in overrides:
+        if "=" not in item:
+            raise DrafttrainError(f"override {item!r} is not of the form key.sub=value")
+        dotted, text = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        node = raw
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise DrafttrainError(f"override {dotted!r}: {key!r} is not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(text)
+    return raw
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid recipe {source}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown key (not in the schema)" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as err:
+        raise DrafttrainError(format_validation_error(err, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise DrafttrainError(f"recipe not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise DrafttrainError(f"recipe {path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise DrafttrainError(f"recipe {path} must be a mapping at the top level")
+    raw = apply_overrides(raw, overrides or [])
+    return parse_recipe(raw, str(path))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

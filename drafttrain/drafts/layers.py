@@ -1,0 +1,168 @@
+"""Building blocks shared by the EAGLE heads: a Llama-style decoder layer with its own small KV cache.
+
+HF's own pieces (RMSNorm, MLP, rotary embedding, ``apply_rotary_pos_emb``, ``repeat_kv``) are used as they are;
+only the attention is ours, because the heads need two things HF's layer does not offer: EAGLE-3's 2H-wide
+attention input, and the training-time-test pattern (causal over the real prefix + one diagonal key per
+unrolled step) without materialising a (k·T)² mask. Parameter names match HF Llama, so checkpoints load in
+vLLM / SGLang without renaming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
+
+
+@dataclasses.dataclass
+class LayerCache:
+    """Keys/values of one draft layer, (batch, kv_heads, length, head_dim), before GQA repetition."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep only the given cache positions (in order): used to keep the accepted tree path."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, positions], self.values[:, :, positions]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, input_size: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _out(self, attn: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x, cos, sin, cache: LayerCache, mask: torch.Tensor | None) -> torch.Tensor:
+        """Inference: append this chunk's keys to ``cache`` and attend with a boolean ``mask`` (True = see).
+
+        ``mask`` is (T, S) or (B, 1, T, S) over the whole cache; None means causal within the chunk.
+        """
+        q, k, v = self._project(x, cos, sin)
+        keys, values = cache.append(k, v)
+        rep = self.num_heads // self.num_kv_heads
+        if mask is None:
+            past = keys.shape[2] - q.shape[2]
+            mask = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=x.device).tril(past)
+        attn = F.scaled_dot_product_attention(q, repeat_kv(keys, rep), repeat_kv(values, rep), attn_mask=mask)
+        return self._out(attn)
+
+    def forward_ttt(self, x, cos, sin, blocks: list[tuple[torch.Tensor, torch.Tensor]], pad_mask=None):
+        """Training-time test: step i of an unrolled draft (i = len(blocks)).
+
+        Position t sees the real prefix keys of step 0 at positions <= t, and its own keys of steps 1..i at
+        position t only (its own drafted path). ``blocks`` holds earlier steps' (k, v) and gains this step's.
+        """
+        q, k, v = self._project(x, cos, sin)
+        blocks.append((k, v))
+        rep = self.num_heads // self.num_kv_heads
+        scale = self.head_dim**-0.5
+        k0, v0 = repeat_kv(blocks[0][0], rep), repeat_kv(blocks[0][1], rep)
+        t = q.shape[2]
+        scores = torch.matmul(q, k0.transpose(2, 3)) * scale  # (B, h, T, T)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        diag = [(q * repeat_kv(kd, rep)).sum(-1, keepdim=True) * scale for kd, _ in blocks[1:]]  # (B, h, T, 1)
+        weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(weights[..., :t], v0)
+        for j, (_, vd) in enumerate(blocks[1:]):
+            out = out + weights[..., t + j : t + j + 1] * repeat_kv(vd, rep)
+        return self._out(out)
+
+
+class DraftDecoderLayer(nn.Module):
+    """A Llama decoder layer. With ``fuse_embedding`` (EAGLE-3's first layer) the attention reads
+    [input_layernorm(token embedding), hidden_norm(hidden)] (2H wide) and the hidden is the residual.
+    Without it (EAGLE-1) the input is the fc-fused feature itself, un-normed as in EAGLE-1's layer 0."""
+
+    def __init__(self, config: LlamaConfig, fuse_embedding: bool, input_norm: bool = True):
+        super().__init__()
+        h = config.hidden_size
+        self.fuse_embedding = fuse_embedding
+        self.self_attn = DraftAttention(config, 2 * h if fuse_embedding else h)
+        self.mlp = LlamaMLP(config)
+        if fuse_embedding:
+            self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+            self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        elif input_norm:
+            self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+
+    def _attn_input(self, hidden: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+        if self.fuse_embedding:
+            return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        return self.input_layernorm(hidden) if hasattr(self, "input_layernorm") else hidden
+
+    def _mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, hidden, embeds, cos, sin, cache: LayerCache, mask=None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self._attn_input(hidden, embeds), cos, sin, cache, mask)
+        return self._mlp_block(hidden)
+
+    def forward_ttt(self, hidden, embeds, cos, sin, blocks) -> torch.Tensor:
+        hidden = hidden + self.self_attn.forward_ttt(self._attn_input(hidden, embeds), cos, sin, blocks)
+        return self._mlp_block(hidden)
+
+
+def llama_config_like(target_config, **overrides) -> LlamaConfig:
+    """A Llama config for a draft layer shaped like the target's (heads, widths, RoPE)."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    fields = dict(
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+        vocab_size=text.vocab_size,
+        hidden_act=getattr(text, "hidden_act", "silu"),
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+    )
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim:
+        fields["head_dim"] = head_dim
+    rope = getattr(text, "rope_parameters", None)
+    if rope:
+        fields["rope_parameters"] = dict(rope)
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return LlamaConfig(**fields)

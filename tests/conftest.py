@@ -1,0 +1,29 @@
+"""Shared fixtures. The real SmolLM2 target loads once per test session (seconds, from the cached conversion)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("DRAFTTRAIN_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct target (fp32, CPU)."""
+    from drafttrain.targets import load_target
+
+    return load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"shared data folder missing: {SHARED_DATA} (set DRAFTTRAIN_SHARED_DATA)")
+    return SHARED_DATA

@@ -1,0 +1,52 @@
+"""Every shipped recipe validates against the schema, and the local files it names exist."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from drafttrain import DrafttrainError
+from drafttrain.config import load_recipe
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def test_the_expected_recipes_ship():
+    names = {p.name for p in RECIPES}
+    assert {"smollm2_eagle3_quick.yaml", "smollm2_eagle3.yaml", "eagle3_llama3.1_8b.yaml", "eagle_llama70b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_validates_and_its_local_files_exist(path, monkeypatch):
+    monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root
+    recipe = load_recipe(path)
+    if recipe.training.deepspeed:
+        assert Path(recipe.training.deepspeed).is_file(), recipe.training.deepspeed
+    for source in recipe.data.sources if recipe.data else []:
+        if source.path.startswith(("data/", "./", "../", "/")):
+            assert Path(source.path).is_file(), source.path
+
+
+def test_cluster_recipes_are_set_for_gpus_and_zero():
+    for name in ("eagle3_llama3.1_8b.yaml", "eagle_llama70b.yaml"):
+        recipe = load_recipe(REPO / "recipes" / name)
+        assert recipe.target.device == "cuda" and recipe.training.mixed_precision == "bf16"
+        assert recipe.training.deepspeed
+
+
+def test_unknown_key_and_wrong_type_name_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target:\n  model: smollm2-135m-instruct\n  dtyp: float32\ntraining:\n  epochs: many\n")
+    with pytest.raises(DrafttrainError) as err:
+        load_recipe(bad)
+    assert "target.dtyp: unknown key" in str(err.value)
+    assert "training.epochs" in str(err.value)
+
+
+def test_overrides_keep_types_and_are_validated(tmp_path):
+    recipe = load_recipe(REPO / "recipes" / "smollm2_eagle3_quick.yaml", ["training.epochs=2", "draft.ttt_steps=3"])
+    assert recipe.training.epochs == 2 and recipe.draft.ttt_steps == 3
+    with pytest.raises(DrafttrainError, match="draft.ttt_steps"):
+        load_recipe(REPO / "recipes" / "smollm2_eagle3_quick.yaml", ["draft.ttt_steps=0"])
+    with pytest.raises(DrafttrainError, match="not of the form"):
+        load_recipe(REPO / "recipes" / "smollm2_eagle3_quick.yaml", ["training.epochs"])

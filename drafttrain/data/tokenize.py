@@ -1,0 +1,557 @@
+"""Tokenise conversations with the target's own chat template and mark exactly the assistant tokens as trainable.
+
+How the mask is found (no per-model separators anywhere):
+  1. Render the whole conversation as text with ``tokenizer.apply_chat_template(..., tokenize=False)``.
+  2. For each assistant message i, render ``messages[:i]`` with the generation prompt (ends with the assistant header,
+     e.g. ``<|im_start|>assistant\\n``) and ``messages[:i+1]`` without it. Both must be prefixes of the full text
+     (the template is prefix-stable); what lies between them is what the model produces for that turn: its content as
+     the template renders it (trimmed by Llama-3, tool calls in the model's own syntax, Qwen3's empty think block ...)
+     followed by the end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``). Trailing whitespace (the ``\\n`` a ChatML
+     template writes after ``<|im_end|>``) is separator, not output, and stays untrained.
+  3. Tokenise the full text once with ``return_offsets_mapping=True``; a token is trainable when its character span
+     overlaps an assistant span. Injected text (default system prompts, Llama-3's date header) simply lies outside
+     every span.
+Templates whose history rendering differs from the last turn's (reasoning templates that drop old ``<think>``
+blocks) fall back to locating the message content inside the full text.
+
+Tool use: templates that render ``tool_calls``/``tools``/the ``tool`` role get them as is; for a template that
+ignores them (SmolLM2's plain ChatML) a call is written into the assistant content as ``{"name": ..., "arguments":
+...}`` JSON, tool definitions go into the system message, and tool results become user turns if the template refuses
+the ``tool`` role; a template that refuses the ``system`` role (Gemma) gets the system text at the start of the first
+user turn -- so every conversation still renders and the call is still trained on.
+
+Dataset columns (``build_tokenized_dataset``): ``input_ids``, ``loss_mask``, ``num_tokens``, ``num_trainable`` and
+``conversation_id`` (str); packed rows instead carry ``conversation_ids`` (list[str]) and ``position_ids`` restarting
+at 0 for each document.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from drafttrain import DrafttrainError
+from drafttrain.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+# Bump when the tokenised output of the same inputs changes (new columns, mask rules ...): old caches are ignored.
+FORMAT_VERSION = 1
+TOOLS_SYSTEM_HEADER = "You have access to the following functions:"
+_PROBE = "drafttrain_probe_7f3a"
+_CACHE_MARKER = "drafttrain_stats.json"
+
+
+class SkipConversation(Exception):
+    """The conversation yields no training row; the message is the counted reason."""
+
+
+# ----------------------------------------------------------------------------------------------- chat template
+
+
+def chat_template_text(tokenizer) -> str:
+    """The tokenizer's chat template, or a DrafttrainError saying how to provide one."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DrafttrainError(
+            f"tokenizer {name!r} has no chat template, so conversations cannot be rendered the way the target sees "
+            "them. Set target.chat_template in the recipe to the Jinja template text or to a .jinja file (e.g. the "
+            "'chat_template' of the model's tokenizer_config.json)."
+        )
+    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+
+
+def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except DrafttrainError:
+        raise
+    except Exception as err:  # jinja raise_exception(), UndefinedError, TypeError from odd content ...
+        first_line = (str(err).splitlines() or [err.__class__.__name__])[0][:100]
+        raise SkipConversation(f"chat template rejected the conversation: {first_line}") from None
+    if not isinstance(text, str):  # defensive: transformers 5 returns BatchEncoding unless tokenize=False
+        raise DrafttrainError("apply_chat_template(tokenize=False) did not return text")
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateSupport:
+    tool_calls: bool  # renders assistant ``tool_calls``
+    tools: bool  # renders the ``tools`` definitions
+    tool_role: bool  # renders ``tool`` messages
+    system_role: bool = True  # accepts a ``system`` message (Gemma's template refuses it)
+
+
+def _probe_call(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": {"x": 1}}}
+
+
+def _probe_renders(tokenizer, messages: list[dict], tools: list | None, marker: str) -> bool:
+    try:
+        return marker in _render(tokenizer, messages, tools, False)
+    except SkipConversation:
+        return False
+
+
+_SUPPORT_CACHE: dict[str, TemplateSupport] = {}
+
+
+def template_support(tokenizer) -> TemplateSupport:
+    """What the template does with tool calls, tool definitions and tool results, found by rendering probes.
+
+    Cached per template text and the bos/eos tokens it may print, not per tokenizer object.
+    """
+    template = chat_template_text(tokenizer)
+    key = f"{template}\0{getattr(tokenizer, 'bos_token', None)}\0{getattr(tokenizer, 'eos_token', None)}"
+    if key not in _SUPPORT_CACHE:
+        user = {"role": "user", "content": "hi"}
+        call = {"role": "assistant", "content": "", "tool_calls": [_probe_call(_PROBE + "_call")]}
+        tool_def = [{"type": "function", "function": {"name": _PROBE + "_def", "description": "probe",
+                                                      "parameters": {"type": "object", "properties": {}}}}]
+        calls = _probe_renders(tokenizer, [user, call], None, _PROBE + "_call")
+        answer = call if calls else {"role": "assistant", "content": "calling"}
+        tool_turn = {"role": "tool", "content": _PROBE + "_result"}
+        system = {"role": "system", "content": _PROBE + "_system"}
+        _SUPPORT_CACHE[key] = TemplateSupport(
+            tool_calls=calls,
+            tools=_probe_renders(tokenizer, [user], tool_def, _PROBE + "_def"),
+            tool_role=_probe_renders(tokenizer, [user, answer, tool_turn], None, _PROBE + "_result"),
+            system_role=_probe_renders(tokenizer, [system, user], None, _PROBE + "_system"),
+        )
+    return _SUPPORT_CACHE[key]
+
+
+def _tool_definitions(tools: Any) -> tuple[list | None, str | None]:
+    """(OpenAI-style tool list, or raw text when the dataset's tools are not JSON)."""
+    if not tools:
+        return None, None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            return None, tools
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list):
+        return None, str(tools)
+    wrapped = [t if isinstance(t, dict) and t.get("type") == "function" and "function" in t
+               else {"type": "function", "function": t} for t in tools]
+    return wrapped, None
+
+
+def _call_text(call: dict) -> str:
+    fn = call["function"]
+    return json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False)
+
+
+def adapt_to_template(conversation: dict, support: TemplateSupport) -> tuple[list[dict], list | None]:
+    """Messages and tools as this template can render them (see the module docstring)."""
+    tools, tools_text = _tool_definitions(conversation.get("tools"))
+    messages = [dict(m) for m in conversation["messages"]]
+    if not support.tool_calls:
+        for msg in messages:
+            if msg.get("tool_calls"):
+                calls = "\n".join(_call_text(c) for c in msg.pop("tool_calls"))
+                msg["content"] = f"{msg['content']}\n{calls}" if msg["content"] else calls
+    if not support.tool_role:
+        messages = [dict(m, role="user") if m["role"] == "tool" else m for m in messages]
+    if tools is not None and not support.tools:
+        tools_text = TOOLS_SYSTEM_HEADER + "\n" + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+        tools = None
+    if tools_text:
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{tools_text}"
+        else:
+            messages.insert(0, {"role": "system", "content": tools_text})
+    if not support.system_role and messages and messages[0]["role"] == "system":
+        # The usual workaround for system-less templates: the instructions open the first user turn.
+        system = messages.pop(0)["content"]
+        first_user = next((m for m in messages if m["role"] == "user"), None)
+        if first_user is not None:
+            first_user["content"] = f"{system}\n\n{first_user['content']}"
+    return messages, tools
+
+
+# ----------------------------------------------------------------------------------------------- spans and masks
+
+
+def _rendered_content(msg: dict) -> str:
+    return msg["content"].strip()
+
+
+def _locate_by_content(full: str, start: int, upto: str, msg: dict) -> int:
+    """End of the turn when ``messages[:i+1]`` is not a prefix of the full text: find the content, add the end marker."""
+    content = _rendered_content(msg)
+    at = full.find(content, start) if content else start
+    tail_at = upto.rfind(content) if content else -1
+    if at < 0 or tail_at < 0:
+        raise SkipConversation("chat template is not prefix-stable (assistant turn not found in the full render)")
+    tail = upto[tail_at + len(content):].rstrip()
+    end = at + len(content)
+    if not full.startswith(tail, end):
+        raise SkipConversation("chat template is not prefix-stable (end-of-turn differs in the full render)")
+    return end + len(tail)
+
+
+def assistant_spans(tokenizer, conversation: dict) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the [start, end) character span of each assistant output (content + end-of-turn)."""
+    chat_template_text(tokenizer)
+    if conversation.get("needs_response"):
+        raise SkipConversation("prompt-only (needs_response): no assistant turn to train on")
+    messages, tools = adapt_to_template(conversation, template_support(tokenizer))
+    while messages and messages[-1]["role"] != "assistant":  # trailing prompts carry no loss
+        messages.pop()
+    if not messages:
+        raise SkipConversation("no assistant turn")
+    full = _render(tokenizer, messages, tools, False)
+    spans = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        if i == 0:
+            raise SkipConversation("conversation starts with an assistant turn")
+        head = _render(tokenizer, messages[:i], tools, True)
+        if not full.startswith(head):
+            # The generation prompt differs from how history is rendered: start after the previous message.
+            head = _render(tokenizer, messages[:i], tools, False)
+            if not full.startswith(head):
+                raise SkipConversation("chat template is not prefix-stable (history renders differently)")
+            content = _rendered_content(msg)
+            at = full.find(content, len(head)) if content else -1
+            head = full[:at] if at >= 0 else head
+        start = len(head)
+        upto = _render(tokenizer, messages[: i + 1], tools, False)
+        if full.startswith(upto) and len(upto) >= start:
+            end = start + len(full[start: len(upto)].rstrip())
+        else:
+            end = _locate_by_content(full, start, upto, msg)
+        if end > start:
+            spans.append((start, end))
+    return full, spans
+
+
+def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    mask, k = [], 0
+    for start, end in offsets:
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        inside = k < len(spans) and end > start and start < spans[k][1] and end > spans[k][0]
+        mask.append(1 if inside else 0)
+    return mask
+
+
+def _encode_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), _mask_from_offsets(enc["offset_mapping"], spans)
+    # Slow tokenizers have no offsets: encode the pieces separately (boundaries sit at special tokens in practice).
+    ids: list[int] = []
+    mask: list[int] = []
+    cuts = sorted({0, len(text), *(p for span in spans for p in span)})
+    for a, b in zip(cuts, cuts[1:]):
+        piece = tokenizer(text[a:b], add_special_tokens=False)["input_ids"]
+        trainable = any(s <= a and b <= e for s, e in spans)
+        ids += piece
+        mask += [int(trainable)] * len(piece)
+    return ids, mask
+
+
+def _tokenize(tokenizer, conversation: dict, max_length: int, overlength: str) -> dict:
+    text, spans = assistant_spans(tokenizer, conversation)
+    ids, mask = _encode_with_mask(tokenizer, text, spans)
+    if not any(mask):
+        raise SkipConversation("no trainable tokens")
+    if len(ids) > max_length:
+        if overlength == "drop":
+            raise SkipConversation("longer than max_length (overlength=drop)")
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            raise SkipConversation("no trainable tokens after truncation")
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def tokenize_conversation(
+    tokenizer,
+    conversation: dict,
+    max_length: int,
+    overlength: str = "truncate",
+    skipped: Counter | None = None,
+) -> dict | None:
+    """``{"input_ids", "loss_mask"}`` for one conversation, or None when it is skipped (reason counted in ``skipped``).
+
+    ``overlength="truncate"`` keeps the first ``max_length`` tokens; ``"drop"`` skips longer conversations.
+    A tokenizer without a chat template is a DrafttrainError, not a skip.
+    """
+    if overlength not in ("truncate", "drop"):
+        raise ValueError(f"overlength must be 'truncate' or 'drop', not {overlength!r}")
+    try:
+        return _tokenize(tokenizer, conversation, max_length, overlength)
+    except SkipConversation as why:
+        if skipped is not None:
+            skipped[str(why)] += 1
+        log.debug("skipped conversation %s: %s", conversation.get("id"), why)
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- packing and batching
+
+
+def pack_plan(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+    """Group row indices into bins of total length <= max_length (best-fit decreasing: few, full bins).
+
+    Deterministic: ties are broken by row index; documents inside a bin keep ascending index order.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free space, bin index), sorted
+    for i in order:
+        n = lengths[i]
+        if n > max_length:
+            raise ValueError(f"row {i} has {n} tokens, more than max_length={max_length}; truncate or drop it first")
+        at = bisect.bisect_left(free, (n, -1))  # the tightest bin it fits in
+        if at < len(free):
+            space, b = free.pop(at)
+        else:
+            space, b = max_length, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if space - n > 0:
+            bisect.insort(free, (space - n, b))
+    return [sorted(b) for b in bins]
+
+
+def _packed_row(rows: Sequence[dict]) -> dict:
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "position_ids": [], "conversation_ids": []}
+    for row in rows:
+        out["input_ids"] += row["input_ids"]
+        out["loss_mask"] += row["loss_mask"]
+        out["position_ids"] += list(range(len(row["input_ids"])))  # restart per document (varlen attention)
+        if "conversation_id" in row:
+            out["conversation_ids"].append(row["conversation_id"])
+    return dict(out, num_tokens=len(out["input_ids"]), num_trainable=sum(out["loss_mask"]))
+
+
+def pack(rows: Sequence[dict], max_length: int) -> list[dict]:
+    """Concatenate tokenised rows into rows of at most max_length tokens, with per-document ``position_ids``."""
+    return [_packed_row([rows[i] for i in b]) for b in pack_plan([len(r["input_ids"]) for r in rows], max_length)]
+
+
+def length_grouped_order(lengths: Sequence[int], batch_size: int, seed: int, groups_of: int = 64) -> list[int]:
+    """A permutation of row indices where consecutive batches hold rows of similar length (less padding).
+
+    Rows are shuffled, cut into groups of ``batch_size * groups_of``, sorted by length inside each group and cut into
+    batches; the batches are then shuffled, so batch lengths vary from step to step while each batch is homogeneous.
+    """
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    size = batch_size * groups_of
+    batches = []
+    for start in range(0, len(order), size):
+        group = sorted(order[start: start + size], key=lambda i: (-lengths[i], i))
+        batches += [group[j: j + batch_size] for j in range(0, len(group), batch_size)]
+    rng.shuffle(batches)
+    return [i for batch in batches for i in batch]
+
+
+# ----------------------------------------------------------------------------------------------- cached dataset
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Content hash of a tokenizer: vocabulary/merges/normalisation (backend JSON), size and special tokens.
+
+    The path it was loaded from is left out on purpose: a copied model folder reuses its caches.
+    """
+    h = hashlib.sha256()
+    h.update(f"{type(tokenizer).__name__}\0{len(tokenizer)}\0".encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
+    specials = {k: str(v) for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()}
+    h.update(json.dumps(specials, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def conversations_fingerprint(conversations: Iterable[dict]) -> str:
+    h = hashlib.sha256()
+    for conv in conversations:
+        h.update(json.dumps(conv, sort_keys=True, ensure_ascii=False, default=str).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def cache_key(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig) -> str:
+    """Hash of everything that shapes the tokenised dataset."""
+    parts = {
+        "format_version": FORMAT_VERSION,
+        "conversations": conversations_fingerprint(conversations),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "chat_template": hashlib.sha256(chat_template_text(tokenizer).encode()).hexdigest(),
+        "max_length": data_cfg.max_length,
+        "overlength": data_cfg.overlength,
+        "packing": data_cfg.packing,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _features(packed: bool):
+    from datasets import Features, Sequence as Seq, Value
+
+    cols = {"input_ids": Seq(Value("int32")), "loss_mask": Seq(Value("int8"))}
+    if packed:
+        cols.update(position_ids=Seq(Value("int32")), conversation_ids=Seq(Value("string")))
+    else:
+        cols["conversation_id"] = Value("string")
+    cols.update(num_tokens=Value("int32"), num_trainable=Value("int32"))
+    return Features(cols)
+
+
+def _row_generator(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, stats: dict):
+    from tqdm.auto import tqdm
+
+    def generate():
+        skipped: Counter = Counter()
+        bar = tqdm(conversations, desc="tokenising", unit="conv", disable=len(conversations) < 1000)
+        for conv in bar:
+            row = tokenize_conversation(tokenizer, conv, data_cfg.max_length, data_cfg.overlength, skipped)
+            if row is None:
+                continue
+            stats["tokens"] += len(row["input_ids"])
+            stats["trainable_tokens"] += sum(row["loss_mask"])
+            stats["tokenized"] += 1
+            yield dict(row, conversation_id=str(conv.get("id", "")), num_tokens=len(row["input_ids"]),
+                       num_trainable=sum(row["loss_mask"]))
+        stats["skipped"] = dict(skipped)
+
+    return generate
+
+
+def _packed_generator(rows, max_length: int, stats: dict):
+    def generate():
+        plan = pack_plan(rows["num_tokens"], max_length)
+        stats["rows"] = len(plan)
+        for b in plan:
+            yield _packed_row([rows[i] for i in b])
+
+    return generate
+
+
+@contextlib.contextmanager
+def _quiet_datasets_bars():
+    """Our own tqdm bar counts conversations; datasets' per-split bars would only repeat it."""
+    import datasets
+
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
+
+
+def _build(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, key: str, work: Path, stats: dict):
+    with _quiet_datasets_bars():
+        return _build_rows(conversations, tokenizer, data_cfg, key, work, stats)
+
+
+def _build_rows(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, key: str, work: Path, stats: dict):
+    from datasets import Dataset
+
+    # from_generator streams rows to Arrow (no whole-dataset Python lists); the explicit fingerprint keeps datasets
+    # from hashing the closure, and its builder cache lives in our own work folder.
+    try:
+        rows = Dataset.from_generator(_row_generator(conversations, tokenizer, data_cfg, stats),
+                                      features=_features(False), cache_dir=str(work / "rows"),
+                                      fingerprint=f"{key}-rows")
+    except ValueError:
+        if stats["tokenized"]:
+            raise
+        rows = None  # datasets refuses to build an empty split
+    if rows is None or len(rows) == 0:
+        reasons = ", ".join(f"{r}: {n}" for r, n in Counter(stats["skipped"]).most_common(5)) or "no conversations"
+        raise DrafttrainError(f"no conversation could be tokenised ({reasons})")
+    stats["rows"] = len(rows)
+    if not data_cfg.packing:
+        return rows
+    return Dataset.from_generator(_packed_generator(rows, data_cfg.max_length, stats), features=_features(True),
+                                  cache_dir=str(work / "packed"), fingerprint=f"{key}-packed")
+
+
+def _default_cache_dir() -> Path:
+    from drafttrain.targets.loading import cache_root
+
+    return cache_root() / "data"
+
+
+def build_tokenized_dataset(
+    conversations: Sequence[dict],
+    tokenizer,
+    data_cfg: DataConfig,
+    cache_dir: str | Path | None = None,
+):
+    """Tokenise conversations into an Arrow dataset, cached on disk under a key of everything that shapes it.
+
+    Returns ``(datasets.Dataset, stats)``; ``stats["cache_hit"]`` says whether it was reused. The cache folder is
+    ``cache_dir`` (else ``data_cfg.cache_dir``, else ``~/.cache/drafttrain/data``) / ``tokenized/<key>``, written
+    atomically (temp folder + rename), so an interrupted build never leaves a half dataset behind.
+    """
+    from datasets import load_from_disk
+
+    root = Path(cache_dir or data_cfg.cache_dir or _default_cache_dir()).expanduser() / "tokenized"
+    key = cache_key(conversations, tokenizer, data_cfg)
+    final = root / key
+    if (final / _CACHE_MARKER).is_file():
+        stats = json.loads((final / _CACHE_MARKER).read_text())
+        stats.update(cache_hit=True, cache_path=str(final))
+        log.info("tokenised data: cache hit %s", final)
+        return load_from_disk(str(final)), stats
+
+    stats: dict = {"conversations": len(conversations), "tokenized": 0, "rows": 0, "tokens": 0,
+                   "trainable_tokens": 0, "skipped": {}, "packed": data_cfg.packing,
+                   "max_length": data_cfg.max_length, "overlength": data_cfg.overlength, "cache_key": key}
+    root.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    work, tmp = root / f".{key}.work-{tag}", root / f".{key}.tmp-{tag}"
+    try:
+        dataset = _build(conversations, tokenizer, data_cfg, key, work, stats)
+        with _quiet_datasets_bars():
+            dataset.save_to_disk(str(tmp))
+        (tmp / _CACHE_MARKER).write_text(json.dumps(stats, indent=1, sort_keys=True))
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process published the same key first: theirs is identical
+            if not (final / _CACHE_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("tokenised data: %d rows (%d conversations, %d skipped) -> %s", stats["rows"], stats["tokenized"],
+             sum(stats["skipped"].values()), final)
+    stats.update(cache_hit=False, cache_path=str(final))
+    return load_from_disk(str(final)), stats
+
+
+def format_tokenize_stats(stats: dict) -> str:
+    skipped = ", ".join(f"{r}: {n}" for r, n in sorted(stats["skipped"].items())) or "none"
+    return (f"tokenised {stats['tokenized']}/{stats['conversations']} conversations into {stats['rows']} rows "
+            f"({stats['tokens']} tokens, {stats['trainable_tokens']} trainable; packed={stats['packed']}, "
+            f"max_length={stats['max_length']}, overlength={stats['overlength']}); skipped: {skipped}"
+            f"{' [cache hit]' if stats.get('cache_hit') else ''}")

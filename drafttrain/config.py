@@ -91,6 +91,9 @@ class TrainingConfig(Section):
     deepspeed: str | None = None  # path to a DeepSpeed JSON config
     save_every: int = Field(100, gt=0)
     keep_last: int = Field(2, gt=0)
+    # Eval metric (returned by the on_checkpoint callbacks) whose highest-scoring checkpoint is kept as "best"
+    # and never pruned; None: no best tracking.
+    best_metric: str | None = None
     log_every: int = Field(10, gt=0)
     num_workers: int = Field(0, ge=0)
 

@@ -1,0 +1,219 @@
+"""Checkpoint folders: atomic writes, a ``latest`` pointer, keep-last-N pruning that spares the best one.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    step-000100/
+        model.safetensors, config.json   the draft (draft.save_pretrained): what eval and export load
+        trainer_state.json               step, epoch, position in the epoch's order, data seed, batch layout
+        accelerate/                      accelerator.save_state: optimizer, scheduler, RNG states, model
+                                         (under DeepSpeed: its per-rank ZeRO shards)
+        eval.json                        metrics the on_checkpoint callbacks returned (if any)
+    latest                               text: the newest complete checkpoint's folder name
+    best.json                            {"checkpoint", "step", "metric", "value"} (higher is better)
+
+A checkpoint is written into ``step-N.tmp`` and renamed to ``step-N`` once every file is fsynced; the rename is
+the commit point, so a folder named ``step-N`` is always complete and a crash mid-save leaves only a ``.tmp``
+orphan (removed on the next start). Pruned folders are renamed to ``.old`` before deletion for the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from drafttrain import DrafttrainError
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+ACCELERATE_DIR = "accelerate"
+EVAL_FILE = "eval.json"
+LATEST = "latest"
+BEST = "best.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_ORPHAN_SUFFIXES = (".tmp", ".old")
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """Where training stands; with the data seed it fixes the rest of the data order exactly."""
+
+    step: int  # optimizer steps done
+    epoch: int
+    batch_in_epoch: int  # global micro-batches of `epoch` already consumed
+    data_seed: int
+    num_rows: int
+    batch_size: int  # per process
+    world_size: int
+    grad_accum: int
+    total_steps: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def read(cls, path: Path) -> "TrainerState":
+        try:
+            raw = json.loads(path.read_text())
+            return cls(**{f.name: int(raw[f.name]) for f in dataclasses.fields(cls)})
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise DrafttrainError(f"cannot read training state {path}: {err}") from None
+
+    def resume_conflicts(self, now: "TrainerState", deepspeed: bool) -> list[str]:
+        """Why this checkpoint cannot continue under the current setup (the data order would change)."""
+        problems = []
+        for name in ("data_seed", "num_rows", "grad_accum"):
+            if getattr(self, name) != getattr(now, name):
+                problems.append(f"{name} was {getattr(self, name)}, now {getattr(now, name)}")
+        if self.batch_size * self.world_size != now.batch_size * now.world_size:
+            was, now_ = f"{self.batch_size}×{self.world_size}", f"{now.batch_size}×{now.world_size}"
+            problems.append(f"global batch was {was} processes, now {now_}")
+        elif deepspeed and self.world_size != now.world_size:  # ZeRO shards are per rank
+            problems.append(f"DeepSpeed checkpoint from {self.world_size} processes, now {now.world_size}")
+        return problems
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file and folder under ``root`` (and root itself) to disk."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class CheckpointManager:
+    """Owns ``<output_dir>/checkpoints``. Folder operations are for the main process only; the trainer
+    brackets them with barriers."""
+
+    def __init__(self, root: str | Path, keep_last: int, best_metric: str | None = None):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.best_metric = best_metric
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def complete(self) -> list[tuple[int, Path]]:
+        """Committed checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and path.is_dir() and (path / STATE_FILE).is_file():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        """The newest committed checkpoint. Found by scanning, since the rename is the commit point; the
+        ``latest`` file is a convenience pointer that lags by at most one checkpoint after a crash."""
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def best(self) -> dict[str, Any] | None:
+        path = self.root / BEST
+        if not path.is_file():
+            return None
+        record = json.loads(path.read_text())
+        return record if (self.root / record["checkpoint"]).is_dir() else None
+
+    def tmp_dir(self, step: int) -> Path:
+        return self.root / (step_dir_name(step) + ".tmp")
+
+    # -- writing (main process) ---------------------------------------------------------------------------
+    def remove_orphans(self) -> list[Path]:
+        """Delete folders of interrupted saves or prunes, and repair a stale ``latest`` pointer."""
+        removed = []
+        if self.root.is_dir():
+            for path in self.root.iterdir():
+                if path.is_dir() and path.name.endswith(_ORPHAN_SUFFIXES):
+                    log.warning("removing incomplete checkpoint folder %s (left by an interrupted run)", path)
+                    shutil.rmtree(path)
+                    removed.append(path)
+        latest = self.latest()
+        if latest is not None and self.read_pointer() != latest.name:
+            write_text_atomic(self.root / LATEST, latest.name + "\n")
+        return removed
+
+    def read_pointer(self) -> str | None:
+        path = self.root / LATEST
+        return path.read_text().strip() if path.is_file() else None
+
+    def begin(self, step: int) -> Path:
+        tmp = self.tmp_dir(step)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit(self, step: int) -> Path:
+        """Make the fully written ``.tmp`` folder the checkpoint for ``step`` (atomic rename), then point
+        ``latest`` at it."""
+        tmp, final = self.tmp_dir(step), self.root / step_dir_name(step)
+        if not (tmp / STATE_FILE).is_file():
+            raise DrafttrainError(f"checkpoint {tmp} is incomplete ({STATE_FILE} missing); not committing it")
+        fsync_tree(tmp)
+        if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
+            self._discard(final)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        write_text_atomic(self.root / LATEST, final.name + "\n")
+        return final
+
+    def record_metrics(self, checkpoint: Path, step: int, metrics: dict[str, float]) -> bool:
+        """Store a checkpoint's eval metrics; returns True when it became the best by ``best_metric``."""
+        write_text_atomic(checkpoint / EVAL_FILE, json.dumps(metrics, indent=2))
+        if self.best_metric is None or self.best_metric not in metrics:
+            return False
+        value = float(metrics[self.best_metric])
+        current = self.best()
+        if current is not None and current["metric"] == self.best_metric and not value > current["value"]:
+            return False
+        record = {"checkpoint": checkpoint.name, "step": step, "metric": self.best_metric, "value": value}
+        write_text_atomic(self.root / BEST, json.dumps(record, indent=2))
+        return True
+
+    def prune(self) -> list[Path]:
+        """Keep the newest ``keep_last`` checkpoints and the best one; delete the rest."""
+        done = [path for _, path in self.complete()]
+        best = self.best()
+        keep = set(done[-self.keep_last :]) | ({self.root / best["checkpoint"]} if best else set())
+        removed = [path for path in done if path not in keep]
+        for path in removed:
+            self._discard(path)
+        return removed
+
+    def _discard(self, path: Path) -> None:
+        doomed = path.with_name(path.name + ".old")
+        os.replace(path, doomed)  # atomic: a crash mid-delete leaves an orphan, never a half-deleted step-N
+        shutil.rmtree(doomed)

@@ -1,0 +1,224 @@
+"""Training metrics: ``<output_dir>/metrics.jsonl``, Weights & Biases and the console progress line.
+
+Only numbers are logged (losses, accuracies, learning rate, throughput, eval metrics): never token ids, text or
+secrets. Everything here runs on the main process only; the trainer reduces values across ranks first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from drafttrain.config import Recipe, WandbConfig
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
+_SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
+
+
+def resolve_wandb_mode(cfg: WandbConfig, environ: dict[str, str] | os._Environ = os.environ) -> str:
+    """online / offline / disabled. The environment (WANDB_MODE, WANDB_DISABLED) wins over the recipe, so
+    tests and CI can switch it off; ``auto`` is offline unless an API key is present."""
+    env_mode = environ.get("WANDB_MODE", "").strip().lower()
+    if not cfg.enabled or cfg.mode == "disabled" or env_mode == "disabled":
+        return "disabled"
+    if environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes"):
+        return "disabled"
+    if env_mode in ("online", "offline"):
+        return env_mode
+    if cfg.mode == "auto":
+        return "online" if environ.get("WANDB_API_KEY") else "offline"
+    return cfg.mode
+
+
+def simulated_tau(step_accuracies: list[float]) -> float:
+    """Expected tokens per verify step of a chain draft if step k is accepted with probability acc_k given
+    steps < k were (an approximation: training accuracies are not conditional on earlier acceptance)."""
+    tau, survive = 1.0, 1.0
+    for acc in step_accuracies:
+        survive *= acc
+        tau += survive
+    return tau
+
+
+def _public_config(value: Any) -> Any:
+    """The recipe as logged to wandb, without anything that looks like a credential."""
+    if isinstance(value, dict):
+        return {k: _public_config(v) for k, v in value.items() if not _SECRET_KEY.search(str(k))}
+    if isinstance(value, list):
+        return [_public_config(v) for v in value]
+    return value
+
+
+def _finite_or_none(value: Any) -> Any:
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+class WindowMeter:
+    """Sums over the micro-batches since the last log line, on one rank."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = 0.0
+        self.steps = 0
+        self.metric_sums: dict[str, float] = defaultdict(float)
+        self.metric_counts: dict[str, int] = defaultdict(int)
+        self.step_acc_sums: list[float] = []
+        self.micro_batches = 0
+        self.tokens = 0
+        self.trainable_tokens = 0
+        self.started = time.perf_counter()
+
+    def add_micro_batch(self, metrics: dict[str, float], step_accuracies: list[float], tokens: int, trainable: int):
+        for key, value in metrics.items():
+            self.metric_sums[key] += float(value)
+            self.metric_counts[key] += 1
+        if len(self.step_acc_sums) < len(step_accuracies):
+            self.step_acc_sums += [0.0] * (len(step_accuracies) - len(self.step_acc_sums))
+        for i, acc in enumerate(step_accuracies):
+            self.step_acc_sums[i] += float(acc)
+        self.micro_batches += 1
+        self.tokens += tokens
+        self.trainable_tokens += trainable
+
+    def add_step(self, loss: float) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent outside training (checkpoints, evaluation) out of the throughput."""
+        self.started += seconds
+
+    def local_summary(self) -> dict[str, Any]:
+        """Plain sums, to be combined across ranks (gather_object) before ``summarise``."""
+        return {
+            "loss_sum": self.loss_sum,
+            "steps": self.steps,
+            "metric_sums": dict(self.metric_sums),
+            "metric_counts": dict(self.metric_counts),
+            "step_acc_sums": list(self.step_acc_sums),
+            "micro_batches": self.micro_batches,
+            "tokens": self.tokens,
+            "trainable_tokens": self.trainable_tokens,
+            "seconds": time.perf_counter() - self.started,
+        }
+
+
+def summarise(parts: list[dict[str, Any]]) -> dict[str, float]:
+    """Combine per-rank window sums: loss is the mean over steps (already rank-averaged), metrics the mean
+    over all micro-batches of all ranks, throughput the sum over ranks divided by wall time."""
+    first = parts[0]
+    out: dict[str, float] = {"loss": first["loss_sum"] / max(1, first["steps"])}
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for part in parts:
+        for key, value in part["metric_sums"].items():
+            sums[key] += value
+            counts[key] += part["metric_counts"][key]
+    out.update({key: sums[key] / counts[key] for key in sorted(sums)})
+    micro = sum(p["micro_batches"] for p in parts)
+    width = max(len(p["step_acc_sums"]) for p in parts)
+    if micro and width:
+        accs = [sum(p["step_acc_sums"][i] for p in parts if i < len(p["step_acc_sums"])) / micro for i in range(width)]
+        out["sim_tau"] = simulated_tau(accs)
+    seconds = max(p["seconds"] for p in parts) or 1e-9
+    out["tokens_per_s"] = sum(p["tokens"] for p in parts) / seconds
+    out["trainable_tokens_per_s"] = sum(p["trainable_tokens"] for p in parts) / seconds
+    return out
+
+
+class MetricsLog:
+    """Writes one JSON object per log step to metrics.jsonl, mirrors it to wandb and the console."""
+
+    def __init__(self, recipe: Recipe, total_steps: int, start_step: int, resumed: bool):
+        self.output_dir = Path(recipe.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / METRICS_FILE
+        self._prepare_file(start_step, resumed)
+        self._file = open(self.path, "a")
+        self._wandb = self._start_wandb(recipe, resumed)
+        self._bar = self._start_bar(total_steps, start_step)
+
+    def _prepare_file(self, start_step: int, resumed: bool) -> None:
+        """A fresh run starts an empty file; a resumed one drops records from steps it is about to redo."""
+        if not resumed or not self.path.is_file():
+            self.path.write_text("")
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and _step_of(line) <= start_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def _start_wandb(self, recipe: Recipe, resumed: bool):
+        mode = resolve_wandb_mode(recipe.wandb)
+        if mode == "disabled":
+            return None
+        import wandb
+
+        id_file = self.output_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+        return wandb.init(
+            project=recipe.wandb.project,
+            name=self.output_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.output_dir),
+            mode=mode,
+            config=_public_config(recipe.model_dump(mode="json")),
+            # console capture could record anything printed (e.g. data samples); code is not needed either.
+            settings=wandb.Settings(console="off", save_code=False),
+        )
+
+    def _start_bar(self, total_steps: int, start_step: int):
+        from tqdm.auto import tqdm
+
+        # On a non-terminal (log files, CI) the bar is off and each record becomes a log line instead.
+        return tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                    disable=not sys.stderr.isatty())
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {k: _finite_or_none(v) for k, v in record.items()}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
+        if self._bar.disable:
+            log.info("%s", " ".join(f"{k}={_short(v)}" for k, v in record.items()))
+
+    def advance(self, step: int, postfix: dict[str, float] | None = None) -> None:
+        self._bar.update(step - self._bar.n)
+        if postfix:
+            self._bar.set_postfix({k: _short(v) for k, v in postfix.items()}, refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0

@@ -1,0 +1,107 @@
+"""The Accelerator for a recipe: mixed precision, gradient accumulation and DeepSpeed, on GPUs or CPUs.
+
+DeepSpeed on CPU needs two things accelerate does not do by itself:
+
+* an explicit ``gloo`` backend. Without it accelerate (1.15) finds no GPU backend, initialises DeepSpeed's
+  process group anyway but records ``num_processes = 1``, so it computes ``train_batch_size`` for one process
+  and DeepSpeed's batch assertion fails under 2 processes ("... 2 != 2 * 1 * 2").
+* ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` when run without a launcher (one process), since
+  DeepSpeed otherwise falls back to MPI discovery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drafttrain import DrafttrainError
+from drafttrain.config import TrainingConfig
+
+
+def uses_deepspeed(training: TrainingConfig) -> bool:
+    return training.deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+
+
+def build_accelerator(training: TrainingConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    plugin = DeepSpeedPlugin(hf_ds_config=read_deepspeed_config(training.deepspeed)) if training.deepspeed else None
+    handlers = []
+    if uses_deepspeed(training) and not torch.cuda.is_available():
+        _single_process_env_if_unlaunched()
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    accelerator = Accelerator(
+        mixed_precision=training.mixed_precision,
+        gradient_accumulation_steps=training.gradient_accumulation,
+        deepspeed_plugin=plugin,
+        kwargs_handlers=handlers,
+        # The schedule is built in optimizer steps; accelerate would otherwise step it once per process.
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, training, accelerator.num_processes)
+    return accelerator
+
+
+def read_deepspeed_config(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise DrafttrainError(f"training.deepspeed: DeepSpeed config not found: {file}")
+    try:
+        config = json.loads(file.read_text())
+    except ValueError as err:
+        raise DrafttrainError(f"training.deepspeed: {file} is not valid JSON: {err}") from None
+    if "zero_optimization" not in config:
+        raise DrafttrainError(f"training.deepspeed: {file} has no zero_optimization section")
+    return config
+
+
+def fill_deepspeed_config(config: dict[str, Any], training: TrainingConfig, world_size: int) -> None:
+    """Fill the config's "auto" values from the recipe, and refuse settings that contradict it."""
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    if stage == 3:
+        raise DrafttrainError(
+            "DeepSpeed ZeRO-3 is not supported for drafts: it shards the parameters, and the draft is saved whole "
+            "at every checkpoint. Use stage 2 (recipes/deepspeed/zero2_cpu.json): it shards the optimizer "
+            "state and gradients, which are most of a draft's training memory."
+        )
+    for section in ("optimizer", "scheduler"):
+        if section in config:
+            raise DrafttrainError(
+                f"the DeepSpeed config has an {section!r} section; the recipe's training section defines the "
+                "optimizer and schedule (AdamW, training.scheduler): remove it from the JSON"
+            )
+    wanted = {
+        "train_micro_batch_size_per_gpu": training.batch_size,
+        "gradient_accumulation_steps": training.gradient_accumulation,
+        "gradient_clipping": training.max_grad_norm,
+        "train_batch_size": training.batch_size * training.gradient_accumulation * world_size,
+    }
+    for key, value in wanted.items():
+        current = config.get(key, "auto")
+        if current == "auto":
+            config[key] = value
+        elif float(current) != float(value):
+            raise DrafttrainError(
+                f"the DeepSpeed config sets {key}={current} but the recipe implies {value}: set it to \"auto\""
+            )
+
+
+def _single_process_env_if_unlaunched() -> None:
+    if "LOCAL_RANK" in os.environ:
+        return  # started by accelerate launch / torchrun / deepspeed
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,317 @@
+"""The training loop: a frozen target feeds features to a draft head trained with accelerate (DDP/DeepSpeed).
+
+Only the draft, its optimizer and schedule go through ``accelerator.prepare``; the target is frozen, so it is
+just moved to the device (wrapping it would make DDP/ZeRO track and shard weights that never change).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from drafttrain import DrafttrainError
+from drafttrain.config import Recipe
+from drafttrain.training.checkpoint import ACCELERATE_DIR, STATE_FILE, CheckpointManager, TrainerState
+from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids
+from drafttrain.training.logging import MetricsLog, WindowMeter, summarise
+from drafttrain.training.runtime import build_accelerator
+from drafttrain.training.schedule import build_optimizer, build_scheduler, check_target_frozen, total_steps
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+# fn(step, checkpoint_dir) -> metrics (e.g. {"tau": 3.1}); runs on the main process after each checkpoint.
+CheckpointCallback = Callable[[int, Path], "dict[str, float] | None"]
+# fn(target, batch, layers) -> TargetFeatures; called under torch.no_grad.
+FeaturesFn = Callable[[Any, "dict[str, torch.Tensor]", "list[int]"], Any]
+
+
+@dataclasses.dataclass
+class TrainResult:
+    steps: int  # optimizer steps done in total (including those before a resume)
+    final_loss: float | None
+    losses: dict[int, float]  # step -> loss (mean over ranks), for the steps this call ran
+    last_checkpoint: Path | None
+    best_checkpoint: Path | None
+    best: dict[str, Any] | None  # {"checkpoint", "step", "metric", "value"}
+    trainable_parameters: int
+    resumed_from: Path | None
+    metrics_path: Path
+
+
+class DraftStepModule(nn.Module):
+    """What accelerate wraps: its forward is the draft's training step, so DDP and ZeRO hooks see a forward."""
+
+    def __init__(self, draft: nn.Module):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, batch: dict[str, torch.Tensor], features: Any):
+        return self.draft.training_step(batch, features)
+
+
+class Trainer:
+    def __init__(
+        self,
+        recipe: Recipe,
+        target,
+        draft: nn.Module,
+        train_dataset,
+        features_fn: FeaturesFn | None = None,
+        callbacks: list[CheckpointCallback] | None = None,
+        best_metric: str | None = None,
+    ):
+        if features_fn is None:
+            from drafttrain.training.features import compute_features as features_fn
+        self.recipe, self.training = recipe, recipe.training
+        self.target, self.draft, self.dataset = target, draft, train_dataset
+        self.features_fn = features_fn
+        self.on_checkpoint: list[CheckpointCallback] = list(callbacks or [])
+        self.output_dir = Path(recipe.output_dir)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / CHECKPOINTS, self.training.keep_last, best_metric or self.training.best_metric
+        )
+
+    # -- setup ---------------------------------------------------------------------------------------------
+    def train(self, resume: bool = False) -> TrainResult:
+        from accelerate.utils import set_seed
+
+        self.accelerator = acc = build_accelerator(self.training)
+        resume_from = self._start_folder(resume)
+        set_seed(self.recipe.seed, device_specific=True)
+        self.target.model.to(acc.device)
+        optimizer = build_optimizer(self.draft, self.training)
+        trainable = check_target_frozen(self.target.model, self.draft, optimizer)
+        self.layout = BatchLayout(len(self.dataset), self.training.batch_size, acc.num_processes,
+                                  self.training.gradient_accumulation)
+        self.layout.check()
+        steps = total_steps(self.training, self.layout)
+        scheduler = build_scheduler(optimizer, self.training, steps)
+        self.module, self.optimizer, self.scheduler = acc.prepare(DraftStepModule(self.draft), optimizer, scheduler)
+        state = TrainerState(0, 0, 0, self.recipe.seed, len(self.dataset), self.training.batch_size,
+                             acc.num_processes, self.training.gradient_accumulation, steps)
+        if resume_from is not None:
+            state = self._restore(resume_from, state)
+        acc.print(
+            f"trainable parameters: {trainable:,} (draft); target parameters: "
+            f"{sum(p.numel() for p in self.target.model.parameters()):,} (frozen, not in the optimizer); "
+            f"{steps} steps of {self.layout.global_batch * self.layout.grad_accum} rows "
+            f"({self.layout.steps_per_epoch} per epoch, {acc.num_processes} process(es))"
+        )
+        self.metrics = MetricsLog(self.recipe, steps, state.step, resumed=resume_from is not None) \
+            if acc.is_main_process else None
+        acc.wait_for_everyone()  # (wandb starts on the main process only) so throughput windows start together
+        try:
+            losses = self._loop(state)
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+        return self._result(state, losses, trainable, resume_from)
+
+    def _start_folder(self, resume: bool) -> Path | None:
+        """Clean up after a crashed run; pick the checkpoint to resume from (or refuse to overwrite one)."""
+        acc = self.accelerator
+        if acc.is_main_process:
+            self.checkpoints.remove_orphans()
+        acc.wait_for_everyone()
+        latest = self.checkpoints.latest()
+        if latest is not None and not resume:
+            raise DrafttrainError(
+                f"{self.output_dir} already holds checkpoints (newest: {latest.name}): pass --resume to continue "
+                "that run, or use another output_dir"
+            )
+        if resume and latest is None:
+            acc.print(f"--resume: no checkpoint under {self.checkpoints.root}, starting from step 0")
+        return latest if resume else None
+
+    def _restore(self, path: Path, fresh: TrainerState) -> TrainerState:
+        saved = TrainerState.read(path / STATE_FILE)
+        deepspeed = self.accelerator.state.deepspeed_plugin is not None
+        problems = saved.resume_conflicts(fresh, deepspeed=deepspeed)
+        if problems:
+            raise DrafttrainError(f"cannot resume from {path}: " + "; ".join(problems))
+        self.accelerator.load_state(str(path / ACCELERATE_DIR))
+        if saved.total_steps != fresh.total_steps:
+            log.warning("resuming with %d total steps instead of %d: the LR schedule changes from here on",
+                        fresh.total_steps, saved.total_steps)
+        saved.total_steps = fresh.total_steps
+        self.accelerator.print(f"resumed from {path} at step {saved.step} (epoch {saved.epoch})")
+        return saved
+
+    # -- loop ----------------------------------------------------------------------------------------------
+    def _loop(self, state: TrainerState) -> dict[int, float]:
+        losses: dict[int, float] = {}
+        self.meter = WindowMeter()
+        self.started = time.perf_counter()
+        self.grad_norm: float | None = None
+        while state.step < state.total_steps:
+            epoch = state.epoch
+            batches = iter(epoch_loader(
+                self.dataset, self.layout, state.data_seed, epoch, self.accelerator.process_index,
+                state.batch_in_epoch, self.training.num_workers, _pad_id(self.target),
+            ))
+            while state.epoch == epoch and state.step < state.total_steps:
+                group = [next(batches) for _ in range(self.layout.grad_accum)]
+                loss = self._optimizer_step(group, state)
+                self._advance(state)
+                losses[state.step] = loss
+                self.meter.add_step(loss)
+                self._log_if_due(state)
+                if state.step % self.training.save_every == 0 or state.step == state.total_steps:
+                    saving = time.perf_counter()
+                    self._checkpoint(state)
+                    self.meter.exclude(time.perf_counter() - saving)  # throughput counts training time only
+        return losses
+
+    def _advance(self, state: TrainerState) -> None:
+        state.step += 1
+        state.batch_in_epoch += self.layout.grad_accum
+        if state.batch_in_epoch >= self.layout.micro_batches_per_epoch:
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+
+    def _optimizer_step(self, group: list[dict[str, torch.Tensor]], state: TrainerState) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches; returns their mean loss (mean over ranks too)."""
+        acc = self.accelerator
+        total = 0.0
+        for i, batch in enumerate(group):
+            rows = batch[ROW_INDEX].tolist()
+            batch = {k: v.to(acc.device) for k, v in batch.items()}
+            with acc.accumulate(self.module):
+                with torch.no_grad():
+                    features = self.features_fn(self.target, batch, self.draft.target_layers)
+                out = self.module(batch, features)
+                self._check_finite(out.loss, state, state.batch_in_epoch + i, rows)
+                acc.backward(out.loss)
+                if acc.sync_gradients:
+                    self._apply_gradients(state, state.batch_in_epoch + i, rows)
+            total += float(out.loss.detach())
+            attention = batch["attention_mask"]
+            self.meter.add_micro_batch(
+                out.metrics, out.step_accuracies, int(attention.sum()), int((batch["loss_mask"] * attention).sum())
+            )
+        loss = total / len(group)
+        if acc.num_processes > 1:
+            loss = float(acc.reduce(torch.tensor(loss, device=acc.device), reduction="mean"))
+        return loss
+
+    def _apply_gradients(self, state: TrainerState, micro: int, rows: list[int]) -> None:
+        """Clip, step, schedule. (Under DeepSpeed the engine already stepped inside backward; these are no-ops
+        there and clip_grad_norm_ just reports its norm.)"""
+        norm = self.accelerator.clip_grad_norm_(self.module.parameters(), self.training.max_grad_norm)
+        self.grad_norm = _as_float(norm)
+        # fp16 loss scaling expects occasional inf gradients (the scaler skips that step); otherwise they are fatal.
+        if self.grad_norm is not None and not math.isfinite(self.grad_norm) and self.training.mixed_precision != "fp16":
+            self._fail(f"non-finite gradient norm ({self.grad_norm})", state, micro, rows)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _check_finite(self, loss: torch.Tensor, state: TrainerState, micro: int, rows: list[int]) -> None:
+        """Stop before a NaN/inf reaches the weights. Collective under several processes, so every rank stops
+        together instead of the others hanging in the next all-reduce."""
+        bad_here = not bool(torch.isfinite(loss.detach()).all())
+        bad_anywhere = bad_here
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor(float(bad_here), device=self.accelerator.device)
+            bad_anywhere = float(self.accelerator.reduce(flag, reduction="sum")) > 0
+        if bad_here:
+            self._fail(f"non-finite loss ({float(loss.detach())})", state, micro, rows)
+        if bad_anywhere:
+            self._fail("non-finite loss on another process", state, micro, rows)
+
+    def _fail(self, what: str, state: TrainerState, micro: int, rows: list[int]) -> None:
+        latest = self.checkpoints.latest()
+        kept = f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved yet"
+        raise DrafttrainError(
+            f"{what} at step {state.step + 1}, epoch {state.epoch}, batch {micro} of the epoch "
+            f"(process {self.accelerator.process_index}; rows: {', '.join(row_ids(self.dataset, rows))}); "
+            f"training stopped, {kept}"
+        )
+
+    # -- logging and checkpoints -----------------------------------------------------------------------------
+    def _log_if_due(self, state: TrainerState) -> None:
+        if state.step % self.training.log_every and state.step != state.total_steps:
+            if self.metrics is not None:
+                self.metrics.advance(state.step)
+            return
+        acc = self.accelerator
+        part = self.meter.local_summary()
+        if acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            parts = gather_object([part])
+        else:
+            parts = [part]
+        self.meter.reset()
+        if self.metrics is None:
+            return
+        summary = summarise(parts)
+        epoch = state.epoch + state.batch_in_epoch / self.layout.micro_batches_per_epoch
+        record = {"step": state.step, "epoch": round(epoch, 4), "lr": self.scheduler.get_last_lr()[0],
+                  "grad_norm": self.grad_norm, **summary,
+                  "elapsed_s": round(time.perf_counter() - self.started, 2)}
+        self.metrics.write(record)
+        self.metrics.advance(state.step, {"loss": summary["loss"], "lr": record["lr"],
+                                          "tok/s": summary["tokens_per_s"]})
+
+    def _checkpoint(self, state: TrainerState) -> None:
+        """Write, commit, evaluate, prune. Callbacks run on the main process only, after the commit, so a failing
+        evaluation never costs the checkpoint."""
+        acc = self.accelerator
+        if acc.is_main_process:
+            self.checkpoints.begin(state.step)
+        acc.wait_for_everyone()
+        tmp = self.checkpoints.tmp_dir(state.step)
+        acc.save_state(str(tmp / ACCELERATE_DIR))  # every rank: RNG states, and ZeRO shards under DeepSpeed
+        if acc.is_main_process:
+            acc.unwrap_model(self.module).draft.save_pretrained(tmp)
+            (tmp / STATE_FILE).write_text(state.to_json())  # written last: a folder without it is incomplete
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            final = self.checkpoints.commit(state.step)
+            self._evaluate(final, state.step)
+            self.checkpoints.prune()
+        acc.wait_for_everyone()
+
+    def _evaluate(self, checkpoint: Path, step: int) -> None:
+        metrics: dict[str, float] = {}
+        for callback in self.on_checkpoint:
+            metrics.update(callback(step, checkpoint) or {})
+        if not metrics:
+            return
+        self.checkpoints.record_metrics(checkpoint, step, metrics)
+        if self.metrics is not None:
+            self.metrics.write({"step": step, **{f"eval/{k}": float(v) for k, v in metrics.items()}})
+
+    def _result(self, state: TrainerState, losses: dict[int, float], trainable: int, resumed: Path | None):
+        best = self.checkpoints.best()
+        return TrainResult(
+            steps=state.step,
+            final_loss=losses[max(losses)] if losses else None,
+            losses=losses,
+            last_checkpoint=self.checkpoints.latest(),
+            best_checkpoint=self.checkpoints.root / best["checkpoint"] if best else None,
+            best=best,
+            trainable_parameters=trainable,
+            resumed_from=resumed,
+            metrics_path=self.output_dir / "metrics.jsonl",
+        )
+
+
+def _pad_id(target) -> int:
+    pad = getattr(getattr(target, "tokenizer", None), "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def _as_float(value) -> float | None:
+    if value is None:
+        return None
+    return float(value.item() if isinstance(value, torch.Tensor) else value)

@@ -1,0 +1,220 @@
+"""The training loop on a tiny random Llama target: learning, resume reproducibility, NaN stops, the frozen-target
+check, data order, logging and the CLI's up-front validation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from trainer_helpers import StandInDraft, make_trainer, reset_accelerate, tiny_dataset, tiny_target
+
+from drafttrain import DrafttrainError
+from drafttrain.config import WandbConfig
+from drafttrain.training.loader import BatchLayout, ResumableBatchSampler, epoch_permutation, pad_collate
+from drafttrain.training.logging import resolve_wandb_mode, simulated_tau
+from drafttrain.training.schedule import build_optimizer, check_target_frozen
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+class Interrupted(Exception):
+    """Raised by a checkpoint callback to stop a run right after a checkpoint, like a preemption would."""
+
+
+def test_training_learns_and_logs_numbers_only(tmp_path):
+    result = make_trainer(tmp_path, max_steps=24, log_every=4, save_every=12).train()
+    losses = [result.losses[s] for s in range(1, 25)]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+    assert result.steps == 24 and result.final_loss == losses[-1]
+    draft_params = sum(p.numel() for p in StandInDraft(tiny_target()).parameters())
+    assert result.trainable_parameters == draft_params
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 8, 12, 16, 20, 24]
+    for record in records:
+        assert {"step", "epoch", "loss", "lr", "grad_norm", "acc_0", "sim_tau", "tokens_per_s",
+                "trainable_tokens_per_s"} <= set(record)
+        assert all(isinstance(v, (int, float)) for v in record.values()), record  # never tokens or text
+        assert 0 < record["trainable_tokens_per_s"] < record["tokens_per_s"]
+    assert records[-1]["epoch"] == 2.0  # 48 rows / batch 4 = 12 steps per epoch
+    assert records[0]["sim_tau"] == pytest.approx(1 + records[0]["acc_0"])
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
+    # 16 rows, 2 per micro-batch, 2 micro-batches per step: 4 steps per epoch, so the resumed part crosses an
+    # epoch boundary; the stand-in has dropout, so matching losses also needs the RNG state restored.
+    setup = dict(dataset=tiny_dataset(16), max_steps=6, save_every=3, batch_size=2, gradient_accumulation=2)
+    straight = make_trainer(tmp_path / "straight", **setup).train()
+
+    def stop_at_3(step, checkpoint):
+        if step == 3:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        make_trainer(tmp_path / "resumed", callbacks=[stop_at_3], **setup).train()
+    reset_accelerate()
+    resumed = make_trainer(tmp_path / "resumed", **setup).train(resume=True)
+
+    assert resumed.resumed_from.name == "step-000003"
+    assert sorted(resumed.losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed.losses[step] == pytest.approx(straight.losses[step], rel=0, abs=1e-6)
+    # The final weights agree as well.
+    a = StandInDraft.from_pretrained(straight.last_checkpoint, tiny_target())
+    b = StandInDraft.from_pretrained(resumed.last_checkpoint, tiny_target())
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.allclose(x, y, atol=1e-6), name
+
+
+def test_nan_loss_stops_naming_step_batch_and_rows_and_keeps_last_checkpoint(tmp_path):
+    order = epoch_permutation(48, seed=0, epoch=0)
+    poison = int(order[4 * 4 + 1])  # second row of micro-batch 4 (batch size 4) -> step 5
+    trainer = make_trainer(tmp_path, dataset=tiny_dataset(48, poison_row=poison), draft_kwargs={"nan_on_poison": True},
+                           max_steps=10, save_every=2)
+    with pytest.raises(DrafttrainError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert "non-finite loss" in message and "step 5," in message and "batch 4 of the epoch" in message
+    assert "conv-poison" in message and "step-000004" in message
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step-000004"
+    assert not (checkpoints / "step-000005").exists() and not (checkpoints / "step-000006").exists()
+    reloaded = StandInDraft.from_pretrained(checkpoints / "step-000004", tiny_target())
+    assert all(torch.isfinite(p).all() for p in reloaded.parameters())
+
+
+class RegistersTargetHead(StandInDraft):
+    def __init__(self, target, **kwargs):
+        super().__init__(target, **kwargs)
+        self.lm_head = target.model.lm_head  # registered: its (frozen) weight becomes a draft parameter
+
+
+def test_trainer_refuses_a_draft_that_registers_target_weights(tmp_path):
+    trainer = make_trainer(tmp_path)
+    trainer.draft = RegistersTargetHead(trainer.target)
+    with pytest.raises(DrafttrainError, match="registers target weights.*lm_head"):
+        trainer.train()
+
+
+def test_trainer_refuses_a_target_that_is_not_frozen(tmp_path):
+    trainer = make_trainer(tmp_path)
+    trainer.target.model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(DrafttrainError, match="target parameters require grad.*norm"):
+        trainer.train()
+
+
+def test_frozen_check_catches_target_weights_in_the_optimizer():
+    target = tiny_target()
+    draft = StandInDraft(target)
+    optimizer = build_optimizer(draft, make_recipe_training())
+    optimizer.add_param_group({"params": [target.model.lm_head.weight]})
+    with pytest.raises(DrafttrainError, match="in the optimizer: lm_head.weight"):
+        check_target_frozen(target.model, draft, optimizer)
+
+
+def make_recipe_training():
+    from trainer_helpers import tiny_recipe
+
+    return tiny_recipe("unused").training
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
+    make_trainer(tmp_path, max_steps=2, save_every=2).train()
+    reset_accelerate()
+    with pytest.raises(DrafttrainError, match="already holds checkpoints.*--resume"):
+        make_trainer(tmp_path, max_steps=4).train()
+
+
+def test_data_order_is_seeded_resumable_and_split_across_ranks():
+    layout = BatchLayout(num_rows=50, batch_size=3, world_size=2, grad_accum=2)
+    assert layout.steps_per_epoch == 4 and layout.micro_batches_per_epoch == 8  # 50 // 6 = 8 global batches
+
+    def rank_batches(rank, epoch=0, start=0, seed=7):
+        return list(ResumableBatchSampler(layout, seed, epoch, rank, start))
+
+    full = rank_batches(0)
+    assert full == rank_batches(0) and full != rank_batches(0, seed=8) and full != rank_batches(0, epoch=1)
+    assert rank_batches(0, start=5) == full[5:]  # resuming skips exactly the consumed micro-batches
+    rows = [i for rank in (0, 1) for batch in rank_batches(rank) for i in batch]
+    assert len(rows) == len(set(rows)) == 48  # ranks see disjoint rows; the uneven tail (2 rows) is dropped
+
+
+def test_pad_collate_pads_right_with_masks():
+    batch = pad_collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "row_index": 3},
+                         {"input_ids": [8], "loss_mask": [1], "row_index": 9}], pad_id=2)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 2, 2]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["row_index"].tolist() == [3, 9]
+
+
+def test_wandb_mode_auto_is_offline_without_a_key_and_env_can_disable():
+    assert resolve_wandb_mode(WandbConfig(), {}) == "offline"
+    assert resolve_wandb_mode(WandbConfig(), {"WANDB_API_KEY": "x"}) == "online"
+    assert resolve_wandb_mode(WandbConfig(), {"WANDB_MODE": "disabled", "WANDB_API_KEY": "x"}) == "disabled"
+    assert resolve_wandb_mode(WandbConfig(enabled=False), {"WANDB_API_KEY": "x"}) == "disabled"
+    assert resolve_wandb_mode(WandbConfig(mode="online"), {"WANDB_MODE": "offline"}) == "offline"
+    assert simulated_tau([0.5, 0.5]) == pytest.approx(1.75)
+
+
+def test_cli_validates_the_recipe_before_loading_anything(tmp_path, monkeypatch, capsys):
+    import drafttrain.targets
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the recipe was validated")
+
+    monkeypatch.setattr(drafttrain.targets, "load_target", must_not_load)
+    from drafttrain.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {tmp_path}\ndraft: {{kind: eagle3}}\ntraining: {{batch_size: 0}}\n")
+    assert main(["train", str(recipe)]) == 2
+    assert "training.batch_size" in capsys.readouterr().err
+    assert main(["train", str(recipe), "training.batch_size=2", "--max-steps", "0"]) == 2
+    assert "training.max_steps" in capsys.readouterr().err
+    assert main(["train", str(recipe), "training.batch_size=2"]) == 2
+    assert "drafttrain prepare" in capsys.readouterr().err  # valid recipe, but no prepared data yet
+
+
+def test_cli_trains_a_real_eagle3_head_and_resumes(tmp_path, monkeypatch, capsys):
+    """`drafttrain train` end to end with the real EAGLE-3 head; only the target loading is swapped for the
+    tiny random Llama (no tokenizer needed: the data is already tokenised)."""
+    import drafttrain.targets
+    from drafttrain.cli import main
+    from drafttrain.drafts import load_draft
+
+    monkeypatch.setattr(drafttrain.targets, "load_target", lambda cfg: tiny_target())
+    tiny_dataset(16).save_to_disk(str(tmp_path / "data" / "train"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path}\ndraft: {{kind: eagle3, ttt_steps: 2, layers: [0, 1, 2]}}\n"
+                      "training: {batch_size: 4, save_every: 2, log_every: 1}\nwandb: {enabled: false}\n")
+    assert main(["train", str(recipe), "--max-steps", "3"]) == 0
+    assert "trained 3 steps" in capsys.readouterr().out
+    draft = load_draft(tmp_path / "checkpoints" / "step-000003", tiny_target())
+    assert draft.kind == "eagle3" and draft.target_layers == [0, 1, 2]
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"acc_0", "acc_1", "loss_0", "loss_1", "sim_tau"} <= set(record)
+
+    reset_accelerate()
+    assert main(["train", str(recipe), "--max-steps", "4", "--resume"]) == 0
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000004"
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_wandb_offline_run_is_written_under_output_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.recipe = trainer.recipe.model_copy(update={"wandb": WandbConfig(enabled=True, mode="auto")})
+    trainer.train()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and (tmp_path / "wandb_run_id").read_text().strip() in runs[0].name

@@ -1,0 +1,188 @@
+"""Fixtures for the trainer tests: a tiny random Llama target, a stand-in draft head with the draft interface
+(a real next-token loss through the target's frozen lm_head), and a small tokenised dataset with learnable
+structure. Also a script: the DeepSpeed tests run it under ``accelerate launch`` and read what each rank wrote.
+
+The stand-in is a fixture for the trainer, not a mock of the EAGLE heads (those have their own tests): it has
+dropout (so resume must restore RNG state to reproduce losses) and can be told to produce a NaN loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # when run as a script by accelerate launch
+    sys.path.insert(0, str(REPO))
+
+from drafttrain.config import Recipe, parse_recipe  # noqa: E402
+from drafttrain.drafts.base import StepOutput, TargetFeatures  # noqa: E402
+from drafttrain.targets.loading import Target  # noqa: E402
+
+VOCAB = 128
+POISON_TOKEN = 127  # only in the row named "conv-poison"; the stand-in draft turns it into a NaN loss on request
+
+
+def tiny_target(seed: int = 0) -> Target:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Target("tiny-llama", LlamaForCausalLM(config).eval().requires_grad_(False), tokenizer=None)
+
+
+def tiny_dataset(num_rows: int = 48, seed: int = 0, poison_row: int | None = None):
+    """Arithmetic progressions mod 120 (the next token is predictable from the context); the first 3 tokens
+    are "prompt" (loss_mask 0). Lengths vary, so batches get padded."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    rows = {"id": [], "input_ids": [], "loss_mask": []}
+    for i in range(num_rows):
+        length = int(torch.randint(8, 17, (1,), generator=g))
+        start, stride = int(torch.randint(0, 120, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        ids = [(start + stride * t) % 120 for t in range(length)]
+        if i == poison_row:
+            ids[5] = POISON_TOKEN
+        rows["id"].append("conv-poison" if i == poison_row else f"conv-{i}")
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append([0, 0, 0] + [1] * (length - 3))
+    return datasets.Dataset.from_dict(rows)
+
+
+class StandInDraft(nn.Module):
+    """Predicts token t+1 from the target's tapped hidden states at t plus the target's (frozen, referenced)
+    embedding of token t, with its own small output head."""
+
+    def __init__(self, target: Target, layers=(1, 2), dropout: float = 0.1, nan_on_poison: bool = False):
+        super().__init__()
+        self.__dict__["target"] = target  # referenced, not registered: not trained, not saved
+        self.layers = list(layers)
+        self.nan_on_poison = nan_on_poison
+        hidden = target.hidden_size
+        self.fc = nn.Linear(len(self.layers) * hidden, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.SiLU(), nn.Linear(2 * hidden, hidden))
+        self.head = nn.Linear(hidden, target.vocab_size)
+        self.dropout = nn.Dropout(dropout)
+        self.dropout_p = dropout
+
+    @property
+    def target_layers(self) -> list[int]:
+        return list(self.layers)
+
+    def training_step(self, batch: dict[str, torch.Tensor], features: TargetFeatures) -> StepOutput:
+        h = self.fc(features.hidden) + self.target.model.get_input_embeddings()(batch["input_ids"])
+        h = h + self.mlp(self.dropout(h))
+        logits = self.head(h)[:, :-1]
+        labels = batch["input_ids"][:, 1:]
+        weight = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].float()
+        per_token = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        loss = (per_token * weight.reshape(-1)).sum() / weight.sum().clamp(min=1)
+        if self.nan_on_poison and bool((batch["input_ids"] == POISON_TOKEN).any()):
+            loss = loss * float("nan")
+        with torch.no_grad():
+            acc = float(((logits.argmax(-1) == labels).float() * weight).sum() / weight.sum().clamp(min=1))
+        return StepOutput(loss=loss, metrics={"loss_0": float(loss.detach()), "acc_0": acc}, step_accuracies=[acc])
+
+    def save_pretrained(self, directory) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps({"kind": "stand-in", "layers": self.layers,
+                                                           "dropout": self.dropout_p}))
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory, target: Target) -> "StandInDraft":
+        config = json.loads((Path(directory) / "config.json").read_text())
+        draft = cls(target, layers=config["layers"], dropout=config["dropout"])
+        draft.load_state_dict(load_file(str(Path(directory) / "model.safetensors")))
+        return draft
+
+
+def tiny_recipe(output_dir, **training) -> Recipe:
+    settings = {"batch_size": 4, "learning_rate": 1e-2, "scheduler": "cosine", "warmup_steps": 1, "log_every": 1,
+                "save_every": 100, "keep_last": 2, "max_grad_norm": 1.0, **training}
+    return parse_recipe({"output_dir": str(output_dir), "seed": 0, "training": settings, "wandb": {"enabled": False}})
+
+
+def make_trainer(output_dir, dataset=None, draft_kwargs=None, callbacks=None, best_metric=None, **training):
+    from drafttrain.training.features import compute_features
+    from drafttrain.training.trainer import Trainer
+
+    target = tiny_target()
+    torch.manual_seed(1)  # the draft's initial weights, the same in every trainer of a test
+    draft = StandInDraft(target, **(draft_kwargs or {}))
+    dataset = dataset if dataset is not None else tiny_dataset()
+    return Trainer(tiny_recipe(output_dir, **training), target, draft, dataset, features_fn=compute_features,
+                   callbacks=callbacks, best_metric=best_metric)
+
+
+def reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons; each in-process trainer in a test needs a fresh one."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def main() -> int:
+    """Train the stand-in draft; each rank writes rank-<i>.json with its view of the run."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--deepspeed")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--rewind-to", type=int, metavar="STEP",
+                        help="afterwards, copy the run to <output_dir>-resumed without the checkpoints after STEP "
+                             "(as if killed then) and resume it with a new Trainer in the same processes")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    overrides = {"max_steps": args.max_steps, "save_every": args.save_every, "batch_size": 2}
+    if args.deepspeed:
+        overrides["deepspeed"] = args.deepspeed
+    output_dir = Path(args.output_dir)
+    trainer = make_trainer(output_dir, **overrides)
+    _report(trainer, trainer.train(resume=args.resume), output_dir / f"rank-{trainer.accelerator.process_index}.json")
+    if args.rewind_to is not None:
+        rewound = output_dir.with_name(output_dir.name + "-resumed")
+        if trainer.accelerator.is_main_process:
+            _rewind_copy(output_dir, rewound, args.rewind_to)
+        trainer.accelerator.wait_for_everyone()
+        reset_accelerate()  # a new Trainer, as in a fresh process (the process group itself stays up)
+        trainer = make_trainer(rewound, **overrides)
+        _report(trainer, trainer.train(resume=True), rewound / f"rank-{trainer.accelerator.process_index}.json")
+    return 0
+
+
+def _report(trainer, result, path: Path) -> None:
+    acc = trainer.accelerator
+    report = {"rank": acc.process_index, "world_size": acc.num_processes, "distributed_type": str(acc.distributed_type),
+              "steps": result.steps, "losses": {str(k): v for k, v in result.losses.items()},
+              "resumed_from": str(result.resumed_from), "last_checkpoint": str(result.last_checkpoint)}
+    path.write_text(json.dumps(report))
+    acc.wait_for_everyone()
+
+
+def _rewind_copy(source: Path, destination: Path, step: int) -> None:
+    import shutil
+
+    shutil.copytree(source, destination, ignore=shutil.ignore_patterns("rank-*.json"))
+    for ckpt in (destination / "checkpoints").glob("step-*"):
+        if int(ckpt.name.removeprefix("step-")) > step:
+            shutil.rmtree(ckpt)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    raise SystemExit(main())

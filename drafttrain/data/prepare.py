@@ -1,0 +1,448 @@
+"""``drafttrain prepare``: recipe -> mixture -> (regenerated answers) -> tokenised datasets -> draft vocab -> summary.
+
+Outputs under ``output_dir``:
+  * ``regenerated.jsonl`` (+ ``.settings.json``, ``.dropped.jsonl``) when ``regenerate.enabled``; resumable;
+  * ``data/train`` and ``data/validation``: ``datasets.save_to_disk`` folders (columns from
+    :func:`drafttrain.data.tokenize.build_tokenized_dataset`);
+  * ``draft_vocab.safetensors`` when ``draft_vocab.enabled`` (see :mod:`drafttrain.data.vocab`);
+  * ``prepare_summary.json``: every count (per source, regenerated, tokens, each skip reason, coverage).
+
+The recipe is validated in full before any work starts, and so are the things that would fail late (missing data
+files, a draft vocab larger than the target's vocabulary), so a typo never costs an hour of generation.
+Relative data paths resolve against the current working directory (not the recipe's folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from drafttrain import DrafttrainError
+from drafttrain.config import DataConfig, Recipe, load_recipe
+
+log = logging.getLogger(__name__)
+
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz", ".csv", ".txt")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paths and result
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparePaths:
+    """Where ``prepare`` writes; the trainer uses the same object to find them."""
+
+    output_dir: Path
+    regenerated: Path
+    train: Path
+    validation: Path
+    draft_vocab: Path
+    summary: Path
+    cache_dir: Path
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe) -> "PreparePaths":
+        out = Path(recipe.output_dir).expanduser()
+        data_cache = recipe.data.cache_dir if recipe.data is not None else None
+        return cls(
+            output_dir=out,
+            regenerated=out / "regenerated.jsonl",
+            train=out / "data" / "train",
+            validation=out / "data" / "validation",
+            draft_vocab=out / "draft_vocab.safetensors",
+            summary=out / "prepare_summary.json",
+            cache_dir=Path(data_cache).expanduser() if data_cache else out / "cache",
+        )
+
+
+@dataclasses.dataclass
+class PrepareResult:
+    paths: PreparePaths
+    summary: dict[str, Any]
+    train_rows: int
+    validation_rows: int  # 0 when there is no validation split
+    draft_vocab_path: Path | None  # None when draft_vocab is disabled
+    regenerated_path: Path | None  # None when regenerate is disabled
+
+    @property
+    def train_path(self) -> Path:
+        return self.paths.train
+
+    @property
+    def validation_path(self) -> Path | None:
+        return self.paths.validation if self.validation_rows else None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Early checks (before any expensive work)
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith((".", "/", "~")) or path.lower().endswith(DATA_FILE_SUFFIXES)
+
+
+def check_data_files(data: DataConfig) -> None:
+    """Every local source file exists; the error names the recipe field and how the path was resolved."""
+    for index, source in enumerate(data.sources):
+        path = Path(source.path).expanduser()
+        if _looks_local(source.path) and not path.exists():
+            raise DrafttrainError(
+                f"data.sources.{index}.path: file not found: {source.path} (relative paths resolve against the "
+                f"current directory, {Path.cwd()} -> {path.resolve()})"
+            )
+
+
+def target_vocab_size_from_config(recipe: Recipe) -> int:
+    """The target's vocabulary size (lm_head rows) from its config, without loading the weights."""
+    from transformers import AutoConfig
+
+    from drafttrain.targets.loading import resolve_model_dir
+
+    target = recipe.target
+    config = AutoConfig.from_pretrained(
+        resolve_model_dir(target.model), revision=target.revision, trust_remote_code=target.trust_remote_code
+    )
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.vocab_size)
+
+
+def check_draft_vocab_size(recipe: Recipe, vocab_size: int) -> None:
+    if recipe.draft_vocab.enabled and recipe.draft_vocab.size > vocab_size:
+        raise DrafttrainError(
+            f"draft_vocab.size {recipe.draft_vocab.size} is larger than the target vocabulary ({vocab_size} tokens "
+            f"of {recipe.target.model}); use at most {vocab_size}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Steps
+
+
+def _with_limit(data: DataConfig, limit: int | None) -> DataConfig:
+    """``--limit N`` caps the number of conversations taken from the mixture (weights still apply)."""
+    if limit is None:
+        return data
+    if limit <= 0:
+        raise DrafttrainError(f"--limit must be positive, got {limit}")
+    num = limit if data.num_samples is None else min(data.num_samples, limit)
+    return data.model_copy(update={"num_samples": num})
+
+
+def _regenerate(recipe: Recipe, mixture, target, paths: PreparePaths, progress: bool):
+    from drafttrain.data.regenerate import regenerate_conversations
+
+    result = regenerate_conversations(
+        mixture.train + mixture.validation,
+        recipe.regenerate,
+        paths.regenerated,
+        seed=recipe.seed,
+        target=target,
+        target_name=recipe.target.model,
+        progress=progress,
+    )
+    by_id = {str(c["id"]): c for c in result.conversations}
+    train = [by_id[str(c["id"])] for c in mixture.train if str(c["id"]) in by_id]
+    validation = [by_id[str(c["id"])] for c in mixture.validation if str(c["id"]) in by_id]
+    if not train:
+        raise DrafttrainError(
+            f"every training conversation was dropped during regeneration ({_reasons(result.dropped)}); "
+            "check regenerate.max_new_tokens and the target's chat template, or set regenerate.keep_original_on_empty"
+        )
+    return train, validation, result
+
+
+def _tokenize_split(name: str, conversations: list[dict], tokenizer, data: DataConfig, cache_dir: Path, required: bool):
+    """(dataset or None, stats). An untokenisable validation split is reported, not fatal; the train split is."""
+    from drafttrain.data.tokenize import build_tokenized_dataset
+
+    if not conversations:
+        return None, {"conversations": 0, "rows": 0, "tokens": 0, "trainable_tokens": 0, "skipped": {}}
+    try:
+        return build_tokenized_dataset(conversations, tokenizer, data, cache_dir)
+    except DrafttrainError as err:
+        if required:
+            raise DrafttrainError(f"{name} split: {err}") from None
+        log.warning("%s split: %s; continuing without it", name, err)
+        return None, {"conversations": len(conversations), "rows": 0, "tokens": 0, "trainable_tokens": 0,
+                      "skipped": {}, "error": str(err)}
+
+
+def save_dataset(dataset, path: Path) -> None:
+    """save_to_disk via a temporary folder, so an interrupted save never leaves a half dataset in place."""
+    import datasets
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a bar per split for a copy that takes milliseconds is noise
+    try:
+        dataset.save_to_disk(str(tmp))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _build_vocab(recipe: Recipe, train_ds, validation_ds, tokenizer, vocab_size: int, paths: PreparePaths) -> dict:
+    from drafttrain.data.vocab import build_draft_vocab, dataset_coverage, save_draft_vocab
+
+    vocab = build_draft_vocab(train_ds, tokenizer, vocab_size, recipe.draft_vocab.size)
+    save_draft_vocab(vocab, paths.draft_vocab)
+    info = vocab.summary()
+    info["path"] = str(paths.draft_vocab)
+    has_validation = validation_ds is not None
+    info["coverage_validation"] = round(dataset_coverage(validation_ds, vocab), 6) if has_validation else None
+    return info
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Summary
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason}: {n}" for reason, n in sorted(counts.items())) or "none"
+
+
+def _rows_per_source(dataset, source_of: dict[str, str]) -> Counter:
+    if dataset is None:
+        return Counter()
+    column = "conversation_ids" if "conversation_ids" in dataset.column_names else "conversation_id"
+    counts: Counter = Counter()
+    for value in dataset[column]:
+        for cid in value if isinstance(value, list) else [value]:
+            counts[source_of.get(cid, "?")] += 1
+    return counts
+
+
+def build_summary(
+    recipe: Recipe,
+    mixture,
+    regen,
+    train_set: tuple[Any, dict],
+    validation_set: tuple[Any, dict],
+    vocab_info: dict | None,
+    paths: PreparePaths,
+    seconds: dict[str, float],
+) -> dict[str, Any]:
+    (train_ds, train_stats), (val_ds, val_stats) = train_set, validation_set
+    duplicates = mixture.stats.get("deduped", 0)
+    source_of = {str(c["id"]): c["source"] for c in mixture.train + mixture.validation}
+    tokenized = _rows_per_source(train_ds, source_of) + _rows_per_source(val_ds, source_of)
+    regenerated_per_source = Counter(source_of.get(str(c["id"]), "?") for c in regen.conversations) if regen else None
+    sources = {}
+    for name, s in mixture.stats["sources"].items():
+        sources[name] = {
+            "path": s["path"],
+            "records": s["records"],
+            "loaded": s["loaded"],
+            "taken": s.get("taken", 0),
+            "regenerated": regenerated_per_source.get(name, 0) if regen else None,
+            "tokenized_conversations": tokenized.get(name, 0),
+        }
+    skipped = {
+        "load": {
+            f"{name}: {reason}": n for name, s in mixture.stats["sources"].items() for reason, n in s["skipped"].items()
+        },
+        "dedupe": {"duplicate conversation (in the source pool)": duplicates} if duplicates else {},
+        "regenerate": dict(regen.dropped) if regen else {},
+        "tokenize_train": dict(train_stats.get("skipped", {})),
+        "tokenize_validation": dict(val_stats.get("skipped", {})),
+    }
+    if val_stats.get("error"):
+        skipped["tokenize_validation"]["whole split unusable"] = val_stats.get("conversations", 0)
+
+    def split_info(dataset, stats: dict, path: Path) -> dict:
+        return {
+            "path": str(path) if dataset is not None else None,
+            "rows": len(dataset) if dataset is not None else 0,
+            "conversations_in": stats.get("conversations", 0),
+            "conversations_tokenized": stats.get("tokenized", 0),
+            "tokens": int(stats.get("tokens", 0)),
+            "trainable_tokens": int(stats.get("trainable_tokens", 0)),
+            "cache_hit": stats.get("cache_hit"),
+        }
+
+    return {
+        "output_dir": str(paths.output_dir),
+        "target": recipe.target.model,
+        "seed": recipe.seed,
+        "sources": sources,
+        "mixture": {
+            "train": mixture.stats["train"],
+            "validation": mixture.stats["validation"],
+            "prompt_only": mixture.stats.get("prompt_only", 0),
+            "duplicates_dropped": duplicates,
+        },
+        "regenerate": regen.stats() if regen else None,
+        "datasets": {
+            "train": split_info(train_ds, train_stats, paths.train),
+            "validation": split_info(val_ds, val_stats, paths.validation),
+        },
+        "skipped": skipped,
+        "draft_vocab": vocab_info,
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "recipe": recipe.model_dump(mode="json"),
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    sources = Table(title=f"drafttrain prepare: {summary['output_dir']}", title_justify="left")
+    for column in ("source", "records", "loaded", "taken", "regenerated", "tokenized"):
+        sources.add_column(column, justify="left" if column == "source" else "right")
+    for name, s in summary["sources"].items():
+        regenerated = "-" if s["regenerated"] is None else str(s["regenerated"])
+        cells = [s["records"], s["loaded"], s["taken"], regenerated, s["tokenized_conversations"]]
+        sources.add_row(name, *map(str, cells))
+    console.print(sources)
+
+    totals = Table(show_header=False, title="totals", title_justify="left")
+    totals.add_column("what")
+    totals.add_column("value", justify="right")
+    for split in ("train", "validation"):
+        d = summary["datasets"][split]
+        totals.add_row(f"{split} rows", str(d["rows"]))
+        totals.add_row(f"{split} tokens (trainable)", f"{d['tokens']:,} ({d['trainable_tokens']:,})")
+    regen = summary["regenerate"]
+    if regen:
+        totals.add_row("regenerated now / reused", f"{regen['regenerated_now']} / {regen['reused_from_previous_run']}")
+        totals.add_row("answers cut at max_new_tokens", str(regen["finish_reason"].get("length", 0)))
+        speed = f"{regen['tokens_per_second']:.1f} tokens/s ({regen['generated_tokens']} tokens)"
+        totals.add_row("generation speed", speed)
+    vocab = summary["draft_vocab"]
+    if vocab:
+        coverage = f"{vocab['coverage']:.2%} train"
+        if vocab.get("coverage_validation") is not None:
+            coverage += f", {vocab['coverage_validation']:.2%} validation"
+        totals.add_row(f"draft vocab {vocab['size']}/{vocab['target_vocab_size']} coverage", coverage)
+        totals.add_row("distinct trainable tokens seen", f"{vocab['distinct_tokens_seen']:,}")
+    totals.add_row("time", f"{sum(summary['seconds'].values()):.1f} s")
+    console.print(totals)
+
+    skipped = Table(title="rows skipped", title_justify="left")
+    skipped.add_column("stage")
+    skipped.add_column("reason")
+    skipped.add_column("count", justify="right")
+    for stage, reasons in summary["skipped"].items():
+        for reason, n in sorted(reasons.items()):
+            skipped.add_row(stage, reason, str(n))
+    if skipped.row_count:
+        console.print(skipped)
+    else:
+        console.print("rows skipped: none")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def prepare(
+    recipe: Recipe,
+    *,
+    limit: int | None = None,
+    target=None,
+    progress: bool = True,
+    show_summary: bool = True,
+) -> PrepareResult:
+    """Run the data pipeline of ``recipe`` (see the module docstring). ``target`` reuses an already loaded target."""
+    from drafttrain.data.sources import load_mixture
+    from drafttrain.targets import load_target, load_tokenizer
+
+    if recipe.data is None:
+        raise DrafttrainError("the recipe has no data section: prepare needs data.sources")
+    data = _with_limit(recipe.data, limit)
+    paths = PreparePaths.for_recipe(recipe)
+    check_data_files(data)
+    needs_model = recipe.regenerate.enabled and recipe.regenerate.backend == "hf"
+    if recipe.regenerate.enabled and recipe.regenerate.backend == "openai" and not recipe.regenerate.base_url:
+        raise DrafttrainError("regenerate.base_url: required when regenerate.backend is 'openai'")
+    vocab_size = None
+    if recipe.draft_vocab.enabled:
+        vocab_size = target.vocab_size if target is not None else target_vocab_size_from_config(recipe)
+        check_draft_vocab_size(recipe, vocab_size)
+
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+    mixture = load_mixture(data, recipe.seed)
+    log.info("%s", mixture.summary())
+    seconds["load"] = time.perf_counter() - clock
+
+    if needs_model and target is None:
+        target = load_target(recipe.target)
+    paths.output_dir.mkdir(parents=True, exist_ok=True)
+    train, validation, regen = mixture.train, mixture.validation, None
+    if not recipe.regenerate.enabled and mixture.stats.get("prompt_only"):
+        log.warning("%d prompt-only conversations have no answer to train on and will be skipped; set "
+                    "regenerate.enabled=true to have the target answer them", mixture.stats["prompt_only"])
+    if recipe.regenerate.enabled:
+        clock = time.perf_counter()
+        train, validation, regen = _regenerate(recipe, mixture, target, paths, progress)
+        seconds["regenerate"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    tokenizer = target.tokenizer if target is not None else load_tokenizer(recipe.target)
+    train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, paths.cache_dir, required=True)
+    val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, paths.cache_dir, required=False)
+    save_dataset(train_ds, paths.train)
+    if val_ds is not None:
+        save_dataset(val_ds, paths.validation)
+    else:
+        shutil.rmtree(paths.validation, ignore_errors=True)  # never leave a stale split from an earlier run
+    seconds["tokenize"] = time.perf_counter() - clock
+
+    vocab_info = None
+    if recipe.draft_vocab.enabled:
+        clock = time.perf_counter()
+        vocab_info = _build_vocab(recipe, train_ds, val_ds, tokenizer, vocab_size, paths)
+        seconds["draft_vocab"] = time.perf_counter() - clock
+    elif paths.draft_vocab.exists():
+        paths.draft_vocab.unlink()  # a mapping from an earlier run would not match this data
+
+    summary = build_summary(
+        recipe, mixture, regen, (train_ds, train_stats), (val_ds, val_stats), vocab_info, paths, seconds
+    )
+    tmp = paths.summary.with_name(paths.summary.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, paths.summary)
+    if show_summary:
+        print_summary(summary)
+    return PrepareResult(
+        paths=paths,
+        summary=summary,
+        train_rows=len(train_ds),
+        validation_rows=len(val_ds) if val_ds is not None else 0,
+        draft_vocab_path=paths.draft_vocab if vocab_info else None,
+        regenerated_path=paths.regenerated if regen else None,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML file")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="recipe overrides, e.g. data.num_samples=16"
+    )
+    parser.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="take at most N conversations (quick runs)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)  # the whole recipe is validated before any work
+    result = prepare(recipe, limit=args.limit, progress=not args.no_progress)
+    print(f"prepared {result.train_rows} train / {result.validation_rows} validation rows -> {result.paths.output_dir}")
+    return 0

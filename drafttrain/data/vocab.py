@@ -1,0 +1,279 @@
+"""Draft vocabulary for EAGLE-3: the N target tokens the draft head predicts over.
+
+EAGLE-3 drafts over a reduced vocabulary (e.g. 32k of Llama-3's 128k) to shrink the draft lm_head. The N ids are
+the most frequent *trainable* target tokens (loss-masked, i.e. the tokens the draft learns to predict) of the
+training split. The mapping is stored as in EAGLE-3 / SpecForge so that checkpoints interoperate:
+
+  * ``d2t``: int64 [N], draft id -> offset, ``target_id = draft_id + d2t[draft_id]``; draft ids follow the
+    target ids in ascending order;
+  * ``t2d``: bool [V], True where a target id is in the draft vocabulary.
+
+Ties in frequency go to the lower target id. If N exceeds the number of distinct tokens seen, the rest is filled
+with unseen ids in ascending id order (tokenizer order: in BPE vocabularies the low ids are the special tokens,
+bytes and earliest merges, the most generic tokens), so the draft vocabulary always has exactly N entries.
+
+The file's metadata keys it to the data and the tokenizer (content hashes): a mapping built for other data or
+another tokenizer is detected on load instead of silently mis-indexing the draft's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from drafttrain import DrafttrainError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "drafttrain-draft-vocab"
+FORMAT_VERSION = "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftVocabKey:
+    """What a draft vocab was built from: content hashes of the tokenised data and of the tokenizer."""
+
+    data: str
+    tokenizer: str
+
+
+@dataclasses.dataclass
+class TokenCounts:
+    counts: torch.Tensor  # int64 [V]: occurrences of each target id among trainable tokens
+    data_hash: str  # sha256 over every row's input_ids and loss_mask
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def distinct(self) -> int:
+        return int((self.counts > 0).sum())
+
+
+@dataclasses.dataclass
+class DraftVocab:
+    d2t: torch.Tensor  # int64 [N]
+    t2d: torch.Tensor  # bool [V]
+    key: DraftVocabKey
+    coverage: float  # share of the training data's trainable tokens that are in the draft vocab
+    trainable_tokens: int
+    distinct_tokens_seen: int
+
+    @property
+    def size(self) -> int:
+        return int(self.d2t.shape[0])
+
+    @property
+    def target_vocab_size(self) -> int:
+        return int(self.t2d.shape[0])
+
+    def target_ids(self) -> torch.Tensor:
+        """Target id of each draft id, ascending."""
+        return torch.arange(self.size, dtype=torch.long) + self.d2t
+
+    def summary(self) -> dict:
+        return {
+            "size": self.size,
+            "target_vocab_size": self.target_vocab_size,
+            "coverage": round(self.coverage, 6),
+            "trainable_tokens": self.trainable_tokens,
+            "distinct_tokens_seen": self.distinct_tokens_seen,
+            "data_hash": self.key.data,
+            "tokenizer_hash": self.key.tokenizer,
+        }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Keys
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Content hash of the token -> id mapping (what decides which id means which token)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def _iter_rows(dataset, batch_size: int = 1024):
+    """(input_ids, loss_mask) numpy arrays per row of a datasets.Dataset (or any iterable of such dicts)."""
+    if hasattr(dataset, "iter"):
+        for batch in dataset.select_columns(["input_ids", "loss_mask"]).iter(batch_size=batch_size):
+            for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
+                yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+    else:
+        for row in dataset:
+            yield np.asarray(row["input_ids"], dtype=np.int64), np.asarray(row["loss_mask"], dtype=bool)
+
+
+def count_trainable_tokens(dataset, vocab_size: int) -> TokenCounts:
+    """Counts of target ids over the trainable (loss_mask = 1) positions, plus a hash of the data in one pass."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    digest = hashlib.sha256()
+    for ids, mask in _iter_rows(dataset):
+        if ids.shape != mask.shape:
+            raise DrafttrainError(f"input_ids and loss_mask differ in length ({ids.shape[0]} vs {mask.shape[0]})")
+        digest.update(np.int64(ids.shape[0]).tobytes())
+        digest.update(ids.tobytes())
+        digest.update(np.packbits(mask).tobytes())
+        trainable = ids[mask]
+        if trainable.size and (trainable.max() >= vocab_size or trainable.min() < 0):
+            raise DrafttrainError(
+                f"token id {int(trainable.max())} in the data is outside the target vocabulary of {vocab_size}: "
+                "the data was tokenised with another tokenizer"
+            )
+        counts += np.bincount(trainable, minlength=vocab_size)
+    return TokenCounts(torch.from_numpy(counts), digest.hexdigest()[:16])
+
+
+def draft_vocab_key(dataset, tokenizer, vocab_size: int) -> DraftVocabKey:
+    """The key a draft vocab built from ``dataset`` with ``tokenizer`` carries (to check a saved one against)."""
+    data_hash = count_trainable_tokens(dataset, vocab_size).data_hash
+    return DraftVocabKey(data=data_hash, tokenizer=tokenizer_hash(tokenizer))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Selection
+
+
+def select_draft_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` most frequent target ids, returned in ascending id order (ties and fill: lower id first)."""
+    vocab_size = int(counts.shape[0])
+    if size > vocab_size:
+        raise DrafttrainError(
+            f"draft_vocab.size {size} is larger than the target vocabulary ({vocab_size} tokens); "
+            f"use at most {vocab_size}"
+        )
+    # A stable sort on -count keeps ascending ids within equal counts, zero counts included (the fill rule).
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices
+    return torch.sort(order[:size]).values
+
+
+def build_mapping(selected: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) for ascending target ids ``selected``."""
+    d2t = selected.to(torch.int64) - torch.arange(selected.shape[0], dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[selected] = True
+    return d2t, t2d
+
+
+def coverage_of(counts: torch.Tensor, t2d: torch.Tensor) -> float:
+    """Share of the counted tokens that are in the draft vocab (1.0 when nothing was counted)."""
+    total = int(counts.sum())
+    return float(counts[t2d].sum()) / total if total else 1.0
+
+
+def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int) -> DraftVocab:
+    """Count the trainable tokens of ``dataset`` and keep the ``size`` most frequent as the draft vocabulary."""
+    if size > vocab_size:
+        select_draft_ids(torch.zeros(vocab_size, dtype=torch.int64), size)  # raises with both sizes
+    counts = count_trainable_tokens(dataset, vocab_size)
+    if counts.total == 0:
+        raise DrafttrainError("the data has no trainable tokens (loss_mask is all zero): cannot build a draft vocab")
+    if counts.distinct < size:
+        log.warning(
+            "draft vocab: only %d distinct trainable tokens in the data for a size of %d; the other %d ids are "
+            "filled in id order (more data, or a smaller draft_vocab.size, gives a better-founded vocabulary)",
+            counts.distinct, size, size - counts.distinct,
+        )
+    d2t, t2d = build_mapping(select_draft_ids(counts.counts, size), vocab_size)
+    return DraftVocab(
+        d2t=d2t,
+        t2d=t2d,
+        key=DraftVocabKey(data=counts.data_hash, tokenizer=tokenizer_hash(tokenizer)),
+        coverage=coverage_of(counts.counts, t2d),
+        trainable_tokens=counts.total,
+        distinct_tokens_seen=counts.distinct,
+    )
+
+
+def dataset_coverage(dataset, vocab: DraftVocab) -> float:
+    """Coverage of the draft vocab on another split (e.g. validation: an out-of-sample figure)."""
+    return coverage_of(count_trainable_tokens(dataset, vocab.target_vocab_size).counts, vocab.t2d)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Files
+
+
+def save_draft_vocab(vocab: DraftVocab, path: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "data_hash": vocab.key.data,
+        "tokenizer_hash": vocab.key.tokenizer,
+        "draft_vocab_size": str(vocab.size),
+        "target_vocab_size": str(vocab.target_vocab_size),
+        "coverage": repr(vocab.coverage),
+        "trainable_tokens": str(vocab.trainable_tokens),
+        "distinct_tokens_seen": str(vocab.distinct_tokens_seen),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, str(tmp), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600; the mapping is shared like the datasets beside it
+    tmp.replace(path)
+    return path
+
+
+def load_draft_vocab(path: str | Path, expect_key: DraftVocabKey | None = None) -> DraftVocab:
+    """Load and check a draft vocab; with ``expect_key``, a mapping built from other data/tokenizer raises."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise DrafttrainError(f"draft vocab not found: {path} (run `drafttrain prepare` with draft_vocab.enabled)")
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            found = metadata.get("format")
+            raise DrafttrainError(f"{path} is not a drafttrain draft vocab (metadata format {found!r})")
+        d2t, t2d = handle.get_tensor("d2t"), handle.get_tensor("t2d")
+    vocab = DraftVocab(
+        d2t=d2t,
+        t2d=t2d,
+        key=DraftVocabKey(data=metadata["data_hash"], tokenizer=metadata["tokenizer_hash"]),
+        coverage=float(metadata["coverage"]),
+        trainable_tokens=int(metadata["trainable_tokens"]),
+        distinct_tokens_seen=int(metadata["distinct_tokens_seen"]),
+    )
+    _check_consistent(vocab, path)
+    if expect_key is not None:
+        _check_key(vocab.key, expect_key, path)
+    return vocab
+
+
+def _check_consistent(vocab: DraftVocab, path: Path) -> None:
+    target_ids = vocab.target_ids()
+    ok = (
+        vocab.d2t.dtype == torch.int64
+        and vocab.t2d.dtype == torch.bool
+        and int(vocab.t2d.sum()) == vocab.size
+        and bool((target_ids[1:] > target_ids[:-1]).all())
+        and torch.equal(torch.nonzero(vocab.t2d).flatten(), target_ids)
+    )
+    if not ok:
+        raise DrafttrainError(f"{path}: d2t and t2d do not describe the same draft vocabulary; the file is corrupt")
+
+
+def _check_key(found: DraftVocabKey, expected: DraftVocabKey, path: Path) -> None:
+    stale = [
+        f"{what} (built from {old}, now {new})"
+        for what, old, new in (("data", found.data, expected.data), ("tokenizer", found.tokenizer, expected.tokenizer))
+        if old != new
+    ]
+    if stale:
+        raise DrafttrainError(
+            f"{path} is stale: it was built for other {' and '.join(stale)}. Rerun `drafttrain prepare` to rebuild it."
+        )

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="drafttrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="drafttrain", description="Train speculative-decoding drafters and measure them.")
     parser.add_argument("--version", action="version", version=f"drafttrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

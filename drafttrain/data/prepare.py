@@ -5,6 +5,7 @@ Outputs under ``output_dir``:
   * ``data/train`` and ``data/validation``: ``datasets.save_to_disk`` folders (columns from
     :func:`drafttrain.data.tokenize.build_tokenized_dataset`);
   * ``draft_vocab.safetensors`` when ``draft_vocab.enabled`` (see :mod:`drafttrain.data.vocab`);
+  * ``features/`` when ``training.hidden_states: offline``: the target's hidden states for the train split;
   * ``prepare_summary.json``: every count (per source, regenerated, tokens, each skip reason, coverage).
 
 The recipe is validated in full before any work starts, and so are the things that would fail late (missing data
@@ -412,6 +413,12 @@ def prepare(
     elif paths.draft_vocab.exists():
         paths.draft_vocab.unlink()  # a mapping from an earlier run would not match this data
 
+    if recipe.training.hidden_states == "offline" and recipe.draft is not None:
+        clock = time.perf_counter()
+        target = target if target is not None else load_target(recipe.target)
+        _write_features(recipe, target, train_ds, paths)
+        seconds["features"] = time.perf_counter() - clock
+
     summary = build_summary(
         recipe, mixture, regen, (train_ds, train_stats), (val_ds, val_stats), vocab_info, paths, seconds
     )
@@ -428,6 +435,17 @@ def prepare(
         draft_vocab_path=paths.draft_vocab if vocab_info else None,
         regenerated_path=paths.regenerated if regen else None,
     )
+
+
+def _write_features(recipe: Recipe, target, train_ds, paths: PreparePaths) -> None:
+    """Offline hidden states: run the target once over the train split and cache the draft's taps."""
+    from drafttrain.drafts import build_draft
+    from drafttrain.training.features import FEATURE_CACHE, write_feature_cache
+
+    layers = build_draft(recipe.draft, target, output_dir=paths.output_dir).target_layers
+    out = paths.output_dir / FEATURE_CACHE
+    shutil.rmtree(out, ignore_errors=True)  # features of an earlier dataset would not line up with these rows
+    write_feature_cache(target, train_ds, layers, out)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from drafttrain.config import Recipe, load_recipe
 log = logging.getLogger(__name__)
 
 TRAIN_SPLIT = Path("data") / "train"  # under output_dir, written by `drafttrain prepare`
+VALIDATION_SPLIT = Path("data") / "validation"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,11 @@ def check_trainable(recipe: Recipe) -> None:
         raise DrafttrainError("the recipe has no draft section: set draft.kind (e.g. eagle3)")
     if recipe.training.deepspeed is not None and not Path(recipe.training.deepspeed).is_file():
         raise DrafttrainError(f"training.deepspeed: file not found: {recipe.training.deepspeed}")
+    if recipe.data is not None and recipe.data.packing:
+        raise DrafttrainError(
+            "data.packing: EAGLE heads are trained on unpacked rows (their attention is not document-aware "
+            "yet); set data.packing: false, or use length-grouped batches"
+        )
     train_dir = Path(recipe.output_dir) / TRAIN_SPLIT
     if not train_dir.is_dir():
         raise DrafttrainError(
@@ -49,8 +55,13 @@ def check_trainable(recipe: Recipe) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe = recipe_from_args(args)
+    train(recipe_from_args(args), resume=args.resume)
+    return 0
 
+
+def train(recipe: Recipe, resume: bool = False):
+    """Load the target, the prepared data and a fresh head; train; return the TrainResult."""
+    check_trainable(recipe)
     import datasets
     from accelerate.utils import set_seed
 
@@ -62,26 +73,38 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(recipe.target)
     set_seed(recipe.seed)  # the draft's initial weights
     draft = build_draft(recipe.draft, target, output_dir=recipe.output_dir)
+    callbacks = checkpoint_callbacks(recipe, target)
+    best_metric = recipe.training.best_metric or ("tau" if callbacks else None)  # keep the best by real tau
     trainer = Trainer(recipe, target, draft, dataset, features_fn=features_fn(recipe, target, draft),
-                      callbacks=checkpoint_callbacks(recipe, target))
-    result = trainer.train(resume=args.resume)
+                      callbacks=callbacks, best_metric=best_metric)
+    result = trainer.train(resume=resume)
     if trainer.accelerator.is_main_process:
         best = f"; best: {result.best_checkpoint} ({result.best['metric']}={result.best['value']:.4g})" \
             if result.best else ""
         loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
         print(f"trained {result.steps} steps, final loss {loss}; checkpoint: {result.last_checkpoint}{best}")
-    return 0
+    return result
 
 
 def features_fn(recipe: Recipe, target, draft):
-    """Online: the target runs inside each step. Offline features are the lead's to wire (FeatureCache)."""
-    from drafttrain.training.features import compute_features
+    """Online: the target runs inside each step. Offline: stream the cache `drafttrain prepare` wrote."""
+    from drafttrain.training.features import FEATURE_CACHE, FeatureCache, compute_features
 
-    if recipe.training.hidden_states == "offline":
-        raise DrafttrainError("training.hidden_states: offline is not wired into `drafttrain train` yet")
-    return compute_features
+    if recipe.training.hidden_states == "online":
+        return compute_features
+    cache = FeatureCache(Path(recipe.output_dir) / FEATURE_CACHE, target, draft.target_layers)
+    return lambda target, batch, layers: cache.features(batch["row_index"].tolist(), batch["input_ids"].shape[1])
 
 
 def checkpoint_callbacks(recipe: Recipe, target) -> list:
-    """Callbacks run after each checkpoint (fn(step, checkpoint_dir) -> metrics); the eval hook goes here."""
-    return []
+    """Callbacks run after each checkpoint (fn(step, checkpoint_dir) -> metrics): held-out simulated tau and a
+    real tau / speedup from the evaluator, so the best checkpoint is kept by measured acceptance."""
+    if not recipe.eval.every_checkpoint:
+        return []
+    import datasets
+
+    from drafttrain.training.checkpoint_eval import CheckpointEvaluator
+
+    validation_dir = Path(recipe.output_dir) / VALIDATION_SPLIT
+    validation = datasets.load_from_disk(str(validation_dir)) if validation_dir.is_dir() else None
+    return [CheckpointEvaluator(recipe, target, validation)]

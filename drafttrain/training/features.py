@@ -23,6 +23,7 @@ from drafttrain.drafts.base import TargetFeatures
 from drafttrain.targets.hidden import HiddenStateTap
 
 INDEX = "index.json"
+FEATURE_CACHE = "features"  # under output_dir
 
 
 @torch.no_grad()

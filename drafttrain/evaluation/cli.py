@@ -1,0 +1,206 @@
+"""``drafttrain eval``: speculative decoding vs plain decoding on a question suite; writes report.json/.md/.png.
+
+Cheap inputs (suite, numbers, draft path, proposer name) are checked before the target loads, so a typo fails in
+a second, not after a model load. Exit codes: 0 ok, 2 bad input (message names the cause), 1 ``--strict`` and the
+greedy output differs from the baseline at T=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from drafttrain import DrafttrainError
+from drafttrain.config import EvalConfig
+
+log = logging.getLogger(__name__)
+
+_DEFAULTS = EvalConfig()  # one source of truth for defaults shared with recipes' eval section
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target model: built-in name, folder, .gguf or Hub id")
+    parser.add_argument("--proposer", required=True, help="proposer name: draft_model, prompt_lookup, eagle3, ...")
+    parser.add_argument("--draft", help="draft model / checkpoint for the proposer (required by draft_model)")
+    prompts = parser.add_mutually_exclusive_group()
+    prompts.add_argument("--suite", default=_DEFAULTS.suite, help="built-in suite: mt_bench, humaneval, gsm8k, alpaca")
+    prompts.add_argument("--questions", help="FastChat-format .jsonl (question_id, category, turns) instead of a suite")
+    parser.add_argument("--out", required=True, help="output folder for report.json, report.md, acceptance.png")
+    parser.add_argument("--num-prompts", type=_num_prompts, default=_DEFAULTS.num_prompts,
+                        help="first N questions in file order, or 'all' (default %(default)s)")
+    parser.add_argument("--turns", choices=("1", "all"), default="all", help="ask only the first turn, or all turns")
+    parser.add_argument("--max-new-tokens", type=int, default=_DEFAULTS.max_new_tokens, help="per turn")
+    parser.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--depth", "-k", type=int, default=_DEFAULTS.depth, help="draft length k / tree depth")
+    parser.add_argument("--tree", default=_DEFAULTS.tree,
+                        help="chain | dynamic | static:PATHS_JSON (inline JSON list of paths, or a .json file)")
+    parser.add_argument("--total-tokens", type=int, default=60, help="dynamic tree: nodes verified per step")
+    parser.add_argument("--top-k", type=int, default=10, help="dynamic tree: children expanded per node")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hf-reference", action="store_true",
+                        help="also time HF model.generate (plain, and prompt lookup / assisted to match the proposer)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if greedy output differs from the baseline")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 is far steadier on a busy shared CPU)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _num_prompts(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {text!r}") from None
+    return value  # sign checked in run(), with the other numbers, so the error goes through DrafttrainError
+
+
+def run(args: argparse.Namespace) -> int:
+    from drafttrain.evaluation.suites import load_suite
+
+    _check_numbers(args)
+    suite = load_suite(args.questions or args.suite).select(args.num_prompts, turns=args.turns)
+    tree = parse_tree(args.tree, args.depth, args.total_tokens, args.top_k)
+    _check_proposer(args)
+    _prepare_out_dir(args.out)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    from drafttrain.evaluation.evaluate import evaluate
+    from drafttrain.evaluation.report import print_report, write_report
+    from drafttrain.targets import load_target
+
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    report = evaluate(
+        target, args.proposer, suite,
+        depth=args.depth, tree=tree, temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
+        progress=not args.no_progress, proposer_kwargs=_proposer_kwargs(args),
+    )
+    paths = write_report(report, args.out)
+    print_report(report)
+    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    return _greedy_verdict(report.greedy_match, args.temperature, args.strict)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.depth <= 0:
+        raise DrafttrainError(f"--depth (k) must be positive, got {args.depth}")
+    if args.temperature < 0:
+        raise DrafttrainError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise DrafttrainError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.max_new_tokens <= 0:
+        raise DrafttrainError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.num_prompts is not None and args.num_prompts <= 0:
+        raise DrafttrainError(f"--num-prompts must be positive (or 'all'), got {args.num_prompts}")
+    if args.threads is not None and args.threads <= 0:
+        raise DrafttrainError(f"--threads must be positive, got {args.threads}")
+
+
+def _prepare_out_dir(out: str) -> None:
+    """Create the output folder now, so an unwritable path fails before minutes of decoding, not after."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DrafttrainError(f"cannot create the output folder {out}: {err.strerror}") from None
+
+
+def parse_tree(spec: str, depth: int, total_tokens: int, top_k: int) -> Any:
+    """``chain`` -> "chain"; ``dynamic`` -> DynamicTree; ``static:JSON`` -> list of paths (inline JSON or a file)."""
+    if spec == "chain":
+        return "chain"
+    if spec == "dynamic":
+        if total_tokens <= 0 or top_k <= 0:
+            raise DrafttrainError(f"--total-tokens and --top-k must be positive, got {total_tokens} and {top_k}")
+        from drafttrain.decoding import DynamicTree
+
+        return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k)
+    if spec.startswith("static:"):
+        return _static_paths(spec.removeprefix("static:"))
+    raise DrafttrainError(f"unknown --tree {spec!r}: use chain, dynamic or static:PATHS_JSON")
+
+
+def _static_paths(text: str) -> list[list[int]]:
+    source = Path(text)
+    try:
+        raw = json.loads(source.read_text() if source.suffix == ".json" and source.is_file() else text)
+    except (json.JSONDecodeError, OSError) as err:
+        raise DrafttrainError(f"--tree static: {text!r} is neither a JSON list of paths nor a readable .json file "
+                              f"({err})") from None
+    valid = isinstance(raw, list) and raw and all(
+        isinstance(p, list) and p and all(isinstance(i, int) and i >= 0 for i in p) for p in raw
+    )
+    if not valid:
+        raise DrafttrainError("--tree static: expected a non-empty list of paths like [[0], [1], [0, 0]]")
+    return raw
+
+
+def _check_proposer(args: argparse.Namespace) -> None:
+    """Fail before loading the target: unknown proposer name, or a draft that is needed but missing."""
+    known = _known_proposers()
+    if args.proposer not in known:
+        raise DrafttrainError(f"unknown proposer {args.proposer!r}: choose one of {', '.join(sorted(known))}")
+    if args.draft and "draft" not in _proposer_options(args.proposer):
+        raise DrafttrainError(f"--draft is not used by proposer {args.proposer!r} (it needs no draft model)")
+    if args.proposer == "draft_model" and not args.draft:
+        raise DrafttrainError("proposer draft_model needs --draft (a draft model: built-in name, folder or .gguf)")
+    if args.draft and _looks_like_path(args.draft) and not Path(args.draft).expanduser().exists():
+        raise DrafttrainError(f"draft not found: {args.draft}")
+
+
+def _known_proposers() -> set[str]:
+    from drafttrain.evaluation.evaluate import registered_proposers
+
+    return set(registered_proposers())
+
+
+def _proposer_options(name: str) -> set[str]:
+    import inspect
+
+    from drafttrain.decoding import PROPOSERS
+
+    return set(inspect.signature(PROPOSERS[name]).parameters)
+
+
+def _looks_like_path(spec: str) -> bool:
+    from drafttrain.targets import BUILTIN_TARGETS
+
+    if spec in BUILTIN_TARGETS:
+        return False
+    is_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not Path(spec).suffix
+    return not is_hub_id
+
+
+def _proposer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.draft:
+        return {}
+    if args.proposer == "draft_model":
+        from drafttrain.targets import load_target
+
+        # The draft runs on the target's device and dtype; build_proposer checks that the tokenizers agree.
+        return {"draft": load_target(args.draft, dtype=args.dtype, device=args.device)}
+    return {"draft": args.draft}
+
+
+def _greedy_verdict(greedy_match: float | None, temperature: float, strict: bool) -> int:
+    if temperature > 0 or greedy_match is None or greedy_match >= 1.0:
+        return 0
+    banner = "!" * 78
+    print(
+        f"\n{banner}\nWARNING: at T=0 only {greedy_match:.1%} of prompts produced exactly the baseline's tokens.\n"
+        "A lossless engine must reproduce plain greedy decoding; see first_mismatch in report.json.\n"
+        f"{banner}\n",
+        file=sys.stderr,
+    )
+    return 1 if strict else 0

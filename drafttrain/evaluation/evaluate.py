@@ -1,0 +1,551 @@
+"""``evaluate()``: measure a proposer on a prompt set against plain decoding, in one process.
+
+For every question the method (speculative decoding) and the baseline (``plain_decode``, the same forward path
+without a draft) run on the same rendered prompt, one after the other, and the order rotates from one question
+to the next so that a slow phase of a shared machine hits both sides alike. One warm-up run of every side comes
+first and is not counted. Wall times are taken here, around each ``generate`` call, with the same clock for
+every side (prefill included; prompt rendering excluded).
+
+Multi-turn questions (MT-Bench) follow EAGLE's eval: turn t is asked after the side's *own* answers to turns
+< t. At T=0 a lossless engine produces the baseline's text, so both sides see the same history.
+
+No generated text is logged or stored: records hold token counts, timings and acceptance counts only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import drafttrain
+from drafttrain import DrafttrainError
+from drafttrain.evaluation import metrics
+from drafttrain.evaluation.suites import Question, Suite
+
+log = logging.getLogger(__name__)
+
+WARMUP_NEW_TOKENS = 16
+
+# generate function of one side: rendered prompt ids (1, L) -> (new tokens, DecodeStats; for HF a dict of counts)
+GenerateFn = Callable[[torch.Tensor], tuple[list[int], Any]]
+
+
+@dataclasses.dataclass
+class EvalReport:
+    """Result of :func:`evaluate`. ``overall`` and each ``categories[name]`` are :func:`metrics.summarize` objects;
+    ``prompts`` holds one record per question (counts and timings, never text); ``references`` holds the
+    optional Hugging Face ``generate`` lines (their throughput, and speed relative to our baseline)."""
+
+    config: dict[str, Any]
+    overall: dict[str, Any]
+    categories: dict[str, dict[str, Any]]
+    prompts: list[dict[str, Any]]
+    references: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def greedy_match(self) -> float | None:
+        return self.overall.get("greedy_match")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+
+@dataclasses.dataclass
+class SideRun:
+    """One side (method, baseline or an HF reference) on one question, all turns."""
+
+    turn_tokens: list[list[int]]
+    seconds: float
+    stats: list[Any]  # per turn: DecodeStats, or {"target_forwards": n} for HF references
+    prompt_tokens: list[int]
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.turn_tokens)
+
+
+def evaluate(
+    target,
+    proposer: str | Any,
+    prompts: Suite | Sequence[Question | str],
+    *,
+    depth: int = 5,
+    tree: Any = "chain",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    baseline: bool = True,
+    hf_reference: bool = False,
+    progress: bool = True,
+    proposer_kwargs: dict[str, Any] | None = None,
+    warmup: bool = True,
+) -> EvalReport:
+    """Run ``proposer`` (a registered name, or a proposer object) through :class:`SpeculativeDecoder` on every
+    prompt, with ``plain_decode`` as the baseline, and return the metrics (see :mod:`metrics` for definitions).
+
+    ``prompts``: a :class:`Suite` (already selected with ``Suite.select``), or questions, or plain strings (one
+    single-turn question each, category "default"). ``hf_reference`` adds HF ``model.generate`` lines (greedy, and
+    prompt lookup or assisted generation matching the proposer) to ``report.references``.
+    """
+    from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
+
+    _check_settings(depth, temperature, top_p, max_new_tokens)
+    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    suite_name, questions = _as_questions(prompts)
+    proposer_name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
+    proposer_kwargs = dict(proposer_kwargs or {})
+    if isinstance(proposer, str):
+        registered_proposers()  # make sure the EAGLE proposers are registered before looking the name up
+        proposer_obj = build_proposer(proposer, target, **proposer_kwargs)
+    else:
+        proposer_obj = proposer
+    decoder = SpeculativeDecoder(
+        target, proposer_obj, depth=depth, tree=tree, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+    )
+    stop_ids = stop_token_ids(target)  # the same stop set for every side, HF references included
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+
+    def method_fn(budget: int) -> GenerateFn:
+        def run(ids: torch.Tensor):
+            out = decoder.generate(ids, budget, stop_token_ids=set(stop_ids))
+            return list(out.tokens), out.stats
+        return run
+
+    def baseline_fn(budget: int) -> GenerateFn:
+        def run(ids: torch.Tensor):
+            out = plain_decode(target, ids, budget, seed=seed, stop_token_ids=set(stop_ids), **sampling)
+            return list(out.tokens), out.stats
+        return run
+
+    sides: dict[str, Callable[[int], GenerateFn]] = {"method": method_fn}
+    if baseline:
+        sides["baseline"] = baseline_fn
+    if hf_reference:
+        sides.update(_hf_sides(target, proposer_name, proposer_obj, proposer_kwargs, depth, stop_ids, **sampling))
+
+    if warmup:
+        _warm_up(target.tokenizer, questions[0], sides, min(WARMUP_NEW_TOKENS, max_new_tokens), target.device)
+
+    records = []
+    hf_runs: dict[str, list[tuple[SideRun, SideRun | None]]] = {name: [] for name in sides if name.startswith("hf_")}
+    for index, question in enumerate(_progress(questions, progress)):
+        runs = _run_question_interleaved(
+            target.tokenizer, question, sides, max_new_tokens, rotation=index, device=target.device
+        )
+        records.append(_prompt_record(question, runs, temperature))
+        for name in hf_runs:
+            hf_runs[name].append((runs[name], runs.get("baseline")))
+
+    overall = metrics.summarize(records, depth)
+    categories = {
+        name: metrics.summarize([r for r in records if r["category"] == name], depth)
+        for name in dict.fromkeys(r["category"] for r in records)  # first-seen order
+    }
+    config = _config(
+        target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
+        suite_name, questions, baseline, hf_reference, started_at,
+    )
+    references = {name: _reference_line(pairs, temperature) for name, pairs in hf_runs.items()}
+    return EvalReport(config=config, overall=overall, categories=categories, prompts=records, references=references)
+
+
+def registered_proposers() -> list[str]:
+    """Names build_proposer knows, including the EAGLE heads (registered when their module is imported)."""
+    import importlib
+
+    from drafttrain.decoding import PROPOSERS
+
+    try:
+        importlib.import_module("drafttrain.decoding.eagle")
+    except ImportError:  # EAGLE support not installed in this build: the other proposers still work
+        pass
+    return sorted(PROPOSERS)
+
+
+def _check_settings(depth: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if depth <= 0:
+        raise DrafttrainError(f"depth (k) must be positive, got {depth}")
+    if temperature < 0:
+        raise DrafttrainError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise DrafttrainError(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens <= 0:
+        raise DrafttrainError(f"max_new_tokens must be positive, got {max_new_tokens}")
+
+
+def _as_questions(prompts: Suite | Sequence[Question | str]) -> tuple[str, list[Question]]:
+    if isinstance(prompts, Suite):
+        name, items = prompts.name, list(prompts.questions)
+    else:
+        name = "custom"
+        items = [
+            p if isinstance(p, Question) else Question(question_id=str(i), category="default", turns=(p,))
+            for i, p in enumerate(prompts)
+        ]
+    if not items:
+        raise DrafttrainError(f"empty prompt set ({name}): nothing to evaluate")
+    return name, items
+
+
+def stop_token_ids(target) -> list[int]:
+    """EOS ids from the generation config and the tokenizer (chat models often end turns with a special token)."""
+    ids: list[int] = []
+    for source in (getattr(target.model, "generation_config", None), target.tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        for value in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if value is not None and int(value) not in ids:
+                ids.append(int(value))
+    return ids
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Token ids (1, L) of a conversation in the tokenizer's chat template, generation prompt added."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template already holds any BOS it wants; adding special tokens again would double it.
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    # A base model without a template: the turns joined by blank lines, with the tokenizer's usual BOS.
+    text = "\n\n".join(m["content"] for m in messages) + "\n\n"
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def _answer_text(tokenizer, tokens: list[int]) -> str:
+    """The answer as the next turn's history sees it (stop and other special tokens dropped, as EAGLE's eval does)."""
+    return tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def run_turns(tokenizer, question: Question, generate: GenerateFn, device: torch.device | None = None) -> SideRun:
+    """Ask the question's turns in order, each after this side's own previous answers; time the generate calls.
+
+    Prompts are rendered on the CPU and moved to ``device`` before the clock starts (HF's generate does not
+    move them itself)."""
+    history: list[dict[str, str]] = []
+    turn_tokens, stats, prompt_tokens, seconds = [], [], [], 0.0
+    for turn in question.turns:
+        messages = history + [{"role": "user", "content": turn}]
+        ids = render_prompt(tokenizer, messages)
+        if device is not None:
+            ids = ids.to(device)
+        _sync(ids.device)
+        start = time.perf_counter()
+        tokens, turn_stats = generate(ids)
+        _sync(ids.device)
+        seconds += time.perf_counter() - start
+        turn_tokens.append(tokens)
+        stats.append(turn_stats)
+        prompt_tokens.append(int(ids.shape[-1]))
+        history = messages + [{"role": "assistant", "content": _answer_text(tokenizer, tokens)}]
+    return SideRun(turn_tokens=turn_tokens, seconds=seconds, stats=stats, prompt_tokens=prompt_tokens)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _warm_up(
+    tokenizer, question: Question, sides: dict[str, Callable[[int], GenerateFn]], budget: int, device: torch.device
+) -> None:
+    """One short, uncounted run of every side: first-call costs (allocations, kernel selection) stay out."""
+    first_turn = dataclasses.replace(question, turns=question.turns[:1])
+    for make in sides.values():
+        run_turns(tokenizer, first_turn, make(budget), device)
+
+
+def _run_question_interleaved(
+    tokenizer, question: Question, sides: dict[str, Callable[[int], GenerateFn]], budget: int, rotation: int,
+    device: torch.device,
+) -> dict[str, SideRun]:
+    """Run every side on the question; the starting side rotates with ``rotation`` (method, baseline alternate)."""
+    names = list(sides)
+    shift = rotation % len(names)
+    order = names[shift:] + names[:shift]
+    return {name: run_turns(tokenizer, question, sides[name](budget), device) for name in order}
+
+
+def _progress(questions: list[Question], enabled: bool):
+    if not enabled:
+        return questions
+    from tqdm.auto import tqdm
+
+    return tqdm(questions, desc="eval", unit="prompt", leave=False)
+
+
+def _stats_lists(stats: list[Any], field: str) -> list[int]:
+    return [v for s in stats for v in getattr(s, field)]
+
+
+def _sum_positions(stats: list[Any], field: str) -> list[int]:
+    total: list[int] = []
+    for s in stats:
+        values = list(getattr(s, field, []) or [])
+        total += [0] * (len(values) - len(total))
+        for i, v in enumerate(values):
+            total[i] += int(v)
+    return total
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (None when equal); a length difference counts at the shorter end."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _prompt_record(question: Question, runs: dict[str, SideRun], temperature: float) -> dict[str, Any]:
+    method = runs["method"]
+    stats = method.stats
+    accepted = _stats_lists(stats, "accepted_per_step")
+    drafted = _stats_lists(stats, "drafted_per_step")
+    record: dict[str, Any] = {
+        "question_id": question.question_id,
+        "category": question.category,
+        "turns": len(question.turns),
+        "prompt_tokens": method.prompt_tokens,
+        "new_tokens": method.new_tokens,
+        "turn_new_tokens": [len(t) for t in method.turn_tokens],
+        "wall_time_s": method.seconds,
+        "tokens_per_s": metrics.tokens_per_s(method.new_tokens, method.seconds),
+        "target_forwards": sum(int(s.target_forwards) for s in stats),
+        "tau": metrics.tau(accepted),
+        "acceptance_rate": metrics.acceptance_rate(accepted, drafted),
+        "accepted_per_step": accepted,
+        "drafted_per_step": drafted,
+        # The engine's own per-depth counters, kept raw (the report derives per-position rates from the steps).
+        "engine_position_drafted": _sum_positions(stats, "position_drafted"),
+        "engine_position_accepted": _sum_positions(stats, "position_accepted"),
+        "prefill_time_s": sum(float(s.prefill_time_s) for s in stats),
+        "proposer_time_s": sum(float(s.proposer_time_s) for s in stats),
+        "verify_time_s": sum(float(s.verify_time_s) for s in stats),
+        "baseline_new_tokens": None,
+        "baseline_wall_time_s": None,
+        "baseline_tokens_per_s": None,
+        "speedup": None,
+        "greedy_match": None,
+        "first_mismatch": None,
+    }
+    base = runs.get("baseline")
+    if base is not None:
+        record.update(
+            baseline_new_tokens=base.new_tokens,
+            baseline_turn_new_tokens=[len(t) for t in base.turn_tokens],
+            baseline_wall_time_s=base.seconds,
+            baseline_tokens_per_s=metrics.tokens_per_s(base.new_tokens, base.seconds),
+            speedup=metrics.speedup([method.new_tokens], [method.seconds], [base.new_tokens], [base.seconds]),
+        )
+        if temperature == 0:
+            mismatches = [_first_mismatch(m, b) for m, b in zip(method.turn_tokens, base.turn_tokens)]
+            record["greedy_match"] = all(m is None for m in mismatches)
+            # Where each turn first diverged (token index), to debug losslessness without storing text.
+            record["first_mismatch"] = mismatches
+    return record
+
+
+# ---------------------------------------------------------------- Hugging Face reference lines
+
+
+def _hf_sides(target, proposer_name, proposer_obj, proposer_kwargs, depth, stop_ids, **sampling):
+    """HF ``generate`` runners: greedy/sampled plain decoding, plus HF's own version of the proposer if it has one."""
+    sides: dict[str, Callable[[int], GenerateFn]] = {"hf_generate": lambda n: _hf_generate_fn(target, n, stop_ids, sampling)}
+    if proposer_name == "prompt_lookup":
+        extra = {"prompt_lookup_num_tokens": depth}
+        ngram = _first_attr(proposer_obj, ("max_ngram_size", "max_ngram", "ngram_max", "max_matching_ngram_size"))
+        if ngram is not None:
+            extra["max_matching_ngram_size"] = int(ngram)
+        sides["hf_prompt_lookup"] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra)
+    elif proposer_name == "draft_model":
+        assistant = _draft_model_of(proposer_obj, proposer_kwargs)
+        if assistant is None:
+            log.warning("HF assisted-generation reference skipped: could not find the draft model")
+        else:
+            extra = {"assistant_model": assistant}
+            sides["hf_assisted"] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra, assistant_k=depth)
+    return sides
+
+
+def _first_attr(obj, names: Sequence[str]):
+    for name in names:
+        if getattr(obj, name, None) is not None:
+            return getattr(obj, name)
+    return None
+
+
+def _draft_model_of(proposer_obj, proposer_kwargs) -> torch.nn.Module | None:
+    for candidate in (proposer_kwargs.get("draft"), getattr(proposer_obj, "draft", None),
+                      getattr(proposer_obj, "model", None)):
+        model = getattr(candidate, "model", candidate)
+        if isinstance(model, torch.nn.Module):
+            return model
+    return None
+
+
+@contextlib.contextmanager
+def _constant_assistant(assistant: torch.nn.Module, k: int):
+    """HF reads the draft length from the *assistant's* generation_config (generate kwargs are ignored there),
+    and its default schedule grows k between calls and stops drafting below a confidence threshold. Pin it to
+    a constant k, as our engine drafts, for the duration of one call; the model's own config is restored."""
+    original = assistant.generation_config
+    pinned = copy.deepcopy(original)
+    pinned.num_assistant_tokens = k
+    pinned.num_assistant_tokens_schedule = "constant"
+    pinned.assistant_confidence_threshold = 0.0
+    assistant.generation_config = pinned
+    try:
+        yield
+    finally:
+        assistant.generation_config = original
+
+
+def _hf_generate_fn(
+    target, budget: int, stop_ids, sampling: dict, extra: dict | None = None, assistant_k: int | None = None
+) -> GenerateFn:
+    model = target.model
+    do_sample = sampling["temperature"] > 0
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=budget,
+        do_sample=do_sample,
+        eos_token_id=list(stop_ids),
+        pad_token_id=stop_ids[0] if stop_ids else None,
+        # Neutralise any sampling defaults from the model's generation_config.
+        temperature=sampling["temperature"] if do_sample else None,
+        top_p=sampling["top_p"] if do_sample else None,
+        top_k=(sampling["top_k"] or None) if do_sample else None,
+        **(extra or {}),
+    )
+
+    def run(ids: torch.Tensor):
+        forwards = [0]
+        # Count the target's forwards (HF exposes no acceptance counts) to estimate HF's tokens per step.
+        handle = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        pinned = (
+            _constant_assistant(kwargs["assistant_model"], assistant_k)
+            if assistant_k is not None else contextlib.nullcontext()
+        )
+        try:
+            with torch.inference_mode(), pinned:
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        finally:
+            handle.remove()
+        return out[0, ids.shape[-1]:].tolist(), {"target_forwards": forwards[0]}
+
+    return run
+
+
+def _hf_tau_estimate(runs: list[SideRun]) -> float | None:
+    """Σ new tokens / Σ target forwards. Every HF forward emits accepted + 1 tokens: plain decoding's prefill
+    emits the first token, and assisted / prompt-lookup decoding verifies its first draft inside the prefill
+    forward. So this is τ's counterpart (up to a truncated last step); plain decoding gives exactly 1."""
+    tokens = sum(len(t) for run in runs for t in run.turn_tokens)
+    forwards = sum(stats["target_forwards"] for run in runs for stats in run.stats)
+    return tokens / forwards if forwards else None
+
+
+def _reference_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: float) -> dict[str, Any]:
+    tokens = sum(r.new_tokens for r, _ in pairs)
+    seconds = sum(r.seconds for r, _ in pairs)
+    line = {
+        "tokens_per_s": metrics.tokens_per_s(tokens, seconds),
+        "new_tokens": tokens,
+        "wall_time_s": seconds,
+        "speed_vs_baseline": None,
+        "greedy_match_vs_baseline": None,
+        "tau_estimate": _hf_tau_estimate([r for r, _ in pairs]),
+    }
+    bases = [b for _, b in pairs if b is not None]
+    if len(bases) == len(pairs) and pairs:
+        line["speed_vs_baseline"] = metrics.speedup(
+            [r.new_tokens for r, _ in pairs], [r.seconds for r, _ in pairs],
+            [b.new_tokens for b in bases], [b.seconds for b in bases],
+        )
+        if temperature == 0:
+            line["greedy_match_vs_baseline"] = metrics.greedy_match_share(
+                [r.turn_tokens == b.turn_tokens for r, b in pairs]
+            )
+    return line
+
+
+# ---------------------------------------------------------------- run description
+
+
+def describe_tree(tree: Any) -> Any:
+    if isinstance(tree, str):
+        return tree
+    if hasattr(tree, "paths"):  # a StaticTree object
+        return {"kind": "static", "paths": [list(p) for p in tree.paths]}
+    if dataclasses.is_dataclass(tree):
+        return {"kind": type(tree).__name__, **dataclasses.asdict(tree)}
+    if isinstance(tree, (list, tuple)):
+        return {"kind": "static", "paths": [list(p) for p in tree]}
+    return repr(tree)
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    name = getattr(value, "name", None)  # a Target: its spec
+    return name if isinstance(name, str) else type(value).__name__
+
+
+def machine_description() -> dict[str, Any]:
+    """Enough to compare runs, nothing that identifies the host (no hostname, no user)."""
+    return {
+        "platform": platform.platform(terse=True),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _config(target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
+            suite_name, questions, baseline, hf_reference, started_at) -> dict[str, Any]:
+    import transformers
+
+    param = next(target.model.parameters())
+    return {
+        "target": target.name,
+        "proposer": proposer_name,
+        "proposer_kwargs": _jsonable(proposer_kwargs),
+        "depth": depth,
+        "tree": describe_tree(tree),
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "suite": suite_name,
+        "num_prompts": len(questions),
+        "num_turns": sum(len(q.turns) for q in questions),
+        "baseline": "plain_decode" if baseline else None,
+        "hf_reference": hf_reference,
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "device": str(param.device),
+        "threads": torch.get_num_threads(),
+        "versions": {"drafttrain": drafttrain.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "machine": machine_description(),
+        "timing": "wall clock around each generate call, prefill included; method and baseline interleaved",
+        "started_at": started_at,
+    }

@@ -1,0 +1,176 @@
+"""Speculative-decoding metrics as pure functions of per-step counts and timings.
+
+Definitions (one *step* = one target verification forward; the prefill forward is not a step):
+
+* **tau** (τ, "average acceptance length" in EAGLE's papers and eval scripts): the mean over steps of
+  ``accepted + 1``, where ``accepted`` is the number of drafted tokens the target accepted in that step and
+  the ``+ 1`` is the token the target itself contributes at every step (the correction after the first
+  rejection, or the bonus token after a fully accepted draft). τ = tokens produced per verification forward.
+  Steps are pooled over all prompts of a group (not a mean of per-prompt means). The token produced by the
+  prefill forward belongs to no step, so ``new_tokens / steps`` is slightly above τ on short generations.
+  A step whose proposer offered nothing (prompt lookup without a match) counts with ``accepted = 0``.
+* **acceptance rate**: total accepted / total drafted tokens, where a step's "drafted" is the engine's
+  ``drafted_per_step``: the chain length, or for a tree the depth of its deepest path (not its node count).
+* **per-position acceptance**, for depth d = 1..D over the steps that drafted at least one token:
+  ``cumulative[d] = P(depth d accepted)`` = share of those steps whose accepted prefix reaches depth d;
+  ``conditional[d] = P(depth d accepted | depth d-1 accepted)`` = cumulative[d] / cumulative[d-1]
+  (cumulative[0] = 1). A step whose draft stopped before depth d counts as not accepting it, so these are
+  probabilities of *getting* the token, and ``simulated_tau(conditional)`` reproduces the measured τ of
+  the steps that drafted (exactly, whenever every step drafted at least one token).
+* **speedup** = method throughput / baseline throughput over the whole set, each throughput being total new
+  tokens / total wall time (prefill included); **speedup_mean_of_ratios** = mean over prompts of the
+  per-prompt throughput ratios (small prompts weigh as much as long ones; reported for comparison);
+  **speedup_ratio_of_mean_speeds** = mean per-prompt method tokens/s ÷ mean per-prompt baseline tokens/s,
+  the convention of SafeAILab/EAGLE's ``eagle/evaluation/speed.py``, for like-for-like comparison with it.
+* **greedy_match** (T=0 only): share of prompts whose method tokens equal the baseline tokens exactly. A
+  lossless engine gives 1.0; anything less is a bug (or float nondeterminism worth investigating).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+
+def tau(accepted_per_step: Sequence[int]) -> float | None:
+    """Mean tokens per verification forward, bonus included: mean over steps of (accepted + 1). None if no step."""
+    if not accepted_per_step:
+        return None
+    return sum(a + 1 for a in accepted_per_step) / len(accepted_per_step)
+
+
+def acceptance_rate(accepted_per_step: Sequence[int], drafted_per_step: Sequence[int]) -> float | None:
+    """Total accepted / total drafted tokens (None when nothing was drafted)."""
+    drafted = sum(drafted_per_step)
+    return sum(accepted_per_step) / drafted if drafted else None
+
+
+def acceptance_per_position(
+    accepted_per_step: Sequence[int], drafted_per_step: Sequence[int], depth: int | None = None
+) -> dict[str, list[float | None]]:
+    """Per-depth acceptance over the steps that drafted something: ``{"conditional": [...], "cumulative": [...]}``.
+
+    Index i of each list is depth i+1. ``depth`` fixes the list length (default: the deepest accepted depth).
+    cumulative[i] = P(accepted >= i+1); conditional[i] = P(accepted >= i+1 | accepted >= i); a conditional
+    whose condition never happened is None.
+    """
+    if len(accepted_per_step) != len(drafted_per_step):
+        raise ValueError("accepted_per_step and drafted_per_step must have one entry per step")
+    accepted = [a for a, d in zip(accepted_per_step, drafted_per_step) if d > 0]
+    depth = depth if depth is not None else max(accepted, default=0)
+    reached = [sum(1 for a in accepted if a >= d) for d in range(depth + 1)]  # reached[0] = drafting steps
+    cumulative = [reached[d] / reached[0] if reached[0] else None for d in range(1, depth + 1)]
+    conditional = [reached[d] / reached[d - 1] if reached[d - 1] else None for d in range(1, depth + 1)]
+    return {"conditional": conditional, "cumulative": cumulative}
+
+
+def tokens_per_s(new_tokens: float, seconds: float) -> float | None:
+    return new_tokens / seconds if seconds > 0 else None
+
+
+def speedup(
+    method_tokens: Sequence[int], method_seconds: Sequence[float],
+    baseline_tokens: Sequence[int], baseline_seconds: Sequence[float],
+) -> float | None:
+    """Throughput ratio over the whole set: (Σ method tokens / Σ method time) / (Σ baseline tokens / Σ baseline time)."""
+    method = tokens_per_s(sum(method_tokens), sum(method_seconds))
+    base = tokens_per_s(sum(baseline_tokens), sum(baseline_seconds))
+    return method / base if method is not None and base else None
+
+
+def speedup_mean_of_ratios(
+    method_tokens: Sequence[int], method_seconds: Sequence[float],
+    baseline_tokens: Sequence[int], baseline_seconds: Sequence[float],
+) -> float | None:
+    """Mean over prompts of (method tokens/s ÷ baseline tokens/s); prompts with a zero throughput are skipped."""
+    ratios = []
+    for mt, ms, bt, bs in zip(method_tokens, method_seconds, baseline_tokens, baseline_seconds, strict=True):
+        method, base = tokens_per_s(mt, ms), tokens_per_s(bt, bs)
+        if method is not None and base:
+            ratios.append(method / base)
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def speedup_ratio_of_mean_speeds(
+    method_tokens: Sequence[int], method_seconds: Sequence[float],
+    baseline_tokens: Sequence[int], baseline_seconds: Sequence[float],
+) -> float | None:
+    """EAGLE's speed.py: mean over prompts of method tokens/s ÷ mean over prompts of baseline tokens/s."""
+    method = [t / s for t, s in zip(method_tokens, method_seconds) if s > 0]
+    base = [t / s for t, s in zip(baseline_tokens, baseline_seconds) if s > 0]
+    if not method or not base or sum(base) == 0:
+        return None
+    return (sum(method) / len(method)) / (sum(base) / len(base))
+
+
+def greedy_match_share(matches: Sequence[bool | None]) -> float | None:
+    """Share of prompts whose method tokens equal the baseline's (None when no prompt was compared)."""
+    known = [m for m in matches if m is not None]
+    return sum(known) / len(known) if known else None
+
+
+def simulated_tau(per_step_acc: Iterable[float]) -> float:
+    """τ predicted from per-depth conditional acceptance probabilities acc_1..acc_K of a chain of K drafts.
+
+    ``1 + Σ_k Π_{i<=k} acc_i``: the 1 is the target's own token at every step (same +1 bonus convention as
+    :func:`tau`), and Π_{i<=k} acc_i is the probability that depth k is accepted. Feed it
+    ``acceptance_per_position(...)["conditional"]`` to get back the measured τ; a None entry stops the chain.
+    """
+    total, survive = 1.0, 1.0
+    for acc in per_step_acc:
+        if acc is None:
+            break
+        survive *= float(acc)
+        total += survive
+    return total
+
+
+def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Probability that a token drafted from q is accepted by speculative sampling against target p: Σ_x min(p, q).
+
+    ``p`` and ``q`` are probability distributions over the vocabulary on the last axis (any leading shape).
+    """
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def summarize(records: Sequence[dict[str, Any]], depth: int | None = None) -> dict[str, Any]:
+    """The metrics object for a group of per-prompt records (the shape written to report.json).
+
+    Each record needs ``accepted_per_step``, ``drafted_per_step``, ``new_tokens``, ``wall_time_s`` and, when a
+    baseline ran, ``baseline_new_tokens``, ``baseline_wall_time_s`` and ``greedy_match`` (None when T > 0).
+    """
+    accepted = [a for r in records for a in r["accepted_per_step"]]
+    drafted = [d for r in records for d in r["drafted_per_step"]]
+    method_tokens = [r["new_tokens"] for r in records]
+    method_seconds = [r["wall_time_s"] for r in records]
+    with_baseline = [r for r in records if r.get("baseline_wall_time_s") is not None]
+    base_tokens = [r["baseline_new_tokens"] for r in with_baseline]
+    base_seconds = [r["baseline_wall_time_s"] for r in with_baseline]
+    paired = bool(records) and len(with_baseline) == len(records)
+    return {
+        "num_prompts": len(records),
+        "tau": tau(accepted),
+        "acceptance_rate": acceptance_rate(accepted, drafted),
+        "acceptance_per_position": acceptance_per_position(accepted, drafted, depth),
+        "tokens_per_s": tokens_per_s(sum(method_tokens), sum(method_seconds)),
+        "baseline_tokens_per_s": tokens_per_s(sum(base_tokens), sum(base_seconds)) if with_baseline else None,
+        "speedup": speedup(method_tokens, method_seconds, base_tokens, base_seconds) if paired else None,
+        "speedup_mean_of_ratios": (
+            speedup_mean_of_ratios(method_tokens, method_seconds, base_tokens, base_seconds) if paired else None
+        ),
+        "speedup_ratio_of_mean_speeds": (
+            speedup_ratio_of_mean_speeds(method_tokens, method_seconds, base_tokens, base_seconds) if paired else None
+        ),
+        "greedy_match": greedy_match_share([r.get("greedy_match") for r in records]),
+        "new_tokens": sum(method_tokens),
+        "baseline_new_tokens": sum(base_tokens) if with_baseline else None,
+        "wall_time_s": sum(method_seconds),
+        "baseline_wall_time_s": sum(base_seconds) if with_baseline else None,
+        "steps": len(accepted),
+        "accepted_tokens": sum(accepted),
+        "drafted_tokens": sum(drafted),
+    }

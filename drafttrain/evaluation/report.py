@@ -1,0 +1,187 @@
+"""Write an :class:`EvalReport`: ``report.json`` (machine-readable), ``report.md`` (tables), ``acceptance.png``
+(per-position acceptance) and a rich table on the console. No generated text is ever written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from drafttrain.evaluation.evaluate import EvalReport
+
+# Keys every metrics object (overall and each category) carries in report.json.
+REQUIRED_METRIC_KEYS: tuple[str, ...] = (
+    "tau", "acceptance_rate", "acceptance_per_position", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+    "speedup_mean_of_ratios", "greedy_match", "num_prompts", "new_tokens", "wall_time_s",
+)
+
+REFERENCE_LABELS = {
+    "hf_generate": "HF generate (plain)",
+    "hf_prompt_lookup": "HF generate, prompt lookup",
+    "hf_assisted": "HF generate, assisted (draft model)",
+}
+
+DEFINITIONS = """\
+- **τ**: mean tokens per target verification forward, bonus included (mean over steps of accepted + 1);
+  EAGLE's "average acceptance length". The prefill forward is not a step.
+- **acceptance rate**: accepted / drafted tokens (a tree step counts the depth of its deepest path as drafted).
+- **per-position**: over steps that drafted; cumulative = P(depth d accepted), conditional = P(depth d | depth d-1).
+- **speedup**: (Σ method tokens / Σ method time) ÷ (Σ baseline tokens / Σ baseline time), wall clock with prefill;
+  **mean of ratios**: mean over prompts of per-prompt throughput ratios; **EAGLE speed.py**: mean per-prompt
+  method tokens/s ÷ mean per-prompt baseline tokens/s (SafeAILab/EAGLE's convention).
+- **τ (estimate)** for HF lines: Σ new tokens / Σ target forwards (counted with a hook; HF verifies its first
+  draft inside the prefill forward, so every forward emits accepted + 1 tokens).
+- **greedy match**: share of prompts whose tokens equal the baseline's at T=0 (a lossless engine gives 1.0).
+"""
+
+
+def write_report(report: EvalReport, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.md and acceptance.png into ``out_dir`` (created); return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "markdown": out / "report.md", "plot": out / "acceptance.png"}
+    paths["json"].write_text(report.to_json() + "\n")
+    paths["markdown"].write_text(render_markdown(report))
+    plot_acceptance(report, paths["plot"])
+    return paths
+
+
+def fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _metric_row(name: str, m: dict[str, Any]) -> list[str]:
+    return [
+        name, str(m["num_prompts"]), fmt(m["tau"]), _pct(m["acceptance_rate"]), fmt(m["tokens_per_s"], 1),
+        fmt(m["baseline_tokens_per_s"], 1), fmt(m["speedup"], 2, "×"), fmt(m["speedup_mean_of_ratios"], 2, "×"),
+        _pct(m["greedy_match"]), str(m["new_tokens"]), fmt(m["wall_time_s"], 1),
+    ]
+
+
+METRIC_HEADER = [
+    "group", "prompts", "τ", "acceptance", "tok/s", "baseline tok/s", "speedup", "speedup (mean of ratios)",
+    "greedy match", "new tokens", "wall s",
+]
+
+
+# Fewer, shorter columns so that the console table fits 80 columns (report.md has them all).
+CONSOLE_HEADER = ["group", "n", "τ", "accept", "tok/s", "base tok/s", "speedup", "mean-ratio", "greedy"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _config_line(c: dict[str, Any]) -> str:
+    tree = c["tree"] if isinstance(c["tree"], str) else c["tree"].get("kind", "tree")
+    return (
+        f"target `{c['target']}` · proposer `{c['proposer']}` · depth {c['depth']} · tree {tree} · "
+        f"T={c['temperature']} top_p={c['top_p']} · suite `{c['suite']}` ({c['num_prompts']} prompts, "
+        f"{c['num_turns']} turns) · max_new_tokens {c['max_new_tokens']} · seed {c['seed']} · "
+        f"{c['dtype']} on {c['device']}, {c['threads']} threads · torch {c['versions']['torch']}, "
+        f"transformers {c['versions']['transformers']}, drafttrain {c['versions']['drafttrain']}"
+    )
+
+
+def render_markdown(report: EvalReport) -> str:
+    parts = ["# drafttrain eval\n", _config_line(report.config) + "\n", "## Results\n"]
+    rows = [_metric_row("**overall**", report.overall)]
+    rows += [_metric_row(name, m) for name, m in report.categories.items()]
+    parts.append(_table(METRIC_HEADER, rows))
+    parts.append(
+        f"\nSpeedup as SafeAILab/EAGLE's speed.py computes it (ratio of mean per-prompt speeds): "
+        f"{fmt(report.overall.get('speedup_ratio_of_mean_speeds'), 2, '×')}\n"
+    )
+    parts.append("\n## Per-position acceptance (overall)\n")
+    pos = report.overall["acceptance_per_position"]
+    parts.append(_table(
+        ["depth", "conditional P(d given d-1)", "cumulative P(d)"],
+        [[str(i + 1), _pct(c), _pct(u)] for i, (c, u) in enumerate(zip(pos["conditional"], pos["cumulative"]))],
+    ))
+    if report.references:
+        parts.append("\n## Hugging Face references (not our numbers)\n")
+        parts.append(_table(
+            ["reference", "tok/s", "speed vs our baseline", "greedy match vs our baseline", "τ (estimate)"],
+            [[REFERENCE_LABELS.get(k, k), fmt(v["tokens_per_s"], 1), fmt(v["speed_vs_baseline"], 2, "×"),
+              _pct(v["greedy_match_vs_baseline"]), fmt(v.get("tau_estimate"))]
+             for k, v in report.references.items()],
+        ))
+    parts.append("\n## Definitions\n\n" + DEFINITIONS)
+    return "\n".join(parts)
+
+
+def plot_acceptance(report: EvalReport, path: str | Path) -> None:
+    """Two panels (conditional, cumulative) of acceptance by depth: one line per category, overall in bold."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless; no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True, constrained_layout=True)
+    panels = (("conditional", "conditional: P(depth d | depth d-1 accepted)"),
+              ("cumulative", "cumulative: P(depth d accepted)"))
+    groups = list(report.categories.items()) if len(report.categories) > 1 else []
+    for ax, (key, title) in zip(axes, panels):
+        for name, m in groups:
+            _plot_line(ax, m["acceptance_per_position"][key], label=name, linewidth=1.2, alpha=0.75)
+        _plot_line(ax, report.overall["acceptance_per_position"][key], label="overall", linewidth=2.8,
+                   color="black")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("draft depth d")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("acceptance")
+    c = report.config
+    suite = Path(str(c["suite"])).name  # a custom file's name, not its whole path
+    fig.suptitle(f"{c['proposer']} on {c['target']} · {suite} · τ = {fmt(report.overall['tau'])}", fontsize=11)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:  # outside the axes: with 8 MT-Bench categories a legend inside would hide lines
+        fig.legend(handles, labels, fontsize=8, loc="outside right upper")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_line(ax, values: list[float | None], **style) -> None:
+    points = [(i + 1, v) for i, v in enumerate(values) if v is not None]
+    if points:
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", markersize=4, **style)
+        ax.set_xticks(range(1, len(values) + 1))
+
+
+def print_report(report: EvalReport, console=None) -> None:
+    """A rich table of overall and per-category metrics (plus HF reference lines) on the console."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(_config_line(report.config), style="dim")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for i, name in enumerate(CONSOLE_HEADER):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True, min_width=len(name))
+    width = len(CONSOLE_HEADER)
+    table.add_row(*_metric_row("overall", report.overall)[:width], style="bold")
+    for name, m in report.categories.items():
+        table.add_row(*_metric_row(name, m)[:width])
+    console.print(table)
+    pos = report.overall["acceptance_per_position"]
+    console.print(
+        "per-position acceptance (conditional / cumulative): "
+        + "  ".join(f"d{i + 1} {_pct(c)} / {_pct(u)}" for i, (c, u) in enumerate(zip(pos["conditional"],
+                                                                                     pos["cumulative"])))
+    )
+    for key, line in report.references.items():
+        console.print(
+            f"reference {REFERENCE_LABELS.get(key, key)}: {fmt(line['tokens_per_s'], 1)} tok/s, "
+            f"{fmt(line['speed_vs_baseline'], 2, '×')} our baseline, τ≈{fmt(line.get('tau_estimate'))} (not our numbers)"
+        )

@@ -1,0 +1,151 @@
+"""``drafttrain eval`` end to end on the real SmolLM2 target and the real decoding engine (no stand-ins), plus
+every bad input ending in exit code 2 with a message that names the cause."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafttrain.cli import main
+from drafttrain.evaluation.report import REQUIRED_METRIC_KEYS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def restore_threads():
+    """The CLI's --threads sets torch's global thread count; put it back for the tests that follow."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _eval(tmp_path, *extra: str) -> int:
+    return main(["eval", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "out"), "--no-progress", *extra])
+
+
+@pytest.mark.slow
+def test_cli_prompt_lookup_run_writes_a_lossless_report(tmp_path, capsys, restore_threads):
+    # two MT-Bench questions, both turns (the second asked after each side's own first answer)
+    code = _eval(tmp_path, "--proposer", "prompt_lookup", "--suite", "mt_bench", "--num-prompts", "2",
+                 "--max-new-tokens", "16", "--threads", "1", "--strict")
+    assert code == 0, capsys.readouterr().err
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    for group in [report["overall"], *report["categories"].values()]:
+        assert set(REQUIRED_METRIC_KEYS) <= set(group)
+        assert set(group["acceptance_per_position"]) == {"conditional", "cumulative"}
+        assert len(group["acceptance_per_position"]["cumulative"]) == 5  # default depth
+    overall = report["overall"]
+    assert overall["greedy_match"] == 1.0
+    assert overall["num_prompts"] == 2 and report["config"]["num_turns"] == 4
+    assert overall["tau"] >= 1.0 and overall["speedup"] > 0 and overall["tokens_per_s"] > 0
+    assert 0 < overall["new_tokens"] <= 2 * 2 * 16
+    config = report["config"]
+    assert config["proposer"] == "prompt_lookup" and config["threads"] == 1 and config["suite"] == "mt_bench"
+    assert {"torch", "transformers", "drafttrain"} <= set(config["versions"])
+    for record in report["prompts"]:
+        assert record["greedy_match"] is True and record["first_mismatch"] == [None, None]
+        assert not any(isinstance(v, str) and len(v) > 40 for v in record.values())  # no generated text
+        # the engine's per-depth counters agree with the per-step lists the metrics are computed from
+        assert record["engine_position_accepted"][0] == sum(a >= 1 for a in record["accepted_per_step"])
+    assert (out / "acceptance.png").read_bytes()[:8] == PNG_MAGIC
+    assert "| **overall** |" in (out / "report.md").read_text()
+    assert "speedup" in capsys.readouterr().out  # the console table
+
+
+@pytest.mark.slow
+def test_library_evaluate_with_hf_references(smollm2, restore_threads):
+    """evaluate() as the trainer calls it; HF greedy must reproduce our plain-decode baseline token for token."""
+    from drafttrain.evaluation import evaluate, load_suite
+
+    torch.set_num_threads(1)  # on a shared 2-core CPU one thread is several times faster than two
+
+    questions = load_suite("gsm8k").select(1)
+    report = evaluate(smollm2, "prompt_lookup", questions, depth=3, max_new_tokens=8, hf_reference=True,
+                      progress=False)
+    assert report.greedy_match == 1.0
+    assert set(report.references) == {"hf_generate", "hf_prompt_lookup"}
+    for line in report.references.values():
+        assert line["greedy_match_vs_baseline"] == 1.0 and line["speed_vs_baseline"] > 0
+    assert report.references["hf_generate"]["tau_estimate"] == 1.0  # plain decoding: one token per forward
+    assert report.config["depth"] == 3 and report.categories.keys() == {"math"}
+    assert json.loads(report.to_json())["overall"]["new_tokens"] == report.overall["new_tokens"]
+
+
+@pytest.mark.parametrize(
+    "args, cause",
+    [
+        (["--proposer", "prompt_lookup", "--suite", "mtbench"], "unknown suite 'mtbench'"),
+        (["--proposer", "magic"], "unknown proposer 'magic'"),
+        (["--proposer", "prompt_lookup", "--depth", "0"], "--depth (k) must be positive"),
+        (["--proposer", "prompt_lookup", "--depth", "-2"], "--depth (k) must be positive"),
+        (["--proposer", "prompt_lookup", "--temperature", "-0.5"], "--temperature must be >= 0"),
+        (["--proposer", "prompt_lookup", "--num-prompts", "0"], "--num-prompts must be positive"),
+        (["--proposer", "draft_model"], "needs --draft"),
+        (["--proposer", "prompt_lookup", "--draft", "smollm2-135m-instruct"], "--draft is not used by proposer"),
+        (["--proposer", "draft_model", "--draft", "/nonexistent/draft"], "draft not found: /nonexistent/draft"),
+        (["--proposer", "prompt_lookup", "--tree", "static:[[0], [0, 0"], "--tree static"),
+        (["--proposer", "prompt_lookup", "--tree", "bushy"], "unknown --tree 'bushy'"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_cause(tmp_path, capsys, args, cause):
+    assert _eval(tmp_path, *args) == 2
+    assert cause in capsys.readouterr().err
+
+
+def test_empty_prompt_set_exits_2(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert _eval(tmp_path, "--proposer", "prompt_lookup", "--questions", str(empty)) == 2
+    assert "empty prompt set" in capsys.readouterr().err
+
+
+def _draft_with_other_tokenizer(folder):
+    """A tiny random Llama whose tokenizer has one extra token: everything else matches the target's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from drafttrain.targets import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    tokenizer.add_tokens(["<not-in-the-target>"])
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_mismatched_tokenizer_exits_2(tmp_path, capsys):
+    draft = _draft_with_other_tokenizer(tmp_path / "draft")
+    code = _eval(tmp_path, "--proposer", "draft_model", "--draft", str(draft), "--num-prompts", "1",
+                 "--max-new-tokens", "4")
+    assert code == 2
+    assert "does not use the tokenizer" in capsys.readouterr().err
+
+
+def test_greedy_verdict_warns_loudly_and_fails_only_when_strict(capsys):
+    from drafttrain.evaluation.cli import _greedy_verdict
+
+    assert _greedy_verdict(0.5, temperature=0.0, strict=True) == 1
+    assert "WARNING" in capsys.readouterr().err
+    assert _greedy_verdict(0.5, temperature=0.0, strict=False) == 0
+    assert "50.0%" in capsys.readouterr().err
+    assert _greedy_verdict(1.0, temperature=0.0, strict=True) == 0
+    assert _greedy_verdict(None, temperature=0.7, strict=True) == 0  # no exact-match check when sampling
+    assert capsys.readouterr().err == ""
+
+
+def test_tree_specs(tmp_path):
+    from drafttrain.decoding import DynamicTree
+    from drafttrain.evaluation.cli import parse_tree
+
+    assert parse_tree("chain", 5, 60, 10) == "chain"
+    assert parse_tree("dynamic", 6, 50, 8) == DynamicTree(total_tokens=50, depth=6, top_k=8)
+    assert parse_tree("static:[[0], [1], [0, 0]]", 5, 60, 10) == [[0], [1], [0, 0]]
+    paths = tmp_path / "tree.json"
+    paths.write_text("[[0], [0, 0]]")
+    assert parse_tree(f"static:{paths}", 5, 60, 10) == [[0], [0, 0]]

@@ -1,0 +1,146 @@
+"""Metrics on hand-computed inputs, and report writing on a synthetic report (no model needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafttrain.evaluation import metrics
+from drafttrain.evaluation.evaluate import EvalReport
+from drafttrain.evaluation.report import REQUIRED_METRIC_KEYS, render_markdown, write_report
+
+# A chain of k=3 over four steps: accepted 2, 0, 3, 1 of 3 drafted each.
+ACCEPTED = [2, 0, 3, 1]
+DRAFTED = [3, 3, 3, 3]
+
+
+def test_tau_is_mean_of_accepted_plus_one():
+    assert metrics.tau(ACCEPTED) == pytest.approx((3 + 1 + 4 + 2) / 4)  # 2.5
+    assert metrics.tau([]) is None
+
+
+def test_acceptance_rate():
+    assert metrics.acceptance_rate(ACCEPTED, DRAFTED) == pytest.approx(6 / 12)
+    assert metrics.acceptance_rate([0], [0]) is None
+
+
+def test_per_position_conditional_vs_cumulative():
+    pos = metrics.acceptance_per_position(ACCEPTED, DRAFTED, depth=3)
+    # depth 1 reached by 3 of 4 steps, depth 2 by 2, depth 3 by 1
+    assert pos["cumulative"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert pos["conditional"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+
+
+def test_per_position_ignores_steps_without_a_draft_but_tau_counts_them():
+    accepted, drafted = ACCEPTED + [0], DRAFTED + [0]  # prompt lookup found no match on the last step
+    assert metrics.acceptance_per_position(accepted, drafted, depth=3) == metrics.acceptance_per_position(
+        ACCEPTED, DRAFTED, depth=3
+    )
+    assert metrics.tau(accepted) == pytest.approx(11 / 5)
+
+
+def test_per_position_unreached_condition_is_none():
+    pos = metrics.acceptance_per_position([0, 0], [2, 2], depth=3)
+    assert pos["cumulative"] == [0.0, 0.0, 0.0]
+    assert pos["conditional"] == [0.0, None, None]
+
+
+def test_simulated_tau_reproduces_measured_tau_from_conditionals():
+    conditional = metrics.acceptance_per_position(ACCEPTED, DRAFTED, depth=3)["conditional"]
+    assert metrics.simulated_tau(conditional) == pytest.approx(metrics.tau(ACCEPTED))
+    assert metrics.simulated_tau([0.8, 0.5]) == pytest.approx(1 + 0.8 + 0.4)
+    assert metrics.simulated_tau([]) == 1.0  # no draft: the target's own token only
+
+
+def test_both_speedups():
+    method_tokens, method_s = [100, 10], [1.0, 0.5]
+    base_tokens, base_s = [100, 10], [2.0, 0.25]
+    # throughput ratio over the set: (110 / 1.5) / (110 / 2.25)
+    assert metrics.speedup(method_tokens, method_s, base_tokens, base_s) == pytest.approx(1.5)
+    # per prompt: 100/1 ÷ 100/2 = 2.0 and 10/0.5 ÷ 10/0.25 = 0.5
+    assert metrics.speedup_mean_of_ratios(method_tokens, method_s, base_tokens, base_s) == pytest.approx(1.25)
+    # EAGLE's speed.py: mean(100, 20) ÷ mean(50, 40)
+    assert metrics.speedup_ratio_of_mean_speeds(method_tokens, method_s, base_tokens, base_s) == pytest.approx(
+        60 / 45
+    )
+
+
+def test_greedy_match_share_and_expected_acceptance():
+    assert metrics.greedy_match_share([True, False, None]) == 0.5
+    assert metrics.greedy_match_share([None]) is None
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.3, 0.5])
+    assert metrics.expected_acceptance(p, q).item() == pytest.approx(0.7)
+    assert metrics.expected_acceptance(p, p).item() == pytest.approx(1.0)
+    batch = torch.stack([p, q])
+    assert metrics.expected_acceptance(batch, batch.flip(0)).tolist() == pytest.approx([0.7, 0.7])
+
+
+def _record(qid: str, category: str, accepted, drafted, tokens, seconds, base_seconds, match=True):
+    return {
+        "question_id": qid, "category": category, "accepted_per_step": accepted, "drafted_per_step": drafted,
+        "new_tokens": tokens, "wall_time_s": seconds, "baseline_new_tokens": tokens,
+        "baseline_wall_time_s": base_seconds, "greedy_match": match,
+    }
+
+
+RECORDS = [
+    _record("1", "writing", [2, 0], [3, 3], 40, 1.0, 2.0),
+    _record("2", "writing", [3, 1], [3, 3], 20, 0.5, 0.25, match=False),
+    _record("3", "math", [1], [3], 10, 1.0, 1.0),
+]
+
+
+def test_summarize_pools_steps_and_totals():
+    s = metrics.summarize(RECORDS, depth=3)
+    assert s["num_prompts"] == 3
+    assert s["tau"] == pytest.approx((3 + 1 + 4 + 2 + 2) / 5)
+    assert s["acceptance_rate"] == pytest.approx(7 / 15)
+    assert s["tokens_per_s"] == pytest.approx(70 / 2.5)
+    assert s["baseline_tokens_per_s"] == pytest.approx(70 / 3.25)
+    assert s["speedup"] == pytest.approx(3.25 / 2.5)
+    assert s["speedup_mean_of_ratios"] == pytest.approx((2.0 + 0.5 + 1.0) / 3)
+    assert s["speedup_ratio_of_mean_speeds"] == pytest.approx((40 + 40 + 10) / (20 + 80 + 10))
+    assert s["greedy_match"] == pytest.approx(2 / 3)
+    assert s["new_tokens"] == 70 and s["wall_time_s"] == pytest.approx(2.5)
+    assert len(s["acceptance_per_position"]["cumulative"]) == 3
+
+
+def test_summarize_without_baseline_or_at_temperature():
+    records = [dict(r, baseline_new_tokens=None, baseline_wall_time_s=None, greedy_match=None) for r in RECORDS]
+    s = metrics.summarize(records)
+    assert s["speedup"] is None and s["baseline_tokens_per_s"] is None and s["greedy_match"] is None
+    assert s["tau"] is not None
+
+
+def synthetic_report() -> EvalReport:
+    config = {
+        "target": "t", "proposer": "prompt_lookup", "depth": 3, "tree": "chain", "temperature": 0.0, "top_p": 1.0,
+        "suite": "mt_bench", "num_prompts": 3, "num_turns": 3, "max_new_tokens": 16, "seed": 0, "dtype": "float32",
+        "device": "cpu", "threads": 2, "versions": {"torch": "x", "transformers": "y", "drafttrain": "z"},
+    }
+    categories = {c: metrics.summarize([r for r in RECORDS if r["category"] == c], 3) for c in ("writing", "math")}
+    return EvalReport(config=config, overall=metrics.summarize(RECORDS, 3), categories=categories,
+                      prompts=RECORDS, references={"hf_generate": {"tokens_per_s": 20.0, "speed_vs_baseline": 0.9,
+                                                                    "greedy_match_vs_baseline": 1.0}})
+
+
+def test_write_report_schema_and_files(tmp_path):
+    paths = write_report(synthetic_report(), tmp_path / "out")
+    data = json.loads(paths["json"].read_text())
+    for group in [data["overall"], *data["categories"].values()]:
+        assert set(REQUIRED_METRIC_KEYS) <= set(group)
+        assert set(group["acceptance_per_position"]) == {"conditional", "cumulative"}
+    assert set(data["categories"]) == {"writing", "math"}
+    assert {"config", "prompts", "references"} <= set(data)
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = paths["markdown"].read_text()
+    assert "| **overall** |" in md and "writing" in md and "HF generate" in md
+
+
+def test_markdown_renders_missing_values_as_dashes():
+    report = synthetic_report()
+    report.overall["speedup"] = None
+    assert "—" in render_markdown(report)

@@ -1,0 +1,88 @@
+"""Question suites: built-ins load, selection is deterministic, bad files fail with the cause named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafttrain import DrafttrainError
+from drafttrain.evaluation.suites import BUILTIN_SUITES, load_suite, suite_dir
+
+
+@pytest.mark.parametrize("name", BUILTIN_SUITES)
+def test_builtin_suites_load(name):
+    suite = load_suite(name)
+    assert len(suite) == 80
+    assert all(q.turns and q.category for q in suite.questions)
+
+
+def test_builtin_files_are_byte_copies_of_shared_data(shared_data):
+    for name in BUILTIN_SUITES:
+        assert (suite_dir() / f"{name}.jsonl").read_bytes() == (shared_data / "eval" / f"{name}.jsonl").read_bytes()
+
+
+def test_mt_bench_shape_and_selection():
+    suite = load_suite("mt_bench")
+    assert {len(q.turns) for q in suite.questions} == {2}
+    assert len({q.category for q in suite.questions}) == 8
+    first = suite.select(3, turns="1")
+    assert [q.question_id for q in first.questions] == ["81", "82", "83"]  # file order, not shuffled
+    assert {len(q.turns) for q in first.questions} == {1}
+    assert suite.select(3).questions == suite.select(3).questions
+    assert len(suite.select(None)) == 80 and len(suite.select(500)) == 80
+
+
+def test_empty_category_falls_back_to_suite_name():
+    assert {q.category for q in load_suite("alpaca").questions} == {"alpaca"}
+
+
+def test_custom_file(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    rows = [{"question_id": 1, "category": "x", "turns": ["hello"]}, {"question_id": 2, "turns": ["a", "b"]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    suite = load_suite(str(path))
+    assert [q.category for q in suite.questions] == ["x", "mine"]
+    assert suite.questions[1].turns == ("a", "b")
+
+
+def test_unknown_suite_is_named():
+    with pytest.raises(DrafttrainError, match="unknown suite 'mtbench'"):
+        load_suite("mtbench")
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(DrafttrainError, match="not found"):
+        load_suite(str(tmp_path / "nope.jsonl"))
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(DrafttrainError, match="empty prompt set"):
+        load_suite(str(path))
+
+
+@pytest.mark.parametrize(
+    "line, cause",
+    [
+        ("{not json", "not valid JSON"),
+        ('["a list"]', "JSON object"),
+        ('{"question_id": 1, "turns": []}', "'turns'"),
+        ('{"question_id": 1, "turns": "just a string"}', "'turns'"),
+        ('{"turns": ["hi"]}', "question_id"),
+    ],
+)
+def test_malformed_file_names_file_line_and_cause(tmp_path, line, cause):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question_id": 0, "turns": ["ok"]}\n' + line + "\n")
+    with pytest.raises(DrafttrainError, match="malformed") as err:
+        load_suite(str(path))
+    assert f"{path}:2" in str(err.value) and cause in str(err.value)
+
+
+def test_bad_selection():
+    with pytest.raises(DrafttrainError, match="num-prompts"):
+        load_suite("gsm8k").select(0)
+    with pytest.raises(DrafttrainError, match="turns"):
+        load_suite("gsm8k").select(2, turns="3")

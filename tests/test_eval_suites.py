@@ -27,7 +27,11 @@ def test_mt_bench_shape_and_selection():
     assert {len(q.turns) for q in suite.questions} == {2}
     assert len({q.category for q in suite.questions}) == 8
     first = suite.select(3, turns="1")
-    assert [q.question_id for q in first.questions] == ["81", "82", "83"]  # file order, not shuffled
+    # round-robin over categories, file order within each: a small slice covers several categories
+    assert [q.question_id for q in first.questions] == ["81", "91", "101"]
+    assert [q.category for q in suite.select(8).questions] == [
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    assert [q.question_id for q in suite.select(9).questions][-1] == "82"
     assert {len(q.turns) for q in first.questions} == {1}
     assert suite.select(3).questions == suite.select(3).questions
     assert len(suite.select(None)) == 80 and len(suite.select(500)) == 80

@@ -38,17 +38,27 @@ class Suite:
     questions: tuple[Question, ...]
 
     def select(self, num_prompts: int | None = None, turns: Literal["1", "all"] | int | str = "all") -> "Suite":
-        """The first ``num_prompts`` questions (file order), keeping only the first turn when ``turns`` is 1."""
+        """``num_prompts`` questions taken round-robin over the categories (in file order within each, categories
+        in order of first appearance), so a small slice still covers every category; keeps only the first turn
+        when ``turns`` is 1. Deterministic."""
         if num_prompts is not None and num_prompts <= 0:
             raise DrafttrainError(f"--num-prompts must be positive, got {num_prompts}")
         keep_turns = _parse_turns(turns)
-        chosen = self.questions[:num_prompts] if num_prompts is not None else self.questions
+        chosen = _round_robin(self.questions)[:num_prompts] if num_prompts is not None else self.questions
         if keep_turns is not None:
             chosen = tuple(dataclasses.replace(q, turns=q.turns[:keep_turns]) for q in chosen)
         return dataclasses.replace(self, questions=tuple(chosen))
 
     def __len__(self) -> int:
         return len(self.questions)
+
+
+def _round_robin(questions: tuple[Question, ...]) -> tuple[Question, ...]:
+    by_category: dict[str, list[Question]] = {}
+    for q in questions:
+        by_category.setdefault(q.category, []).append(q)
+    queues = list(by_category.values())
+    return tuple(q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q))
 
 
 def _parse_turns(turns: str | int) -> int | None:

@@ -7,18 +7,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import StandInDraft, make_trainer, reset_accelerate, tiny_target
+from trainer_helpers import StandInDraft, fresh_accelerate, make_trainer, reset_accelerate, tiny_target  # noqa: F401
 
 from drafttrain import DrafttrainError
 from drafttrain.training.checkpoint import CheckpointManager, TrainerState
 
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    reset_accelerate()
-    yield
-    reset_accelerate()
+
 
 
 def test_checkpoint_layout_and_reload(tmp_path):

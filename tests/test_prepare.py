@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ from drafttrain.data.prepare import check_data_files, prepare
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread_when_the_machine_is_busy():
-    """On a loaded shared CPU, two OpenMP threads spin-wait on each other: one thread decodes ~10x faster then."""
-    before = torch.get_num_threads()
-    if os.getloadavg()[0] >= (os.cpu_count() or 1):
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def write_recipe(tmp_path: Path, raw: dict) -> Path:

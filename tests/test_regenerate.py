@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,14 +45,6 @@ CONVERSATIONS = [
 OTHER = {"id": "five", "source": "t", "needs_response": True, "messages": [{"role": "user", "content": "Capital of Italy?"}]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread_when_the_machine_is_busy():
-    """On a loaded shared CPU, two OpenMP threads spin-wait on each other: one thread decodes ~10x faster then."""
-    before = torch.get_num_threads()
-    if os.getloadavg()[0] >= (os.cpu_count() or 1):
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def hf_config(**kw) -> RegenerateConfig:

@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
-from trainer_helpers import StandInDraft, make_trainer, reset_accelerate, tiny_dataset, tiny_target
+from trainer_helpers import (  # noqa: F401  (fresh_accelerate: an autouse fixture)
+    StandInDraft, fresh_accelerate, make_trainer, reset_accelerate, tiny_dataset, tiny_target,
+)
 
 from drafttrain import DrafttrainError
 from drafttrain.config import WandbConfig
@@ -16,13 +18,9 @@ from drafttrain.training.loader import BatchLayout, ResumableBatchSampler, epoch
 from drafttrain.training.logging import resolve_wandb_mode, simulated_tau
 from drafttrain.training.schedule import build_optimizer, check_target_frozen
 
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    reset_accelerate()
-    yield
-    reset_accelerate()
+
 
 
 class Interrupted(Exception):
@@ -196,7 +194,8 @@ def test_cli_trains_a_real_eagle3_head_and_resumes(tmp_path, monkeypatch, capsys
     tiny_dataset(16).save_to_disk(str(tmp_path / "data" / "train"))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"output_dir: {tmp_path}\ndraft: {{kind: eagle3, ttt_steps: 2, layers: [0, 1, 2]}}\n"
-                      "training: {batch_size: 4, save_every: 2, log_every: 1}\nwandb: {enabled: false}\n")
+                      "training: {batch_size: 4, save_every: 2, log_every: 1}\nwandb: {enabled: false}\n"
+                      "eval: {every_checkpoint: false}\n")  # no tokenizer on the tiny target to evaluate with
     assert main(["train", str(recipe), "--max-steps", "3"]) == 0
     assert "trained 3 steps" in capsys.readouterr().out
     draft = load_draft(tmp_path / "checkpoints" / "step-000003", tiny_target())

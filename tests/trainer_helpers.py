@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -125,6 +126,15 @@ def make_trainer(output_dir, dataset=None, draft_kwargs=None, callbacks=None, be
     dataset = dataset if dataset is not None else tiny_dataset()
     return Trainer(tiny_recipe(output_dir, **training), target, draft, dataset, features_fn=compute_features,
                    callbacks=callbacks, best_metric=best_metric)
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch):
+    """Use with ``pytestmark = pytest.mark.usefixtures("fresh_accelerate")``: no wandb, fresh accelerate state."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    reset_accelerate()
+    yield
+    reset_accelerate()
 
 
 def reset_accelerate() -> None:

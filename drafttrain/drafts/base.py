@@ -96,6 +96,26 @@ class DraftHead(nn.Module):
         """The config.json that serving engines read (HF style)."""
         raise NotImplementedError
 
+    def llama_fields(self) -> dict[str, Any]:
+        """The Llama-layer part of the interchange config, shared by every head built from ``layer_config``."""
+        c = self.layer_config
+        return {
+            "model_type": "llama",
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "num_hidden_layers": self.draft_config.num_layers,
+            "rms_norm_eps": c.rms_norm_eps,
+            "hidden_act": c.hidden_act,
+            "max_position_embeddings": c.max_position_embeddings,
+            "rope_parameters": dict(c.rope_parameters),
+            "rope_theta": c.rope_parameters.get("rope_theta"),
+            "vocab_size": c.vocab_size,
+            "tie_word_embeddings": False,
+        }
+
     # -- save / load -------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, draft_config: DraftConfig | None = None, **meta) -> Path:
         directory = Path(directory)

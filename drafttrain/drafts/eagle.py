@@ -69,25 +69,7 @@ class EagleDraft(DraftHead):
         return head.to(target.device).attach_target(target)
 
     def interchange_config(self) -> dict:
-        c = self.layer_config
-        return {
-            "architectures": ["EagleLlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "num_hidden_layers": self.draft_config.num_layers,
-            "rms_norm_eps": c.rms_norm_eps,
-            "hidden_act": c.hidden_act,
-            "max_position_embeddings": c.max_position_embeddings,
-            "rope_parameters": dict(c.rope_parameters),
-            "rope_theta": c.rope_parameters.get("rope_theta"),
-            "vocab_size": c.vocab_size,
-            "bias": True,
-            "tie_word_embeddings": False,
-        }
+        return {"architectures": ["EagleLlamaForCausalLM"], **self.llama_fields(), "bias": True}
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.model.get_output_embeddings()(hidden)

@@ -117,25 +117,11 @@ class Eagle3Draft(DraftHead):
         return head.to(target.device).attach_target(target)
 
     def interchange_config(self) -> dict:
-        c = self.layer_config
         return {
             "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "hidden_size": c.hidden_size,
-            "target_hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "num_hidden_layers": self.draft_config.num_layers,
-            "rms_norm_eps": c.rms_norm_eps,
-            "hidden_act": c.hidden_act,
-            "max_position_embeddings": c.max_position_embeddings,
-            "rope_parameters": dict(c.rope_parameters),
-            "rope_theta": c.rope_parameters.get("rope_theta"),
-            "vocab_size": c.vocab_size,
+            **self.llama_fields(),
+            "target_hidden_size": self.layer_config.hidden_size,
             "draft_vocab_size": int(self.d2t.numel()),
-            "tie_word_embeddings": False,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids, "use_aux_hidden_state": True},
         }
 

@@ -14,20 +14,20 @@ import torch
 from drafttrain import DrafttrainError
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+def _decoder_part(model: torch.nn.Module, name: str) -> torch.nn.Module:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise DrafttrainError(f"{type(model).__name__}: cannot find its decoder layers (expected .model.layers)")
-    return layers
+    part = getattr(base, name, None)
+    if part is None:
+        raise DrafttrainError(f"{type(model).__name__}: cannot find .model.{name} (not a decoder-only HF model?)")
+    return part
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return _decoder_part(model, "layers")
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    norm = getattr(base, "norm", None)
-    if norm is None:
-        raise DrafttrainError(f"{type(model).__name__}: cannot find its final norm (expected .model.norm)")
-    return norm
+    return _decoder_part(model, "norm")
 
 
 def eagle3_default_layers(num_layers: int) -> list[int]:

@@ -131,6 +131,8 @@ def resolve_model_dir(spec: str) -> str:
             raise DrafttrainError(f"target GGUF file not found: {path}")
         return str(convert_gguf(path))
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DrafttrainError(_missing_model_message(spec, FileNotFoundError(f"no config.json in {path}")))
         return str(path)
     if path.exists() or spec.startswith((".", "/", "~")):
         raise DrafttrainError(f"target {spec!r} is neither a model folder nor a .gguf file")

@@ -1,0 +1,78 @@
+"""Target loading (built-in GGUF → cached safetensors, folders, GGUF files, errors) and hidden-state taps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafttrain import DrafttrainError
+from drafttrain.config import TargetConfig
+from drafttrain.targets import HiddenStateTap, eagle3_default_layers, load_target, load_tokenizer
+from drafttrain.targets.loading import builtin_gguf_path, resolve_model_dir
+
+
+def test_builtin_target_is_converted_once_to_a_safetensors_folder(smollm2):
+    folder = smollm2.source_dir
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer_config.json").is_file()
+    assert not list(folder.glob("*.bin")), "safetensors only"
+    assert resolve_model_dir("smollm2-135m-instruct") == str(folder)  # cached: no second conversion
+    assert smollm2.num_layers == 30 and smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
+    assert not any(p.requires_grad for p in smollm2.model.parameters()) and not smollm2.model.training
+    assert "<|im_start|>" in smollm2.tokenizer.chat_template
+
+
+def test_gguf_file_and_folder_specs_load_the_same_weights(smollm2):
+    gguf = builtin_gguf_path("smollm2-135m-instruct")
+    assert resolve_model_dir(str(gguf)) == str(smollm2.source_dir)
+    again = load_target(TargetConfig(model=str(smollm2.source_dir)))
+    a = smollm2.model.get_input_embeddings().weight
+    assert torch.equal(a, again.model.get_input_embeddings().weight)
+
+
+def test_missing_and_unknown_targets_say_how_to_get_them(tmp_path):
+    with pytest.raises(DrafttrainError, match="GGUF file not found"):
+        resolve_model_dir(str(tmp_path / "nope.gguf"))
+    with pytest.raises(DrafttrainError, match="neither a model folder nor a .gguf file"):
+        resolve_model_dir(str(tmp_path / "missing-folder"))
+    with pytest.raises(DrafttrainError, match="built-in name"):
+        resolve_model_dir("not-a-model")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DrafttrainError, match="huggingface-cli download"):
+        load_target(str(empty))
+
+
+def test_remote_code_stays_off_unless_asked(tmp_path, smollm2):
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    config = json.loads((smollm2.source_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_evil.py").write_text("raise SystemExit('remote code ran')\n")
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(smollm2.source_dir / name)
+    target = load_target(str(folder))  # trust_remote_code=False: the stock Llama class, the file never runs
+    assert type(target.model).__name__ == "LlamaForCausalLM"
+
+
+def test_chat_template_override_from_the_recipe(smollm2):
+    tok = load_tokenizer(TargetConfig(chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}"))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+
+
+def test_taps_equal_output_hidden_states(smollm2):
+    ids = torch.tensor([[1, 2683, 359, 253, 5356]])
+    layers = eagle3_default_layers(smollm2.num_layers) + [smollm2.num_layers]
+    assert layers == [2, 15, 27, 30]
+    with torch.no_grad(), HiddenStateTap(smollm2.model, layers) as tap:
+        reference = smollm2.model(ids, output_hidden_states=True).hidden_states
+    for index, got in zip(layers, tap.get()):
+        assert torch.equal(got, reference[index]), index
+    assert tap.stacked().shape == (1, 5, 4 * 576)
+
+
+def test_a_tap_beyond_the_target_is_refused(smollm2):
+    with pytest.raises(DrafttrainError, match="layer 31 does not exist.*30 layers"):
+        HiddenStateTap(smollm2.model, [2, 31])

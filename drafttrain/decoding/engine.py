@@ -1,0 +1,250 @@
+"""The speculative decoding loop (batch size 1, tensors kept batch-shaped).
+
+State between steps: the target's KV cache holds every token except the last emitted one, the *root*. A step
+feeds [root, draft nodes...] in one forward (a tree gets a 4D ancestor mask and depth-based positions), verifies
+(verify.py), keeps the cache entries of the root and the accepted nodes, and emits accepted + one target token.
+Invariant after every step: cache length == prompt length + emitted tokens - 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import torch
+
+from drafttrain import DrafttrainError
+from drafttrain.decoding.proposers import DraftRequest, NoDraft, Proposer, build_proposer
+from drafttrain.decoding.trees import (
+    Draft,
+    ancestor_matrix,
+    as_shape,
+    compact_cache,
+    forward,
+    tree_position_ids,
+)
+from drafttrain.decoding.verify import (
+    Sampling,
+    probabilities,
+    verify_chain,
+    verify_chain_greedy,
+    verify_tree,
+    verify_tree_greedy,
+)
+
+
+@dataclasses.dataclass
+class DecodeStats:
+    new_tokens: int = 0
+    target_forwards: int = 0  # verification forwards (prefill excluded)
+    prefill_time_s: float = 0.0
+    wall_time_s: float = 0.0  # the whole generate call, prefill included
+    accepted_per_step: list[int] = dataclasses.field(default_factory=list)  # draft tokens accepted (bonus excluded)
+    drafted_per_step: list[int] = dataclasses.field(default_factory=list)  # chain length / deepest tree path
+    position_drafted: list[int] = dataclasses.field(default_factory=list)  # [i]: steps with a depth-(i+1) token
+    position_accepted: list[int] = dataclasses.field(default_factory=list)  # [i]: steps accepting depth i+1
+    proposer_time_s: float = 0.0  # proposer prefill + propose + accept
+    verify_time_s: float = 0.0  # verification forwards + acceptance + cache update
+
+
+@dataclasses.dataclass
+class DecodeOutput:
+    tokens: list[int]  # new tokens only
+    stats: DecodeStats
+
+
+class _LazyRows:
+    """Per-row target argmax / warped probabilities, computed on first use: tree verification visits only the
+    rows along the accepted path (and its rejected siblings' parent), not all N+1."""
+
+    def __init__(self, logits: torch.Tensor, fn):
+        self.logits, self.fn, self.rows = logits, fn, {}
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.rows:
+            self.rows[i] = self.fn(self.logits[i])
+        return self.rows[i]
+
+
+@contextlib.contextmanager
+def _timed(stats: DecodeStats, field: str):
+    start = time.perf_counter()
+    yield
+    setattr(stats, field, getattr(stats, field) + time.perf_counter() - start)
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of ``target`` with ``proposer`` (a Proposer or a registered name).
+
+    tree: "chain" (``depth`` tokens), a list of Medusa-style paths (static tree) or a DynamicTree (EAGLE-2).
+    temperature 0 is greedy (bit-identical to plain greedy decoding); otherwise exactly lossless sampling from
+    the target's distribution warped by temperature / top_k / top_p, seeded by ``seed`` per generate call.
+    """
+
+    def __init__(
+        self,
+        target,
+        proposer: Proposer | str,
+        *,
+        depth: int = 5,
+        tree="chain",
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ):
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth <= 0:
+            raise DrafttrainError(f"depth (draft tokens per step) must be a positive integer, got {depth!r}")
+        self.target, self.model = target, target.model
+        self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
+        self.shape = as_shape(tree, depth)
+        self.sampling = Sampling(temperature, top_p, top_k)
+        self.seed = seed
+        if not isinstance(self.shape, self.proposer.shapes):
+            raise DrafttrainError(
+                f"proposer {self.proposer.name!r} cannot fill a {type(self.shape).__name__} draft "
+                f"(it supports: {', '.join(s.__name__ for s in self.proposer.shapes)})"
+            )
+        self.cache = None  # the target's KV cache after the last generate (for inspection)
+        self.tap = None
+
+    def generate(self, input_ids, max_new_tokens: int, stop_token_ids: set[int] | None = None) -> DecodeOutput:
+        ids = self._prompt(input_ids)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise DrafttrainError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        stop, stats, start = set(stop_token_ids or ()), DecodeStats(), time.perf_counter()
+        if max_new_tokens == 0:
+            return DecodeOutput([], stats)
+        generator = torch.Generator(device=ids.device).manual_seed(self.seed)
+        request = DraftRequest(self.shape, self.sampling, generator)
+        with torch.inference_mode(), self._tap() as tap:
+            self.tap = tap
+            with _timed(stats, "prefill_time_s"):
+                logits, hidden = self._prefill(ids)
+                out = [self._first_token(logits, generator)]
+            with _timed(stats, "proposer_time_s"):
+                self.proposer.prefill(ids, hidden, self._tensor([out]))
+            while len(out) < max_new_tokens and out[-1] not in stop:
+                with _timed(stats, "proposer_time_s"):
+                    draft = self.proposer.propose(request)
+                with _timed(stats, "verify_time_s"):
+                    emitted, hidden = self._verify(draft, out[-1], generator, stats)
+                with _timed(stats, "proposer_time_s"):
+                    self.proposer.accept(self._tensor([emitted]), hidden)
+                for tok in emitted:
+                    out.append(tok)
+                    if tok in stop or len(out) == max_new_tokens:
+                        break
+            compact_cache(self.cache, ids.shape[1] + len(out) - 1, [])  # drop a truncated step's tail
+        stats.new_tokens, stats.wall_time_s = len(out), time.perf_counter() - start
+        return DecodeOutput(out, stats)
+
+    def _prefill(self, ids: torch.Tensor):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        return self._forward(ids, logits_to_keep=1)
+
+    def _first_token(self, logits: torch.Tensor, generator) -> int:
+        _, nxt = self._accept(Draft.empty(logits.device), logits[0, -1:], generator)
+        return nxt
+
+    def _verify(self, draft: Draft, root: int, generator, stats: DecodeStats):
+        """One target forward over [root, draft...]; returns the emitted tokens and the accepted positions'
+        hidden states (root first) for the proposer."""
+        prefix = self.cache.get_seq_length()
+        inputs = torch.cat([self._tensor([[root]]), draft.tokens.to(self.target.device)], dim=1)
+        if draft.is_chain:
+            logits, hidden = self._forward(inputs)
+        else:
+            pos = tree_position_ids(draft.parents, prefix, inputs.device)
+            logits, hidden = self._forward(inputs, position_ids=pos, allowed=ancestor_matrix(tuple(draft.parents)))
+        path, nxt = self._accept(draft, logits[0], generator)
+        keep = [0] + [1 + node for node in path]
+        compact_cache(self.cache, prefix, keep)
+        self._record(stats, draft, len(path))
+        emitted = draft.tokens[0, path].tolist() + [nxt]
+        return emitted, None if hidden is None else hidden[:, keep]
+
+    def _accept(self, draft: Draft, logits: torch.Tensor, generator) -> tuple[list[int], int]:
+        """Verify ``draft`` against the target's logits [N+1, V] -> (accepted node indices, next token)."""
+        k = len(draft)
+        if self.sampling.greedy:
+            if draft.is_chain:
+                n, nxt = verify_chain_greedy(draft.tokens, logits.argmax(-1)[None])
+                return list(range(int(n))), int(nxt)
+            return verify_tree_greedy(draft.tokens[0], draft.parents, _LazyRows(logits, torch.argmax))
+        if draft.is_chain:
+            p = probabilities(logits, self.sampling)[None]
+            q = None if draft.q is None else draft.q[:, :k]
+            n, nxt = verify_chain(draft.tokens, p, q, generator)
+            return list(range(int(n))), int(nxt)
+        q = None if draft.q is None else draft.q[0]
+        p = _LazyRows(logits, lambda row: probabilities(row, self.sampling))
+        return verify_tree(draft.tokens[0], draft.parents, p, q, generator)
+
+    def _forward(self, input_ids: torch.Tensor, **kwargs):
+        logits = forward(self.model, self.cache, input_ids, **kwargs)
+        if self.tap is None:
+            return logits, None
+        hidden = self.tap.stacked()
+        self.tap.clear()
+        return logits, hidden
+
+    @staticmethod
+    def _record(stats: DecodeStats, draft: Draft, accepted: int) -> None:
+        stats.target_forwards += 1
+        stats.accepted_per_step.append(accepted)
+        stats.drafted_per_step.append(draft.depth)
+        for counts, upto in ((stats.position_drafted, draft.depth), (stats.position_accepted, accepted)):
+            counts.extend([0] * (upto - len(counts)))
+            for i in range(upto):
+                counts[i] += 1
+        if len(stats.position_accepted) < len(stats.position_drafted):
+            stats.position_accepted.extend([0] * (len(stats.position_drafted) - len(stats.position_accepted)))
+
+    def _tap(self):
+        from drafttrain.targets import HiddenStateTap
+
+        layers = self.proposer.hidden_layers
+        return HiddenStateTap(self.model, layers) if layers else contextlib.nullcontext()
+
+    def _tensor(self, rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.target.device)
+
+    def _prompt(self, input_ids) -> torch.Tensor:
+        if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # a tokenizer's BatchEncoding
+            input_ids = input_ids["input_ids"]
+        try:
+            ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.target.device)
+        except (TypeError, ValueError) as err:
+            raise DrafttrainError(f"input_ids must be token ids (list of ints or LongTensor): {err}") from None
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise DrafttrainError(
+                f"input_ids must be one sequence (list of ints or [1, n] tensor), got shape {tuple(ids.shape)}"
+            )
+        if ids.shape[1] == 0:
+            raise DrafttrainError("the prompt is empty: give at least one token")
+        return ids
+
+
+def plain_decode(
+    target,
+    input_ids,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_token_ids: set[int] | None = None,
+) -> DecodeOutput:
+    """The baseline: one target forward per token through the same loop, cache and sampling code (an empty
+    draft every step). target_forwards = decoding steps; accepted_per_step is all zeros."""
+    decoder = SpeculativeDecoder(
+        target, NoDraft(), depth=1, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+    )
+    return decoder.generate(input_ids, max_new_tokens, stop_token_ids)

@@ -1,0 +1,250 @@
+"""Draft shapes (chain, static Medusa-style tree, dynamic EAGLE-2 tree), the ``Draft`` a proposer returns,
+and the attention masks that let one forward score a whole tree.
+
+A draft tree has N nodes in topological order. ``parents[i]`` is the index of node i's parent, or -1 when the
+parent is the *root*: the last emitted token, which is not in the KV cache yet and is the first input of the
+verification forward. A chain of k tokens is the tree ``parents = [-1, 0, 1, ..., k-2]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Union
+
+import torch
+
+from drafttrain import DrafttrainError
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """A single line of ``depth`` draft tokens (classic speculative decoding)."""
+
+    depth: int = 5
+
+    def __post_init__(self):
+        _check_positive("depth (draft tokens per step)", self.depth)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's context-dependent tree: expand the ``top_k`` best nodes per level for ``depth`` levels (each
+    with ``top_k`` children), then keep the ``total_tokens`` candidates with the highest cumulative draft
+    log-probability. That set is always ancestor-closed, since a child's score is never above its parent's."""
+
+    total_tokens: int = 60
+    depth: int = 6
+    top_k: int = 8
+
+    def __post_init__(self):
+        for name in ("total_tokens", "depth", "top_k"):
+            _check_positive(f"DynamicTree.{name}", getattr(self, name))
+
+
+class StaticTree:
+    """A fixed tree given as Medusa-style paths: each path lists, level by level, the rank of the child among
+    its parent's top-k draft candidates (``[[0], [1], [0, 0], [0, 1], [1, 0]]``: two root children, the best
+    one with two children of its own, the second with one). Every path's prefix must be listed too, and the
+    ranks under one parent must be 0..m-1, so the children are always the *first* m candidates drawn."""
+
+    def __init__(self, paths: list[list[int]]):
+        clean = sorted({tuple(_check_path(p)) for p in paths}, key=lambda p: (len(p), p))
+        if not clean:
+            raise DrafttrainError("a static tree needs at least one path, e.g. [[0], [0, 0]]")
+        index = {p: i for i, p in enumerate(clean)}
+        for p in clean:
+            if len(p) > 1 and p[:-1] not in index:
+                raise DrafttrainError(f"static tree path {list(p)} is listed without its prefix {list(p[:-1])}")
+            if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in index:
+                raise DrafttrainError(
+                    f"static tree path {list(p)} skips a sibling: {list(p[:-1] + (p[-1] - 1,))} is missing "
+                    "(the children of a node must be its candidates of rank 0..m-1)"
+                )
+        self.paths = [list(p) for p in clean]
+        self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in clean]
+        self.ranks = [p[-1] for p in clean]
+        self.depths = [len(p) for p in clean]
+        self.depth = max(self.depths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __repr__(self) -> str:
+        return f"StaticTree({self.paths})"
+
+
+TreeShape = Union[Chain, StaticTree, DynamicTree]
+
+
+def as_shape(tree, depth: int) -> TreeShape:
+    """The engine's ``tree=`` argument ("chain", a list of paths, a StaticTree or a DynamicTree) as a shape."""
+    if isinstance(tree, (Chain, StaticTree, DynamicTree)):
+        return tree
+    if tree == "chain":
+        return Chain(depth)
+    if isinstance(tree, (list, tuple)):
+        return StaticTree([list(p) for p in tree])
+    raise DrafttrainError(
+        f"tree={tree!r} is not understood: use 'chain', a list of paths like [[0], [1], [0, 0]], "
+        "or DynamicTree(total_tokens=..., depth=..., top_k=...)"
+    )
+
+
+@dataclasses.dataclass
+class Draft:
+    """What a proposer returns: N draft tokens arranged as a tree (a chain is a tree).
+
+    tokens:  LongTensor [1, N]
+    parents: N ints, ``parents[i] < i``; -1 means the root (the last emitted token)
+    q:       None for a deterministic draft (each token is a fixed function of the context: prompt lookup,
+             greedy/top-k drafting; verification then uses q = one-hot), or FloatTensor [1, N+1, V] where
+             row 0 is the distribution the root's children were drawn from and row i+1 the distribution node
+             i's children were drawn from, *without replacement, in node order* (the first child ~ q, the
+             second ~ q with the first removed, ...). Rows of leaves are ignored (may be zero).
+    """
+
+    tokens: torch.Tensor
+    parents: list[int]
+    q: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.parents = [int(p) for p in self.parents]
+        if self.tokens.dim() != 2 or self.tokens.shape[1] != len(self.parents):
+            raise ValueError(f"Draft: tokens {tuple(self.tokens.shape)} do not match {len(self.parents)} parents")
+        if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError(f"Draft: parents must precede their children, got {self.parents}")
+        if self.q is not None and self.q.shape[1] != len(self.parents) + 1:
+            raise ValueError(f"Draft: q has {self.q.shape[1]} rows, expected {len(self.parents) + 1}")
+        self.depths = node_depths(tuple(self.parents))
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None = None) -> "Draft":
+        """tokens [1, k]; q [1, k, V] (q[:, i] is what token i was drawn from) or None."""
+        k = tokens.shape[1]
+        if q is not None:
+            q = torch.cat([q, q.new_zeros(q.shape[0], 1, q.shape[2])], dim=1)
+        return cls(tokens, list(range(-1, k - 1)), q)
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> "Draft":
+        return cls(torch.empty(1, 0, dtype=torch.long, device=device), [])
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        """Depth of the deepest node (0 for an empty draft)."""
+        return max(self.depths, default=0)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.parents) - 1))
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise DrafttrainError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_path(path) -> list[int]:
+    if not isinstance(path, (list, tuple)) or not path or not all(isinstance(r, int) and r >= 0 for r in path):
+        raise DrafttrainError(f"static tree path {path!r} must be a non-empty list of child ranks >= 0")
+    return list(path)
+
+
+@functools.lru_cache(maxsize=256)
+def node_depths(parents: tuple[int, ...]) -> tuple[int, ...]:
+    """Depth of every node (the root's children have depth 1). Cached: returns an immutable tuple."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return tuple(depths)
+
+
+@functools.lru_cache(maxsize=256)
+def children_lists(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """``out[i + 1]`` lists the children of node i in order; ``out[0]`` the root's children. Cached, immutable."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[p + 1].append(i)
+    return tuple(tuple(c) for c in out)
+
+
+@functools.lru_cache(maxsize=256)
+def ancestor_matrix(parents: tuple[int, ...]) -> torch.Tensor:
+    """Bool [N+1, N+1] over (root, node 0, ..., node N-1): entry [i, j] is True when j is i or an ancestor of i.
+    Cached per topology: do not modify the returned tensor."""
+    n = len(parents) + 1
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        anc[i + 1] |= anc[p + 1]
+    return anc
+
+
+def additive_mask(allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A 4D float mask [1, 1, q, prefix_len + k] from ``allowed`` [q, k]: every query sees the whole cached
+    prefix, and of the k new keys only those allowed. Float (0 / dtype-min) works for both sdpa and eager
+    attention; transformers passes a 4D mask through untouched (masking_utils._preprocess_mask_arguments)."""
+    q, k = allowed.shape
+    mask = torch.zeros(q, prefix_len + k, dtype=dtype, device=device)
+    mask[:, prefix_len:].masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def tree_attention_mask(parents: list[int], prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Mask for the verification forward over (root, nodes...): each sees the prefix, its ancestors and itself."""
+    return additive_mask(ancestor_matrix(tuple(parents)), prefix_len, dtype, device)
+
+
+def tree_position_ids(parents: list[int], prefix_len: int, device) -> torch.Tensor:
+    """position_ids [1, N+1] for (root, nodes...): prefix_len + depth, the root at depth 0."""
+    return torch.tensor([[prefix_len] + [prefix_len + d for d in node_depths(tuple(parents))]], device=device)
+
+
+def forward(
+    model: torch.nn.Module,
+    cache,
+    input_ids: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+) -> torch.Tensor:
+    """The one forward path (prefill, plain decoding, verification, draft models): append ``input_ids`` [B, n]
+    to ``cache`` and return logits [B, n or logits_to_keep, V].
+
+    ``allowed`` None means plain causal attention (transformers builds the mask). Otherwise ``allowed`` [n, m]
+    says which of the last m keys (earlier tree nodes still in the cache, then these n tokens) each new token
+    may see; everything before them in the cache is visible to all. Pass ``position_ids`` with it (depths).
+    """
+    mask = None
+    if allowed is not None:
+        prefix = cache.get_seq_length() + input_ids.shape[1] - allowed.shape[1]
+        mask = additive_mask(allowed, prefix, model.dtype, input_ids.device)
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    return out.logits
+
+
+def compact_cache(cache, start: int, keep: list[int]) -> None:
+    """Keep, of the cache positions from ``start`` on, only the offsets ``keep`` (increasing), moved to
+    start, start+1, ...: the accepted root-to-leaf path of a verified tree. A prefix (a chain) is a plain crop."""
+    n = len(keep)
+    if keep != list(range(n)):
+        idx = torch.tensor(keep, device=cache.layers[0].keys.device) + start
+        for layer in cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise DrafttrainError("tree verification does not support sliding-window KV caches yet; use a chain")
+            layer.keys[..., start : start + n, :] = layer.keys[..., idx, :]
+            layer.values[..., start : start + n, :] = layer.values[..., idx, :]
+    extra = cache.get_seq_length() - start - n
+    if extra > 0:
+        cache.crop(-extra)

@@ -1,0 +1,110 @@
+"""Training throughput of an EAGLE head on the bundled SmolLM2 target: one full training step (target forward
+under no_grad + head forward/backward + optimizer step) against one target forward on the same batch.
+
+    python scripts/bench_train_step.py [--kind eagle3] [--seq 512] [--batch 2] [--ttt-steps 7] [--repeats 5]
+
+Prints a markdown table; the ratio is measured in one process on the same batch (goal: step <= 1.5x forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+from drafttrain.drafts import build_draft
+from drafttrain.drafts.eagle import EagleConfig
+from drafttrain.drafts.eagle3 import Eagle3Config
+from drafttrain.targets import load_target
+from drafttrain.training.features import compute_features
+
+
+def reduced_vocab_file(size: int, vocab: int) -> str:
+    """A d2t/t2d mapping keeping the first ``size`` ids (the cost is what matters here, not which ids)."""
+    from safetensors.torch import save_file
+
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:size] = True
+    path = tempfile.NamedTemporaryFile(suffix=".safetensors", delete=False).name
+    save_file({"d2t": torch.zeros(size, dtype=torch.long), "t2d": t2d}, path)
+    return path
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--kind", choices=["eagle3", "eagle"], default="eagle3")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocab size (top ids)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    if args.kind == "eagle3":
+        cfg = Eagle3Config(ttt_steps=args.ttt_steps, draft_vocab=reduced_vocab_file(args.draft_vocab, target.vocab_size))
+    else:
+        cfg = EagleConfig()
+    head = build_draft(cfg, target).train().to(dtype=target.model.dtype)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (args.batch, args.seq), generator=g).to(target.device)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids)}
+
+    def forward_only():
+        with torch.no_grad():
+            target.model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False)
+        sync()
+
+    def train_step():
+        features = compute_features(target, batch, head.target_layers)
+        out = head.training_step(batch, features)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        sync()
+
+    def sync():
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    t_forward = timed(forward_only, args.repeats)
+    t_step = timed(train_step, args.repeats)
+    tokens = args.batch * args.seq
+    result = {
+        "kind": args.kind, "ttt_steps": args.ttt_steps if args.kind == "eagle3" else 1, "batch": args.batch,
+        "seq": args.seq, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
+        "target_forward_s": t_forward, "train_step_s": t_step, "step_over_forward": t_step / t_forward,
+        "train_tokens_per_s": tokens / t_step, "trainable_parameters": sum(p.numel() for p in head.parameters()),
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+    }
+    print("| kind | batch×seq | target forward | training step | step / forward | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {args.kind} (TTT {result['ttt_steps']}) | {args.batch}×{args.seq} | {t_forward * 1e3:.0f} ms | "
+          f"{t_step * 1e3:.0f} ms | {t_step / t_forward:.2f}× | {tokens / t_step:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

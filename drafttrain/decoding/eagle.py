@@ -14,7 +14,7 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.decoding.proposers import DraftModelProposer, DraftRequest, register_proposer
-from drafttrain.decoding.trees import Draft
+from drafttrain.decoding.trees import Chain, Draft, StaticTree
 
 
 class EagleProposer(DraftModelProposer):
@@ -58,10 +58,8 @@ class EagleProposer(DraftModelProposer):
         self.ctx = self.length
         self.fed: list[int] = []
         self.node_hidden: dict[int, torch.Tensor] = {-1: self.root_hidden}
-        self.ids = torch.empty(1, 0, dtype=torch.long, device=self.device)  # for the device only
+        self.ids = torch.empty(1, 0, dtype=torch.long, device=self.device)  # the shared tree code reads .ids.device
         shape = request.shape
-        from drafttrain.decoding.trees import Chain, StaticTree
-
         if isinstance(shape, Chain):
             draft = self._chain(self.root_logits, shape.depth, request)
         elif isinstance(shape, StaticTree):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
+from drafttrain.atomic import write_text_atomic
 from drafttrain.config import DataConfig, Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -422,9 +423,7 @@ def prepare(
     summary = build_summary(
         recipe, mixture, regen, (train_ds, train_stats), (val_ds, val_stats), vocab_info, paths, seconds
     )
-    tmp = paths.summary.with_name(paths.summary.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, paths.summary)
+    write_text_atomic(paths.summary, json.dumps(summary, indent=2) + "\n")
     if show_summary:
         print_summary(summary)
     return PrepareResult(

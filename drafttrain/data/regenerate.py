@@ -51,6 +51,8 @@ from typing import Any
 import torch
 
 from drafttrain import DrafttrainError
+from drafttrain.atomic import write_text_atomic
+from drafttrain.targets.loading import eos_token_ids
 from drafttrain.config import RegenerateConfig
 
 log = logging.getLogger(__name__)
@@ -211,9 +213,7 @@ def check_settings(paths: OutputPaths, settings: RegenerationSettings, has_rows:
             f"{paths.rows} has rows but no settings file ({paths.settings.name}), so it cannot be checked "
             "against the current settings; delete it or move it away"
         )
-    tmp = paths.settings.with_name(paths.settings.name + ".tmp")
-    tmp.write_text(json.dumps(wanted, indent=2) + "\n")
-    os.replace(tmp, paths.settings)
+    write_text_atomic(paths.settings, json.dumps(wanted, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -344,15 +344,9 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def stop_token_ids(tokenizer, model=None) -> list[int]:
-    """eos of the tokenizer and the model's generation config, plus any known end-of-turn token in the vocab."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if config_eos is not None:
-        ids.update(int(i) for i in (config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]))
+    """The target's eos ids plus any known end-of-turn token in the vocab."""
     vocab = tokenizer.get_vocab()
-    ids.update(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
+    ids = set(eos_token_ids(tokenizer, model)) | {vocab[token] for token in END_OF_TURN_TOKENS if token in vocab}
     if not ids:
         raise DrafttrainError("the tokenizer has no eos token and no known end-of-turn token: cannot stop answers")
     return sorted(ids)

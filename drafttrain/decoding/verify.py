@@ -92,7 +92,9 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def expected_acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Probability that one token x ~ q is accepted against p: sum_x min(p(x), q(x))."""
+    """Probability that one token x ~ q is accepted against p: sum_x min(p(x), q(x)) (any leading shape)."""
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
     return torch.minimum(p, q).sum(-1)
 
 

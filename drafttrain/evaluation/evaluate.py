@@ -32,6 +32,7 @@ import drafttrain
 from drafttrain import DrafttrainError
 from drafttrain.evaluation import metrics
 from drafttrain.evaluation.suites import Question, Suite
+from drafttrain.targets.loading import eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -205,13 +206,7 @@ def _as_questions(prompts: Suite | Sequence[Question | str]) -> tuple[str, list[
 
 def stop_token_ids(target) -> list[int]:
     """EOS ids from the generation config and the tokenizer (chat models often end turns with a special token)."""
-    ids: list[int] = []
-    for source in (getattr(target.model, "generation_config", None), target.tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        for value in eos if isinstance(eos, (list, tuple)) else [eos]:
-            if value is not None and int(value) not in ids:
-                ids.append(int(value))
-    return ids
+    return eos_token_ids(target.tokenizer, target.model)
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from drafttrain.decoding.verify import expected_acceptance_rate as expected_acceptance  # noqa: F401  (Σ min(p, q))
+
 
 def tau(accepted_per_step: Sequence[int]) -> float | None:
     """Mean tokens per verification forward, bonus included: mean over steps of (accepted + 1). None if no step."""
@@ -125,16 +127,6 @@ def simulated_tau(per_step_acc: Iterable[float]) -> float:
         survive *= float(acc)
         total += survive
     return total
-
-
-def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Probability that a token drafted from q is accepted by speculative sampling against target p: Σ_x min(p, q).
-
-    ``p`` and ``q`` are probability distributions over the vocabulary on the last axis (any leading shape).
-    """
-    if p.shape != q.shape:
-        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
-    return torch.minimum(p, q).sum(dim=-1)
 
 
 def summarize(records: Sequence[dict[str, Any]], depth: int | None = None) -> dict[str, Any]:

@@ -187,6 +187,18 @@ def load_target(cfg: TargetConfig | str, **overrides) -> Target:
     return Target(name=cfg.model, model=model, tokenizer=tokenizer, source_dir=Path(where) if Path(where).is_dir() else None)
 
 
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """EOS ids of the model's generation config and of the tokenizer, in that order, without repeats (chat models
+    often end a turn with a token the tokenizer alone does not call eos)."""
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        for value in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if value is not None and int(value) not in ids:
+                ids.append(int(value))
+    return ids
+
+
 def _missing_model_message(spec: str, err: Exception) -> str:
     return (
         f"could not load target {spec!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}). "

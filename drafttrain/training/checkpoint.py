@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
+from drafttrain.atomic import fsync_dir, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -93,24 +94,6 @@ def fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(folder))
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 class CheckpointManager:

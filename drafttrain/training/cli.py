@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def train(recipe: Recipe, resume: bool = False):
-    """Load the target, the prepared data and a fresh head; train; return the TrainResult."""
+def train(recipe: Recipe, resume: bool = False, target=None):
+    """Load the target (unless given), the prepared data and a fresh head; train; return the TrainResult."""
     check_trainable(recipe)
     import datasets
     from accelerate.utils import set_seed
@@ -70,7 +70,7 @@ def train(recipe: Recipe, resume: bool = False):
     from drafttrain.training.trainer import Trainer
 
     dataset = datasets.load_from_disk(str(Path(recipe.output_dir) / TRAIN_SPLIT))
-    target = load_target(recipe.target)
+    target = target if target is not None else load_target(recipe.target)
     set_seed(recipe.seed)  # the draft's initial weights
     draft = build_draft(recipe.draft, target, output_dir=recipe.output_dir)
     callbacks = checkpoint_callbacks(recipe, target)

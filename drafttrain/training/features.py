@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from drafttrain import DrafttrainError
+from drafttrain.atomic import write_text_atomic
 from drafttrain.drafts.base import TargetFeatures
 from drafttrain.targets.hidden import HiddenStateTap
 
@@ -83,9 +84,7 @@ def write_feature_cache(target, dataset, layers: list[int], out_dir: str | Path,
             flush()
     if shard_rows:
         flush()
-    tmp = out_dir / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out_dir / INDEX)
+    write_text_atomic(out_dir / INDEX, json.dumps(index, indent=1))
     return out_dir
 
 

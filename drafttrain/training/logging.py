@@ -18,7 +18,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from drafttrain.atomic import write_text_atomic
 from drafttrain.config import Recipe, WandbConfig
+from drafttrain.evaluation.metrics import simulated_tau  # noqa: F401  (also re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +42,6 @@ def resolve_wandb_mode(cfg: WandbConfig, environ: dict[str, str] | os._Environ =
     if cfg.mode == "auto":
         return "online" if environ.get("WANDB_API_KEY") else "offline"
     return cfg.mode
-
-
-def simulated_tau(step_accuracies: list[float]) -> float:
-    """Expected tokens per verify step of a chain draft if step k is accepted with probability acc_k given
-    steps < k were (an approximation: training accuracies are not conditional on earlier acceptance)."""
-    tau, survive = 1.0, 1.0
-    for acc in step_accuracies:
-        survive *= acc
-        tau += survive
-    return tau
 
 
 def _public_config(value: Any) -> Any:
@@ -158,9 +150,7 @@ class MetricsLog:
             self.path.write_text("")
             return
         kept = [line for line in self.path.read_text().splitlines() if line.strip() and _step_of(line) <= start_step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def _start_wandb(self, recipe: Recipe, resumed: bool):
         mode = resolve_wandb_mode(recipe.wandb)

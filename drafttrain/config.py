@@ -37,6 +37,9 @@ class SourceConfig(Section):
     subset: str | None = None  # Hub dataset config name
     weight: float = Field(1.0, gt=0)  # share of data.num_samples, relative to the other sources
     max_samples: int | None = Field(None, gt=0)  # hard cap on rows taken from this source
+    # None: follow regenerate.enabled. False: keep this source's own answers, so a large written corpus can be mixed
+    # with a smaller share the target re-answers (regeneration is the slow stage on small machines).
+    regenerate: bool | None = None
 
 
 class DataConfig(Section):
@@ -145,6 +148,19 @@ class Recipe(Section):
         if self.draft_vocab.enabled and self.data is None:
             raise ValueError("draft_vocab.enabled needs a data section to count token frequencies over")
         return self
+
+    @model_validator(mode="after")
+    def _source_regeneration(self) -> "Recipe":
+        if self.data is None or self.regenerate.enabled:
+            return self
+        asking = [s.path for s in self.data.sources if s.regenerate]
+        if asking:
+            raise ValueError(f"data.sources {asking} ask for regenerate: true while regenerate.enabled is false")
+        return self
+
+    def regenerates(self, source: SourceConfig) -> bool:
+        """Whether the target re-answers this source's conversations."""
+        return self.regenerate.enabled and source.regenerate is not False
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -142,3 +142,37 @@ def test_prepare_end_to_end(tmp_path, shared_data, smollm2, capsys):
     assert again.summary["datasets"] == summary["datasets"] | {
         s: dict(summary["datasets"][s], cache_hit=True) for s in ("train", "validation")}
     assert load_from_disk(str(out / "data" / "train"))["input_ids"] == train["input_ids"]
+
+
+def test_a_source_can_keep_its_own_answers_while_others_are_regenerated(tmp_path, shared_data, smollm2):
+    from drafttrain.data.conversations import load_conversations
+
+    raw = tiny_recipe(tmp_path, shared_data)
+    raw["data"]["sources"][1]["regenerate"] = False  # gpteacher_roleplay keeps its written answers
+    result = prepare(parse_recipe(raw), target=smollm2, progress=False, show_summary=False)
+    sources = result.summary["sources"]
+    assert sources["gpteacher_roleplay"]["regenerated"] is None and sources["gpteacher_roleplay"]["taken"] == 2
+    assert sources["gsm8k_train"]["regenerated"] == sources["gsm8k_train"]["taken"] == 4
+    regenerated = [json.loads(line) for line in (tmp_path / "run" / "regenerated.jsonl").read_text().splitlines()]
+    assert {r["source"] for r in regenerated} == {"gsm8k_train"}
+
+    # The kept conversations reach the datasets with the source's own answer text.
+    from datasets import concatenate_datasets, load_from_disk
+
+    rows = concatenate_datasets([load_from_disk(str(tmp_path / "run" / "data" / s)) for s in ("train", "validation")])
+    kept_ids = [cid for cid in rows["conversation_id"] if cid.startswith("gpteacher_roleplay:")]
+    assert len(kept_ids) == 2
+    written = {c["id"]: c for c in load_conversations(
+        str(shared_data / "train" / "gpteacher_roleplay.json"), "auto", name="gpteacher_roleplay").conversations}
+    for cid in kept_ids:
+        answer = written[cid]["messages"][-1]["content"]
+        row = rows[rows["conversation_id"].index(cid)]
+        trained = smollm2.tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+        assert answer.strip()[:40] in trained
+
+
+def test_asking_a_source_to_regenerate_when_regeneration_is_off_is_refused(tmp_path, shared_data):
+    raw = tiny_recipe(tmp_path, shared_data, regenerate={"enabled": False})
+    raw["data"]["sources"][0]["regenerate"] = True
+    with pytest.raises(DrafttrainError, match="regenerate.enabled is false"):
+        parse_recipe(raw)

@@ -142,8 +142,10 @@ def _with_limit(data: DataConfig, limit: int | None) -> DataConfig:
 def _regenerate(recipe: Recipe, mixture, target, paths: PreparePaths, progress: bool):
     from drafttrain.data.regenerate import regenerate_conversations
 
+    kept = {name for name, yes in _regenerated_sources(recipe, mixture).items() if not yes}
+    todo = [c for c in mixture.train + mixture.validation if c["source"] not in kept]
     result = regenerate_conversations(
-        mixture.train + mixture.validation,
+        todo,
         recipe.regenerate,
         paths.regenerated,
         seed=recipe.seed,
@@ -152,6 +154,7 @@ def _regenerate(recipe: Recipe, mixture, target, paths: PreparePaths, progress: 
         progress=progress,
     )
     by_id = {str(c["id"]): c for c in result.conversations}
+    by_id.update((str(c["id"]), c) for c in mixture.train + mixture.validation if c["source"] in kept)
     train = [by_id[str(c["id"])] for c in mixture.train if str(c["id"]) in by_id]
     validation = [by_id[str(c["id"])] for c in mixture.validation if str(c["id"]) in by_id]
     if not train:
@@ -243,13 +246,14 @@ def build_summary(
     tokenized = _rows_per_source(train_ds, source_of) + _rows_per_source(val_ds, source_of)
     regenerated_per_source = Counter(source_of.get(str(c["id"]), "?") for c in regen.conversations) if regen else None
     sources = {}
+    regenerates = _regenerated_sources(recipe, mixture)
     for name, s in mixture.stats["sources"].items():
         sources[name] = {
             "path": s["path"],
             "records": s["records"],
             "loaded": s["loaded"],
             "taken": s.get("taken", 0),
-            "regenerated": regenerated_per_source.get(name, 0) if regen else None,
+            "regenerated": regenerated_per_source.get(name, 0) if regen and regenerates[name] else None,
             "tokenized_conversations": tokenized.get(name, 0),
         }
     skipped = {
@@ -387,9 +391,11 @@ def prepare(
         target = load_target(recipe.target)
     paths.output_dir.mkdir(parents=True, exist_ok=True)
     train, validation, regen = mixture.train, mixture.validation, None
-    if not recipe.regenerate.enabled and mixture.stats.get("prompt_only"):
-        log.warning("%d prompt-only conversations have no answer to train on and will be skipped; set "
-                    "regenerate.enabled=true to have the target answer them", mixture.stats["prompt_only"])
+    unanswered = _unanswered_per_source(recipe, mixture)
+    if unanswered:
+        log.warning("prompt-only conversations have no answer to train on and will be skipped (%s); let the target "
+                    "answer them with regenerate.enabled=true and no 'regenerate: false' on their source",
+                    ", ".join(f"{name}: {n}" for name, n in unanswered.items()))
     if recipe.regenerate.enabled:
         clock = time.perf_counter()
         train, validation, regen = _regenerate(recipe, mixture, target, paths, progress)
@@ -434,6 +440,17 @@ def prepare(
         draft_vocab_path=paths.draft_vocab if vocab_info else None,
         regenerated_path=paths.regenerated if regen else None,
     )
+
+
+def _regenerated_sources(recipe: Recipe, mixture) -> dict[str, bool]:
+    """{source name: whether the target re-answers it}; the mixture's stats list the sources in recipe order."""
+    return dict(zip(mixture.stats["sources"], map(recipe.regenerates, recipe.data.sources)))
+
+
+def _unanswered_per_source(recipe: Recipe, mixture) -> dict[str, int]:
+    regenerates = _regenerated_sources(recipe, mixture)
+    return dict(Counter(c["source"] for c in mixture.train + mixture.validation
+                        if c["needs_response"] and not regenerates[c["source"]]))
 
 
 def _write_features(recipe: Recipe, target, train_ds, paths: PreparePaths) -> None:

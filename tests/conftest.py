@@ -25,6 +25,14 @@ def smollm2():
     return load_target("smollm2-135m-instruct")
 
 
+@pytest.fixture
+def restore_threads():
+    """The CLI's --threads sets torch's global thread count; put it back for the tests that follow."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

@@ -14,14 +14,6 @@ from drafttrain.evaluation.report import REQUIRED_METRIC_KEYS
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture
-def restore_threads():
-    """The CLI's --threads sets torch's global thread count; put it back for the tests that follow."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def _eval(tmp_path, *extra: str) -> int:
     return main(["eval", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "out"), "--no-progress", *extra])
 
@@ -75,6 +67,23 @@ def test_library_evaluate_with_hf_references(smollm2, restore_threads):
     assert json.loads(report.to_json())["overall"]["new_tokens"] == report.overall["new_tokens"]
 
 
+@pytest.mark.slow
+def test_a_compared_proposer_runs_on_the_same_prompts_against_the_same_baseline(smollm2, restore_threads):
+    from drafttrain.evaluation import evaluate, load_suite
+    from drafttrain.evaluation.report import render_markdown
+
+    torch.set_num_threads(1)
+    questions = load_suite("mt_bench").select(2, turns="1")
+    report = evaluate(smollm2, "prompt_lookup", questions, depth=4, max_new_tokens=24, compare=["prompt_lookup"],
+                      progress=False)
+    line = report.comparisons["prompt_lookup"]
+    # The same deterministic proposer through the same engine: the same tokens, steps and acceptance.
+    assert line["tau"] == report.overall["tau"] and line["acceptance_rate"] == report.overall["acceptance_rate"]
+    assert line["greedy_match_vs_baseline"] == 1.0 and line["new_tokens"] == report.overall["new_tokens"]
+    assert line["speed_vs_baseline"] > 0 and report.config["compare"] == ["prompt_lookup"]
+    assert "same prompts, same run" in render_markdown(report)
+
+
 @pytest.mark.parametrize(
     "args, cause",
     [
@@ -89,6 +98,8 @@ def test_library_evaluate_with_hf_references(smollm2, restore_threads):
         (["--proposer", "draft_model", "--draft", "/nonexistent/draft"], "draft not found: /nonexistent/draft"),
         (["--proposer", "prompt_lookup", "--tree", "static:[[0], [0, 0"], "--tree static"),
         (["--proposer", "prompt_lookup", "--tree", "bushy"], "unknown --tree 'bushy'"),
+        (["--proposer", "prompt_lookup", "--compare", "magic"], "--compare: unknown proposer 'magic'"),
+        (["--proposer", "prompt_lookup", "--compare", "draft_model"], "only proposers that need no draft"),
     ],
 )
 def test_bad_input_exits_2_naming_the_cause(tmp_path, capsys, args, cause):

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--hf-reference", action="store_true",
                         help="also time HF model.generate (plain, and prompt lookup / assisted to match the proposer)")
+    parser.add_argument("--compare", action="append", default=[], metavar="PROPOSER",
+                        help="also run this draft-free proposer (e.g. prompt_lookup) on the same prompts in the same "
+                             "run, against the same baseline; repeatable")
     parser.add_argument("--strict", action="store_true", help="exit 1 if greedy output differs from the baseline")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is far steadier on a busy shared CPU)")
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         target, args.proposer, suite,
         depth=args.depth, tree=tree, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
-        progress=not args.no_progress, proposer_kwargs=_proposer_kwargs(args),
+        progress=not args.no_progress, proposer_kwargs=_proposer_kwargs(args), compare=args.compare,
     )
     paths = write_report(report, args.out)
     print_report(report)
@@ -157,6 +160,12 @@ def _check_proposer(args: argparse.Namespace) -> None:
         raise DrafttrainError("proposer draft_model needs --draft (a draft model: built-in name, folder or .gguf)")
     if args.draft and _looks_like_path(args.draft) and not Path(args.draft).expanduser().exists():
         raise DrafttrainError(f"draft not found: {args.draft}")
+    for name in args.compare:
+        if name not in known:
+            raise DrafttrainError(f"--compare: unknown proposer {name!r}: choose one of {', '.join(sorted(known))}")
+        if "draft" in _proposer_options(name):
+            raise DrafttrainError(f"--compare {name}: only proposers that need no draft can be compared "
+                                  "(run a second eval for a drafted one)")
 
 
 def _known_proposers() -> set[str]:

@@ -40,6 +40,7 @@ WARMUP_NEW_TOKENS = 16
 
 # generate function of one side: rendered prompt ids (1, L) -> (new tokens, DecodeStats; for HF a dict of counts)
 GenerateFn = Callable[[torch.Tensor], tuple[list[int], Any]]
+COMPARE_PREFIX = "compare:"
 
 
 @dataclasses.dataclass
@@ -53,6 +54,8 @@ class EvalReport:
     categories: dict[str, dict[str, Any]]
     prompts: list[dict[str, Any]]
     references: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # Other proposers run on the same prompts in the same process against the same baseline (``compare=``).
+    comparisons: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def greedy_match(self) -> float | None:
@@ -96,13 +99,16 @@ def evaluate(
     progress: bool = True,
     proposer_kwargs: dict[str, Any] | None = None,
     warmup: bool = True,
+    compare: Sequence[str] = (),
 ) -> EvalReport:
     """Run ``proposer`` (a registered name, or a proposer object) through :class:`SpeculativeDecoder` on every
     prompt, with ``plain_decode`` as the baseline, and return the metrics (see :mod:`metrics` for definitions).
 
     ``prompts``: a :class:`Suite` (already selected with ``Suite.select``), or questions, or plain strings (one
     single-turn question each, category "default"). ``hf_reference`` adds HF ``model.generate`` lines (greedy, and
-    prompt lookup or assisted generation matching the proposer) to ``report.references``.
+    prompt lookup or assisted generation matching the proposer) to ``report.references``. ``compare`` names other
+    registered proposers (that need no draft, e.g. ``prompt_lookup``) to run through the same engine settings on
+    the same prompts, interleaved with the others, into ``report.comparisons``.
     """
     from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
 
@@ -122,11 +128,15 @@ def evaluate(
     stop_ids = stop_token_ids(target)  # the same stop set for every side, HF references included
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
 
-    def method_fn(budget: int) -> GenerateFn:
-        def run(ids: torch.Tensor):
-            out = decoder.generate(ids, budget, stop_token_ids=set(stop_ids))
-            return list(out.tokens), out.stats
-        return run
+    def speculative_fn(spec_decoder) -> Callable[[int], GenerateFn]:
+        def make(budget: int) -> GenerateFn:
+            def run(ids: torch.Tensor):
+                out = spec_decoder.generate(ids, budget, stop_token_ids=set(stop_ids))
+                return list(out.tokens), out.stats
+            return run
+        return make
+
+    method_fn = speculative_fn(decoder)
 
     def baseline_fn(budget: int) -> GenerateFn:
         def run(ids: torch.Tensor):
@@ -139,19 +149,23 @@ def evaluate(
         sides["baseline"] = baseline_fn
     if hf_reference:
         sides.update(_hf_sides(target, proposer_name, proposer_obj, proposer_kwargs, depth, stop_ids, **sampling))
+    for name in compare:
+        other = SpeculativeDecoder(target, build_proposer(name, target), depth=depth, tree=tree, seed=seed, **sampling)
+        sides[COMPARE_PREFIX + name] = speculative_fn(other)
 
     if warmup:
         _warm_up(target.tokenizer, questions[0], sides, min(WARMUP_NEW_TOKENS, max_new_tokens), target.device)
 
     records = []
-    hf_runs: dict[str, list[tuple[SideRun, SideRun | None]]] = {name: [] for name in sides if name.startswith("hf_")}
+    extra_runs: dict[str, list[tuple[SideRun, SideRun | None]]] = {
+        name: [] for name in sides if name.startswith(("hf_", COMPARE_PREFIX))}
     for index, question in enumerate(_progress(questions, progress)):
         runs = _run_question_interleaved(
             target.tokenizer, question, sides, max_new_tokens, rotation=index, device=target.device
         )
         records.append(_prompt_record(question, runs, temperature))
-        for name in hf_runs:
-            hf_runs[name].append((runs[name], runs.get("baseline")))
+        for name in extra_runs:
+            extra_runs[name].append((runs[name], runs.get("baseline")))
 
     overall = metrics.summarize(records, depth)
     categories = {
@@ -162,8 +176,13 @@ def evaluate(
         target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
         suite_name, questions, baseline, hf_reference, started_at,
     )
-    references = {name: _reference_line(pairs, temperature) for name, pairs in hf_runs.items()}
-    return EvalReport(config=config, overall=overall, categories=categories, prompts=records, references=references)
+    config["compare"] = list(compare)
+    references = {name: _reference_line(pairs, temperature) for name, pairs in extra_runs.items()
+                  if name.startswith("hf_")}
+    comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
+                   for name, pairs in extra_runs.items() if name.startswith(COMPARE_PREFIX)}
+    return EvalReport(config=config, overall=overall, categories=categories, prompts=records, references=references,
+                      comparisons=comparisons)
 
 
 def registered_proposers() -> list[str]:
@@ -453,6 +472,11 @@ def _hf_tau_estimate(runs: list[SideRun]) -> float | None:
 
 
 def _reference_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: float) -> dict[str, Any]:
+    return dict(_speed_line(pairs, temperature), tau_estimate=_hf_tau_estimate([r for r, _ in pairs]))
+
+
+def _speed_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: float) -> dict[str, Any]:
+    """Throughput of one extra side, its speed against the baseline on the same prompts, and greedy agreement."""
     tokens = sum(r.new_tokens for r, _ in pairs)
     seconds = sum(r.seconds for r, _ in pairs)
     line = {
@@ -461,7 +485,6 @@ def _reference_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: fl
         "wall_time_s": seconds,
         "speed_vs_baseline": None,
         "greedy_match_vs_baseline": None,
-        "tau_estimate": _hf_tau_estimate([r for r, _ in pairs]),
     }
     bases = [b for _, b in pairs if b is not None]
     if len(bases) == len(pairs) and pairs:
@@ -474,6 +497,14 @@ def _reference_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: fl
                 [r.turn_tokens == b.turn_tokens for r, b in pairs]
             )
     return line
+
+
+def _comparison_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: float) -> dict[str, Any]:
+    """A speed line with the engine's own τ and acceptance."""
+    line = _speed_line(pairs, temperature)
+    stats = [s for run, _ in pairs for s in run.stats]
+    accepted, drafted = _stats_lists(stats, "accepted_per_step"), _stats_lists(stats, "drafted_per_step")
+    return dict(line, tau=metrics.tau(accepted), acceptance_rate=metrics.acceptance_rate(accepted, drafted))
 
 
 # ---------------------------------------------------------------- run description

@@ -115,6 +115,14 @@ def render_markdown(report: EvalReport) -> str:
               _pct(v["greedy_match_vs_baseline"]), fmt(v.get("tau_estimate"))]
              for k, v in report.references.items()],
         ))
+    if report.comparisons:
+        parts.append("\n## Other proposers, same prompts, same run\n")
+        parts.append(_table(
+            ["proposer", "τ", "acceptance", "tok/s", "speedup vs the same baseline", "greedy match"],
+            [[f"`{k}`", fmt(v["tau"]), _pct(v["acceptance_rate"]), fmt(v["tokens_per_s"], 1),
+              fmt(v["speed_vs_baseline"], 2, "×"), _pct(v["greedy_match_vs_baseline"])]
+             for k, v in report.comparisons.items()],
+        ))
     parts.append("\n## Definitions\n\n" + DEFINITIONS)
     return "\n".join(parts)
 
@@ -180,6 +188,12 @@ def print_report(report: EvalReport, console=None) -> None:
         + "  ".join(f"d{i + 1} {_pct(c)} / {_pct(u)}" for i, (c, u) in enumerate(zip(pos["conditional"],
                                                                                      pos["cumulative"])))
     )
+    for key, line in report.comparisons.items():
+        console.print(
+            f"same run, proposer {key}: τ {fmt(line['tau'])}, acceptance {_pct(line['acceptance_rate'])}, "
+            f"{fmt(line['tokens_per_s'], 1)} tok/s, speedup {fmt(line['speed_vs_baseline'], 2, '×')}, "
+            f"greedy match {_pct(line['greedy_match_vs_baseline'])}"
+        )
     for key, line in report.references.items():
         console.print(
             f"reference {REFERENCE_LABELS.get(key, key)}: {fmt(line['tokens_per_s'], 1)} tok/s, "

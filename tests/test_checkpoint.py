@@ -95,3 +95,22 @@ def test_resume_refuses_a_different_data_layout(tmp_path):
     reset_accelerate()
     with pytest.raises(DrafttrainError, match="cannot resume.*global batch was 4×1 processes, now 2×1"):
         make_trainer(tmp_path, max_steps=4, batch_size=2).train(resume=True)
+
+
+def test_a_run_folder_resolves_to_its_best_checkpoint_then_its_newest(tmp_path):
+    from drafttrain.training.checkpoint import resolve_draft_dir
+
+    root = tmp_path / "run" / "checkpoints"
+    for step in (2, 4):
+        (root / f"step-00000{step}").mkdir(parents=True)
+        (root / f"step-00000{step}" / "trainer_state.json").write_text("{}")
+        (root / f"step-00000{step}" / "config.json").write_text("{}")
+    (root / "step-000006.tmp").mkdir()  # an interrupted save is never chosen
+    (root / "best.json").write_text(json.dumps({"checkpoint": "step-000002", "step": 2, "metric": "tau", "value": 1.5}))
+    assert resolve_draft_dir(tmp_path / "run") == root / "step-000002"
+    assert resolve_draft_dir(root) == root / "step-000002"
+    assert resolve_draft_dir(root / "step-000004") == root / "step-000004"  # a head folder is taken as it is
+    (root / "best.json").unlink()
+    assert resolve_draft_dir(tmp_path / "run") == root / "step-000004"
+    with pytest.raises(DrafttrainError, match="no draft checkpoint at"):
+        resolve_draft_dir(tmp_path / "elsewhere")

@@ -41,6 +41,23 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _ORPHAN_SUFFIXES = (".tmp", ".old")
 
 
+def resolve_draft_dir(path: str | Path, config_name: str = "config.json") -> Path:
+    """The head checkpoint a user means: the folder itself when it holds a head; for a run's ``checkpoints/``
+    folder or its output_dir, the best checkpoint by the run's eval metric, else the newest complete one."""
+    path = Path(path)
+    if (path / config_name).is_file():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    manager = CheckpointManager(root, keep_last=0)
+    best, latest = manager.best(), manager.latest()
+    if best is not None:
+        return root / best["checkpoint"]
+    if latest is not None:
+        return latest
+    raise DrafttrainError(f"no draft checkpoint at {path}: neither a head folder ({config_name}) nor a run with "
+                          "complete checkpoints")
+
+
 @dataclasses.dataclass
 class TrainerState:
     """Where training stands; with the data seed it fixes the rest of the data order exactly."""

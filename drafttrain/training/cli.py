@@ -71,6 +71,7 @@ def train(recipe: Recipe, resume: bool = False, target=None):
 
     dataset = datasets.load_from_disk(str(Path(recipe.output_dir) / TRAIN_SPLIT))
     target = target if target is not None else load_target(recipe.target)
+    check_draft_vocab_is_current(recipe, dataset, target)
     set_seed(recipe.seed)  # the draft's initial weights
     draft = build_draft(recipe.draft, target, output_dir=recipe.output_dir)
     callbacks = checkpoint_callbacks(recipe, target)
@@ -84,6 +85,18 @@ def train(recipe: Recipe, resume: bool = False, target=None):
         loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
         print(f"trained {result.steps} steps, final loss {loss}; checkpoint: {result.last_checkpoint}{best}")
     return result
+
+
+def check_draft_vocab_is_current(recipe: Recipe, dataset, target) -> None:
+    """The run's draft vocab (written by `drafttrain prepare`) must come from this train split and tokenizer: a
+    mapping left from other data would silently mask the wrong tokens. A mapping the recipe names is the user's."""
+    from drafttrain.data.vocab import draft_vocab_key, load_draft_vocab
+    from drafttrain.drafts.eagle3 import DRAFT_VOCAB_FILE
+
+    path = Path(recipe.output_dir) / DRAFT_VOCAB_FILE
+    if getattr(recipe.draft, "draft_vocab", None) or not path.is_file():
+        return
+    load_draft_vocab(path, expect_key=draft_vocab_key(dataset, target.tokenizer, target.vocab_size))
 
 
 def features_fn(recipe: Recipe, target, draft):

@@ -172,11 +172,7 @@ def verify_tree(
     while True:
         for child in kids[node + 1]:
             x = tok[child]
-            if q_cur is None:
-                q_used = torch.zeros_like(p_cur)
-                q_used[x] = 1.0
-            else:
-                q_used = q_cur
+            q_used = _one_hot_like(p_cur, torch.tensor(x, device=p_cur.device)) if q_cur is None else q_cur
             if accepts(uniforms[child], float(p_cur[x]), float(q_used[x])):
                 node = child
                 path.append(child)

@@ -48,9 +48,9 @@ def build_draft(draft_config, target, **context):
 def load_draft(directory: str | Path, target):
     """Load a saved head of any kind and attach ``target`` (checked against what the head was trained on).
     ``directory`` may also be a run's output_dir or checkpoints folder: its best checkpoint is loaded."""
-    from drafttrain.drafts.base import CONFIG_NAME, read_draft_config
+    from drafttrain.drafts.base import read_draft_config
     from drafttrain.training.checkpoint import resolve_draft_dir
 
-    directory = resolve_draft_dir(directory, CONFIG_NAME)
+    directory = resolve_draft_dir(directory)
     config = read_draft_config(directory)
     return draft_class(config["drafttrain"]["kind"]).from_pretrained(directory, target)

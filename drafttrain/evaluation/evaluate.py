@@ -174,9 +174,8 @@ def evaluate(
     }
     config = _config(
         target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
-        suite_name, questions, baseline, hf_reference, started_at,
+        suite_name, questions, baseline, hf_reference, compare, started_at,
     )
-    config["compare"] = list(compare)
     references = {name: _reference_line(pairs, temperature) for name, pairs in extra_runs.items()
                   if name.startswith("hf_")}
     comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
@@ -546,7 +545,7 @@ def machine_description() -> dict[str, Any]:
 
 
 def _config(target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
-            suite_name, questions, baseline, hf_reference, started_at) -> dict[str, Any]:
+            suite_name, questions, baseline, hf_reference, compare, started_at) -> dict[str, Any]:
     import transformers
 
     param = next(target.model.parameters())
@@ -566,6 +565,7 @@ def _config(target, proposer_name, proposer_kwargs, depth, tree, temperature, to
         "num_turns": sum(len(q.turns) for q in questions),
         "baseline": "plain_decode" if baseline else None,
         "hf_reference": hf_reference,
+        "compare": list(compare),
         "dtype": str(param.dtype).removeprefix("torch."),
         "device": str(param.device),
         "threads": torch.get_num_threads(),

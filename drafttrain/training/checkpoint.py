@@ -41,11 +41,13 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _ORPHAN_SUFFIXES = (".tmp", ".old")
 
 
-def resolve_draft_dir(path: str | Path, config_name: str = "config.json") -> Path:
+def resolve_draft_dir(path: str | Path) -> Path:
     """The head checkpoint a user means: the folder itself when it holds a head; for a run's ``checkpoints/``
     folder or its output_dir, the best checkpoint by the run's eval metric, else the newest complete one."""
+    from drafttrain.drafts.base import CONFIG_NAME
+
     path = Path(path)
-    if (path / config_name).is_file():
+    if (path / CONFIG_NAME).is_file():
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     manager = CheckpointManager(root, keep_last=0)
@@ -54,7 +56,7 @@ def resolve_draft_dir(path: str | Path, config_name: str = "config.json") -> Pat
         return root / best["checkpoint"]
     if latest is not None:
         return latest
-    raise DrafttrainError(f"no draft checkpoint at {path}: neither a head folder ({config_name}) nor a run with "
+    raise DrafttrainError(f"no draft checkpoint at {path}: neither a head folder ({CONFIG_NAME}) nor a run with "
                           "complete checkpoints")
 
 

@@ -1,4 +1,4 @@
-from drafttrain.cli import main
+from drafttrain.commands import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,7 +7,7 @@ dotted path of the offending field. ``key.sub=value`` overrides from the CLI are
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -74,13 +74,52 @@ class DraftVocabConfig(Section):
 
 
 class DraftConfig(Section):
-    """Base for every draft kind's section. ``kind`` picks the registered class (drafttrain.drafts.registry)."""
+    """Base of every draft kind's section; ``kind`` picks the section (and the registry entry in drafttrain.drafts)."""
 
     kind: str
 
 
+class Eagle3Config(DraftConfig):
+    kind: Literal["eagle3"] = "eagle3"
+    num_layers: int = Field(1, ge=1)
+    # Target taps in HF hidden_states numbering (i = the input of layer i), ascending and unique, each below the
+    # target's layer count: the order vLLM and SGLang concatenate them in. Default: inputs of 2, L/2, L-3.
+    layers: list[int] | None = Field(None, min_length=1)
+    # d2t/t2d mapping from `drafttrain prepare`; default <output_dir>/draft_vocab.safetensors when it exists,
+    # else the full target vocabulary.
+    draft_vocab: str | None = None
+    ttt_steps: int = Field(7, ge=1)
+    step_decay: float = Field(0.8, gt=0, le=1)  # loss weight of unrolled step i is step_decay**i
+    intermediate_size: int | None = Field(None, gt=0)
+
+    @field_validator("layers")
+    @classmethod
+    def _aux_layer_ids(cls, layers: list[int] | None) -> list[int] | None:
+        if layers is not None and (any(i < 0 for i in layers) or layers != sorted(set(layers))):
+            raise ValueError(f"{layers}: aux layer ids must be ascending, unique and >= 0 (vLLM and SGLang "
+                             "concatenate the taps in layer order)")
+        return layers
+
+
+class EagleConfig(DraftConfig):
+    kind: Literal["eagle"] = "eagle"
+    num_layers: int = Field(1, ge=1)
+    regression_weight: float = Field(1.0, ge=0)
+    ce_weight: float = Field(0.1, ge=0)
+    noise: float = Field(0.2, ge=0)  # width of the uniform noise added to input features (EAGLE-1: 0.2)
+    intermediate_size: int | None = Field(None, gt=0)
+
+
+# The draft section is one of the kinds' sections, chosen by its ``kind`` (a new kind adds its class here).
+DRAFT_SECTIONS = (Eagle3Config, EagleConfig)
+DRAFT_KINDS = tuple(section.model_fields["kind"].default for section in DRAFT_SECTIONS)
+DraftSection = Annotated[Union[DRAFT_SECTIONS], Field(discriminator="kind")]
+
+
 class TrainingConfig(Section):
     hidden_states: Literal["online", "offline"] = "online"
+    # dtype of the offline cache's hidden states; auto = the target's own dtype (nothing lost)
+    feature_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
     batch_size: int = Field(1, gt=0)  # per device
@@ -126,22 +165,10 @@ class Recipe(Section):
     data: DataConfig | None = None
     regenerate: RegenerateConfig = RegenerateConfig(enabled=False)
     draft_vocab: DraftVocabConfig = DraftVocabConfig()
-    draft: DraftConfig | None = None
+    draft: DraftSection | None = None
     training: TrainingConfig = TrainingConfig()
     eval: EvalConfig = EvalConfig()
     wandb: WandbConfig = WandbConfig()
-
-    @field_validator("draft", mode="before")
-    @classmethod
-    def _draft_kind(cls, value: Any) -> Any:
-        """Validate the draft section against the config class that its kind registered."""
-        if value is None or isinstance(value, DraftConfig):
-            return value
-        if not isinstance(value, dict) or "kind" not in value:
-            raise ValueError("needs a 'kind' (one of the registered draft kinds)")
-        from drafttrain.drafts.registry import draft_config_class
-
-        return draft_config_class(value["kind"]).model_validate(value)
 
     @model_validator(mode="after")
     def _vocab_needs_data(self) -> "Recipe":
@@ -183,8 +210,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid recipe {source}:"]
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = list(e["loc"])
+        if loc[:1] == ["draft"] and len(loc) > 1 and loc[1] in DRAFT_KINDS:
+            del loc[1]  # pydantic names the union member (the kind) in the path; the recipe has no such key
+        where = ".".join(str(p) for p in loc) or "(top level)"
         msg = "unknown key (not in the schema)" if e["type"] == "extra_forbidden" else e["msg"]
+        if e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            msg = f"draft.kind must be one of {', '.join(DRAFT_KINDS)}"
         lines.append(f"  {where}: {msg}")
     return "\n".join(lines)
 

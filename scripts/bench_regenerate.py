@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from drafttrain.config import RegenerateConfig
-from drafttrain.data.regenerate import HFGenerator, RegenerationSettings, render_prompt
+from drafttrain.data.chat import prompt_ids
+from drafttrain.data.regenerate import HFGenerator, RegenerationSettings
 from drafttrain.targets import load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ def alpaca_prompts(tokenizer, n: int) -> list[list[int]]:
     rows = json.loads((REPO / "data/train/alpaca_en_demo.json").read_text())[:n]
     conversations = [{"messages": [{"role": "user", "content": r["instruction"] + ("\n" + r["input"] if r.get("input")
                                                                                      else "")}]} for r in rows]
-    return sorted((render_prompt(tokenizer, c, c["messages"]) for c in conversations), key=len)
+    return sorted((prompt_ids(tokenizer, c["messages"]) for c in conversations), key=len)
 
 
 def main() -> None:

@@ -17,11 +17,9 @@ import time
 
 import torch
 
-from drafttrain.drafts import build_draft
-from drafttrain.drafts.eagle import EagleConfig
-from drafttrain.drafts.eagle3 import Eagle3Config
-from drafttrain.targets import load_target
-from drafttrain.training.features import compute_features
+from drafttrain.config import Eagle3Config, EagleConfig
+from drafttrain.drafts import build_drafter
+from drafttrain.targets import load_target, run_target
 
 
 def reduced_vocab_file(size: int, vocab: int) -> str:
@@ -64,7 +62,7 @@ def main() -> None:
         cfg = Eagle3Config(ttt_steps=args.ttt_steps, draft_vocab=reduced_vocab_file(args.draft_vocab, target.vocab_size))
     else:
         cfg = EagleConfig()
-    head = build_draft(cfg, target).train().to(dtype=target.model.dtype)
+    head = build_drafter(cfg, target).train().to(dtype=target.model.dtype)
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (args.batch, args.seq), generator=g).to(target.device)
@@ -76,8 +74,7 @@ def main() -> None:
         sync()
 
     def train_step():
-        features = compute_features(target, batch, head.target_layers)
-        out = head.training_step(batch, features)
+        out = head.training_step(batch, run_target(target, batch, head.needs()))  # the frozen target builds no graph
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         optimizer.step()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from drafttrain.cli import main as drafttrain
+from drafttrain.commands import main as drafttrain
 from drafttrain.evaluation.suites import load_suite
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     checkpoints = out / "run" / "checkpoints"
     latest = checkpoints / (checkpoints / "latest").read_text().strip()
     raise SystemExit(drafttrain([
-        "eval", "--target", "smollm2-135m-instruct", "--proposer", "eagle3", "--draft", str(latest),
+        "eval", "--target", "smollm2-135m-instruct", "--draft", str(latest),
         "--suite", "mt_bench", "--num-prompts", str(args.prompts), "--turns", "1",
         "--max-new-tokens", str(args.new_tokens), "--depth", str(args.depth), "--out", str(out / "eval"),
     ]))

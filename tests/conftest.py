@@ -38,3 +38,19 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.fail(f"shared data folder missing: {SHARED_DATA} (set DRAFTTRAIN_SHARED_DATA)")
     return SHARED_DATA
+
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def template_variant(base, template: str, specials: list[str], bos: str | None = None):
+    """A tokenizer (SmolLM2's) with another real chat template; the template's control tokens added as single
+    special tokens, as the real model's tokenizer has them."""
+    import copy
+
+    tok = copy.deepcopy(base)
+    tok.add_tokens(specials, special_tokens=True)
+    tok.chat_template = (TEMPLATES / template).read_text()
+    if bos:
+        tok.bos_token = bos
+    return tok

@@ -30,9 +30,9 @@ def test_checkpoint_layout_and_reload(tmp_path):
         p.name for p in (ckpt / "accelerate").iterdir()}
     # The draft export holds the draft only: no target weights.
     saved = load_file(str(ckpt / "model.safetensors"))
-    assert set(saved) == set(trainer.draft.state_dict())
+    assert set(saved) == set(trainer.drafter.state_dict())
     reloaded = StandInDraft.from_pretrained(ckpt, tiny_target())
-    for name, tensor in trainer.draft.state_dict().items():
+    for name, tensor in trainer.drafter.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor.cpu()), name
 
 
@@ -51,7 +51,7 @@ def test_best_checkpoint_survives_pruning(tmp_path):
 
 def test_crash_mid_save_keeps_the_previous_checkpoint_and_resume_cleans_up(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, max_steps=6, save_every=2)
-    real_save = trainer.draft.save_pretrained
+    real_save = trainer.drafter.save_pretrained
 
     def save_then_die(directory):
         if "step-000004" in str(directory):
@@ -59,7 +59,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint_and_resume_cleans_up(tmp_p
             raise OSError("simulated crash while saving")
         return real_save(directory)
 
-    monkeypatch.setattr(trainer.draft, "save_pretrained", save_then_die)
+    monkeypatch.setattr(trainer.drafter, "save_pretrained", save_then_die)
     with pytest.raises(OSError, match="simulated crash"):
         trainer.train()
     root = tmp_path / "checkpoints"
@@ -98,7 +98,7 @@ def test_resume_refuses_a_different_data_layout(tmp_path):
 
 
 def test_a_run_folder_resolves_to_its_best_checkpoint_then_its_newest(tmp_path):
-    from drafttrain.training.checkpoint import resolve_draft_dir
+    from drafttrain.runfolder import find_draft
 
     root = tmp_path / "run" / "checkpoints"
     for step in (2, 4):
@@ -107,10 +107,10 @@ def test_a_run_folder_resolves_to_its_best_checkpoint_then_its_newest(tmp_path):
         (root / f"step-00000{step}" / "config.json").write_text("{}")
     (root / "step-000006.tmp").mkdir()  # an interrupted save is never chosen
     (root / "best.json").write_text(json.dumps({"checkpoint": "step-000002", "step": 2, "metric": "tau", "value": 1.5}))
-    assert resolve_draft_dir(tmp_path / "run") == root / "step-000002"
-    assert resolve_draft_dir(root) == root / "step-000002"
-    assert resolve_draft_dir(root / "step-000004") == root / "step-000004"  # a head folder is taken as it is
+    assert find_draft(tmp_path / "run") == root / "step-000002"
+    assert find_draft(root) == root / "step-000002"
+    assert find_draft(root / "step-000004") == root / "step-000004"  # a head folder is taken as it is
     (root / "best.json").unlink()
-    assert resolve_draft_dir(tmp_path / "run") == root / "step-000004"
+    assert find_draft(tmp_path / "run") == root / "step-000004"
     with pytest.raises(DrafttrainError, match="no draft checkpoint at"):
-        resolve_draft_dir(tmp_path / "elsewhere")
+        find_draft(tmp_path / "elsewhere")

@@ -12,18 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import template_variant
 from drafttrain import DrafttrainError
 from drafttrain.data.conversations import load_conversations
-from drafttrain.data.tokenize import (
-    TOOLS_SYSTEM_HEADER,
-    TemplateSupport,
-    assistant_spans,
-    length_grouped_order,
-    pack,
-    pack_plan,
-    template_support,
-    tokenize_conversation,
-)
+from drafttrain.data.chat import TOOLS_SYSTEM_HEADER, TemplateSupport, template_support
+from drafttrain.data.tokenize import assistant_spans, length_grouped_order, pack, pack_plan, tokenize_conversation
 
 TEMPLATES = Path(__file__).parent / "templates"
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -39,24 +32,16 @@ def smol():
     return load_tokenizer("smollm2-135m-instruct")
 
 
-def _variant(base, template: str, specials: list[str], bos: str | None = None):
-    """SmolLM2's tokenizer with another real template; the template's control tokens added as single tokens."""
-    tok = copy.deepcopy(base)
-    tok.add_tokens(specials, special_tokens=True)
-    tok.chat_template = (TEMPLATES / template).read_text()
-    if bos:
-        tok.bos_token = bos
-    return tok
 
 
 @pytest.fixture(scope="module")
 def llama(smol):
-    return _variant(smol, "llama3.1_instruct.jinja", LLAMA_SPECIALS, bos="<|begin_of_text|>")
+    return template_variant(smol, "llama3.1_instruct.jinja", LLAMA_SPECIALS, bos="<|begin_of_text|>")
 
 
 @pytest.fixture(scope="module")
 def qwen(smol):
-    return _variant(smol, "qwen2.5_instruct.jinja", ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    return template_variant(smol, "qwen2.5_instruct.jinja", ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +136,7 @@ def test_special_tokens_are_single_tokens_in_template_variants(llama, qwen):
 def test_reasoning_template_that_rewrites_history(smol):
     """Qwen3 renders an empty think block on the last answer but not on earlier ones (not prefix-stable): the earlier
     answer is found by content, the last one is trained with the think block the model really generates."""
-    tok = _variant(smol, "qwen3.jinja", ["<think>", "</think>"])
+    tok = template_variant(smol, "qwen3.jinja", ["<think>", "</think>"])
     row = tokenize_conversation(tok, MULTI_TURN, max_length=1024)
     assert trainable_runs(tok, row) == ["4.<|im_end|>", "<think>\n\n</think>\n\n6, because 3 doubled is 6.\nDone.<|im_end|>"]
     assert tok.decode(row["input_ids"]).count("<think>") == 1
@@ -250,7 +235,7 @@ def test_missing_chat_template_is_an_error_naming_the_fix(smol):
 
 @pytest.fixture(scope="module")
 def gemma(smol):
-    return _variant(smol, "gemma2_it.jinja", ["<bos>", "<start_of_turn>", "<end_of_turn>"], bos="<bos>")
+    return template_variant(smol, "gemma2_it.jinja", ["<bos>", "<start_of_turn>", "<end_of_turn>"], bos="<bos>")
 
 
 def test_strict_template_without_system_or_tool_support(gemma, glaive):

@@ -49,7 +49,7 @@ def test_bad_depth(smollm2, lookup, depth):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(top_k=-1), "top_k must be an integer >= 0"),

@@ -15,11 +15,9 @@ from scipy import stats as scipy_stats
 
 from drafttrain.decoding import verify
 from drafttrain.decoding.trees import children_lists
+from drafttrain.sampling import Sampling, probabilities, sample_without_replacement
 from drafttrain.decoding.verify import (
-    Sampling,
     expected_acceptance_rate,
-    probabilities,
-    sample_without_replacement,
     verify_chain,
     verify_chain_greedy,
     verify_tree,

@@ -1,4 +1,5 @@
-"""EAGLE heads: shapes, the training-time-test attention, gradients, save/load layout, bad input."""
+"""EAGLE heads: shapes, the training-time-test attention, gradients, save/load layout, the offline cache, bad
+input."""
 
 from __future__ import annotations
 
@@ -10,18 +11,21 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain import DrafttrainError
-from drafttrain.config import parse_recipe
-from drafttrain.drafts import build_draft, load_draft
-from drafttrain.drafts.eagle import EagleConfig
-from drafttrain.drafts.eagle3 import Eagle3Config
-from drafttrain.targets.loading import Target
-from drafttrain.training.features import FeatureCache, compute_features, write_feature_cache
+from drafttrain.config import Eagle3Config, EagleConfig, parse_recipe
+from drafttrain.drafts import build_drafter, load_drafter
+from drafttrain.targets import Target, TargetNeeds, run_target
+from drafttrain.training.features import FeatureCache, write_feature_cache
+
+
+def outputs_of(target, batch, needs):
+    with torch.no_grad():
+        return run_target(target, batch, needs)
 
 
 @pytest.fixture(scope="module")
 def tiny_target():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     return Target("tiny-llama", LlamaForCausalLM(cfg).eval().requires_grad_(False), tokenizer=None)
 
@@ -44,30 +48,34 @@ def vocab_file(tmp_path, vocab: int, keep: list[int]):
 
 @pytest.mark.parametrize("cfg", [Eagle3Config(ttt_steps=3), Eagle3Config(num_layers=2, ttt_steps=2), EagleConfig()])
 def test_training_step_shapes_and_finite_loss(tiny_target, cfg):
-    draft = build_draft(cfg, tiny_target)
+    draft = build_drafter(cfg, tiny_target)
     batch = batch_of(tiny_target)
-    features = compute_features(tiny_target, batch, draft.target_layers)
+    features = outputs_of(tiny_target, batch, draft.needs())
     width = 3 * 32 if cfg.kind == "eagle3" else 32
     assert features.hidden.shape == (2, 24, width) and features.logits.shape == (2, 24, 96)
     out = draft.training_step(batch, features)
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)
-    assert len(out.step_accuracies) == (cfg.ttt_steps if cfg.kind == "eagle3" else 1)
+    assert len(out.correct) == len(out.counted) == (cfg.ttt_steps if cfg.kind == "eagle3" else 1)
+    assert all(0 <= c <= n for c, n in zip(out.correct, out.counted))
 
 
 def test_eagle3_default_taps_are_inputs_of_layers_2_mid_and_L_minus_3(tiny_target):
-    assert build_draft(Eagle3Config(), tiny_target).target_layers == [2, 3, 3]
+    from drafttrain.drafts.eagle3 import default_aux_layers
+
+    assert build_drafter(Eagle3Config(), tiny_target).tap_layers == [2, 4, 5]
+    assert default_aux_layers(30) == [2, 15, 27] and default_aux_layers(6) == [2, 3]  # each layer once
 
 
 def test_ttt_step_equals_cached_inference_along_the_drafted_path(tiny_target):
     """The TTT attention must reproduce what the draft computes at inference: real keys up to t, then its own
     keys for t+1..t+i. Feeding the true tokens at inference (teacher forcing) makes both paths identical."""
     torch.manual_seed(1)
-    draft = build_draft(Eagle3Config(ttt_steps=4), tiny_target).eval()
+    draft = build_drafter(Eagle3Config(ttt_steps=4), tiny_target).eval()
     for p in draft.parameters():  # non-trivial weights so a wrong mask changes the result
         torch.nn.init.normal_(p, std=0.2)
     batch = batch_of(tiny_target, batch=1, seq=16, seed=3)
     ids = batch["input_ids"]
-    features = compute_features(tiny_target, batch, draft.target_layers)
+    features = outputs_of(tiny_target, batch, draft.needs())
     fused = draft.fuse(features.hidden)
 
     # Training path: collect each TTT step's hidden output at every position.
@@ -99,11 +107,11 @@ def test_ttt_step_equals_cached_inference_along_the_drafted_path(tiny_target):
 def test_a_wrong_ttt_mask_would_be_caught(tiny_target):
     """Guard for the test above: letting step 1 see the step-0 key of position t+1 changes the output."""
     torch.manual_seed(1)
-    draft = build_draft(Eagle3Config(ttt_steps=2), tiny_target).eval()
+    draft = build_drafter(Eagle3Config(ttt_steps=2), tiny_target).eval()
     for p in draft.parameters():
         torch.nn.init.normal_(p, std=0.2)
     batch = batch_of(tiny_target, batch=1, seq=12, seed=3)
-    features = compute_features(tiny_target, batch, draft.target_layers)
+    features = outputs_of(tiny_target, batch, draft.needs())
     with torch.no_grad():
         fused = draft.fuse(features.hidden)
         caches = draft.new_caches()
@@ -118,9 +126,9 @@ def test_a_wrong_ttt_mask_would_be_caught(tiny_target):
 
 @pytest.mark.parametrize("cfg", [Eagle3Config(ttt_steps=2), EagleConfig()])
 def test_gradients_reach_only_draft_parameters(tiny_target, cfg):
-    draft = build_draft(cfg, tiny_target).train()
+    draft = build_drafter(cfg, tiny_target).train()
     batch = batch_of(tiny_target)
-    draft.training_step(batch, compute_features(tiny_target, batch, draft.target_layers)).loss.backward()
+    draft.training_step(batch, outputs_of(tiny_target, batch, draft.needs())).loss.backward()
     assert all(p.grad is None for p in tiny_target.model.parameters())
     target_ids = {id(p) for p in tiny_target.model.parameters()}
     assert not any(id(p) in target_ids for p in draft.parameters())
@@ -129,7 +137,7 @@ def test_gradients_reach_only_draft_parameters(tiny_target, cfg):
 
 def test_eagle3_checkpoint_uses_the_interchange_layout(tiny_target, tmp_path):
     vocab = vocab_file(tmp_path, 96, keep=list(range(0, 96, 3)))
-    draft = build_draft(Eagle3Config(draft_vocab=str(vocab)), tiny_target)
+    draft = build_drafter(Eagle3Config(draft_vocab=str(vocab)), tiny_target)
     draft.save_pretrained(tmp_path / "ckpt")
     names = set(load_file(str(tmp_path / "ckpt" / "model.safetensors")))
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
@@ -138,8 +146,8 @@ def test_eagle3_checkpoint_uses_the_interchange_layout(tiny_target, tmp_path):
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 32 and config["vocab_size"] == 96
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == draft.target_layers
-    loaded = load_draft(tmp_path / "ckpt", tiny_target)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == draft.tap_layers
+    loaded = load_drafter(tmp_path / "ckpt", tiny_target)
     for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     assert loaded.state_dict()["midlayer.self_attn.q_proj.weight"].shape == (32, 64)  # 2H input
@@ -147,7 +155,7 @@ def test_eagle3_checkpoint_uses_the_interchange_layout(tiny_target, tmp_path):
 
 def test_eagle3_draft_vocab_restricts_logits_to_kept_ids(tiny_target, tmp_path):
     keep = list(range(5, 96, 4))
-    draft = build_draft(Eagle3Config(draft_vocab=str(vocab_file(tmp_path, 96, keep))), tiny_target)
+    draft = build_drafter(Eagle3Config(draft_vocab=str(vocab_file(tmp_path, 96, keep))), tiny_target)
     assert draft.draft_to_target.tolist() == keep
     h = torch.randn(1, 3, 32)
     _, logits = draft.step(h, torch.tensor([[1, 2, 3]]), torch.arange(3).unsqueeze(0), draft.new_caches())
@@ -156,18 +164,20 @@ def test_eagle3_draft_vocab_restricts_logits_to_kept_ids(tiny_target, tmp_path):
 
 
 def test_bad_input_is_refused_clearly(tiny_target, tmp_path):
-    with pytest.raises(DrafttrainError, match="layer 9 does not exist"):
-        build_draft(Eagle3Config(layers=[1, 2, 9]), tiny_target)
+    with pytest.raises(DrafttrainError, match=r"aux layer ids \[1, 2, 9\] must be .* in 0..7"):
+        build_drafter(Eagle3Config(layers=[1, 2, 9]), tiny_target)
+    with pytest.raises(DrafttrainError, match="the final output is not a tap"):
+        build_drafter(Eagle3Config(layers=[1, 2, 8]), tiny_target)
     big = tmp_path / "big.safetensors"
     save_file({"d2t": torch.zeros(97, dtype=torch.long), "t2d": torch.ones(96, dtype=torch.bool)}, str(big))
     with pytest.raises(DrafttrainError, match="larger than the target"):
-        build_draft(Eagle3Config(draft_vocab=str(big)), tiny_target)
+        build_drafter(Eagle3Config(draft_vocab=str(big)), tiny_target)
     other = tmp_path / "other.safetensors"
     save_file({"d2t": torch.zeros(8, dtype=torch.long), "t2d": torch.ones(50, dtype=torch.bool)}, str(other))
     with pytest.raises(DrafttrainError, match="vocabulary of 50 tokens"):
-        build_draft(Eagle3Config(draft_vocab=str(other)), tiny_target)
+        build_drafter(Eagle3Config(draft_vocab=str(other)), tiny_target)
     with pytest.raises(DrafttrainError, match="not found"):
-        build_draft(Eagle3Config(draft_vocab=str(tmp_path / "none.safetensors")), tiny_target)
+        build_drafter(Eagle3Config(draft_vocab=str(tmp_path / "none.safetensors")), tiny_target)
 
 
 def test_recipe_rejects_unknown_draft_kind_and_keys():
@@ -175,30 +185,85 @@ def test_recipe_rejects_unknown_draft_kind_and_keys():
         parse_recipe({"draft": {"kind": "nope"}})
     with pytest.raises(DrafttrainError, match=r"draft\.ttt_step.*unknown key"):
         parse_recipe({"draft": {"kind": "eagle3", "ttt_step": 3}})
+    for unsorted in ([15, 2, 27], [2, 2, 27], [-1, 2]):  # vLLM and SGLang read the taps in ascending order
+        with pytest.raises(DrafttrainError, match="draft.layers.*ascending, unique"):
+            parse_recipe({"draft": {"kind": "eagle3", "layers": unsorted}})
     assert parse_recipe({"draft": {"kind": "eagle3", "ttt_steps": 3}}).draft.ttt_steps == 3
 
 
-def test_offline_cache_matches_online_features_and_detects_corruption(tiny_target, tmp_path):
+def offline_rows(n_rows=3, seed=0):
     import datasets
 
-    rows = [{"input_ids": torch.randint(0, 96, (n,)).tolist()} for n in (10, 14, 7)]
-    dataset = datasets.Dataset.from_list(rows)
-    layers = [2, 3, 3]
-    cache_dir = write_feature_cache(tiny_target, dataset, layers, tmp_path / "cache", rows_per_shard=2, dtype=torch.float32)
-    cache = FeatureCache(cache_dir, tiny_target, layers)
-    ids = torch.tensor(rows[1]["input_ids"]).unsqueeze(0)
-    online = compute_features(tiny_target, {"input_ids": ids}, layers)
-    offline = cache.features([1], seq_len=14)
-    assert torch.allclose(online.hidden, offline.hidden, atol=1e-5)
-    assert torch.allclose(online.logits, offline.logits, atol=1e-4)
+    g = torch.Generator().manual_seed(seed)
+    return datasets.Dataset.from_list([{"input_ids": torch.randint(0, 96, (n,), generator=g).tolist()}
+                                       for n in (10, 14, 7)[:n_rows]])
 
-    with pytest.raises(DrafttrainError, match="layers"):
-        FeatureCache(cache_dir, tiny_target, [1, 2, 3])
+
+@pytest.mark.parametrize("cfg", [Eagle3Config(layers=[2, 4, 5]), EagleConfig()])
+def test_offline_cache_matches_online_outputs(tiny_target, tmp_path, cfg):
+    dataset = offline_rows()
+    needs = build_drafter(cfg, tiny_target).needs()
+    cache_dir = write_feature_cache(tiny_target, dataset, needs, tmp_path / "cache", split_fingerprint="split-a",
+                                    dtype=torch.float32, rows_per_shard=2)
+    index = json.loads((cache_dir / "index.json").read_text())
+    assert index["layers"] == needs.stored_layers(8)  # each hidden state stored once: EAGLE-1 needs only layer 8
+    assert index["layers"] == ([2, 4, 5, 8] if cfg.kind == "eagle3" else [8])
+    ids = torch.tensor(dataset[1]["input_ids"]).unsqueeze(0)
+    online = outputs_of(tiny_target, {"input_ids": ids}, needs)
+    offline = FeatureCache(cache_dir, tiny_target, needs, "split-a").outputs(
+        {"input_ids": ids, "row_index": torch.tensor([1])})
+    assert torch.equal(online.hidden, offline.hidden)
+    assert torch.allclose(online.logits, offline.logits, atol=1e-5)
+
+
+def test_offline_logits_go_through_the_targets_own_output_path(tmp_path):
+    """Gemma-2 softcaps its final logits and Granite scales them: the cache must not recompute them with a bare
+    lm_head (which differs from what the model outputs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
+    for model_type, extra in (("gemma2", {"final_logit_softcapping": 0.5}), ("granite", {"logits_scaling": 7.0})):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **extra)).eval()
+        target = Target(model_type, model.requires_grad_(False), None)
+        needs = TargetNeeds(layers=(1,), logits=True)
+        dataset = offline_rows(1)
+        cache_dir = write_feature_cache(target, dataset, needs, tmp_path / model_type, split_fingerprint="s",
+                                        dtype=torch.float32)
+        ids = torch.tensor(dataset[0]["input_ids"]).unsqueeze(0)
+        online = outputs_of(target, {"input_ids": ids}, needs)
+        offline = FeatureCache(cache_dir, target, needs, "s").outputs({"input_ids": ids, "row_index": torch.tensor([0])})
+        assert torch.allclose(online.logits, offline.logits, atol=1e-5), model_type
+        bare = model.lm_head(run_target(target, {"input_ids": ids}, TargetNeeds(final_hidden=True)).final)
+        assert not torch.allclose(bare, online.logits, atol=1e-3), model_type  # the test would notice a bare lm_head
+
+
+def test_offline_cache_keeps_the_targets_dtype_unless_told(tiny_target, tmp_path):
+    from drafttrain.training.features import cache_dtype
+
+    assert cache_dtype("auto", tiny_target) == torch.float32  # fp32 target: nothing lost to bf16
+    assert cache_dtype("bfloat16", tiny_target) == torch.bfloat16
+    needs = TargetNeeds(layers=(2,), logits=True)
+    cache_dir = write_feature_cache(tiny_target, offline_rows(1), needs, tmp_path / "c", split_fingerprint="s",
+                                    dtype=cache_dtype("auto", tiny_target))
+    assert json.loads((cache_dir / "index.json").read_text())["dtype"] == "float32"
+
+
+def test_offline_cache_refuses_stale_corrupt_or_foreign_caches(tiny_target, tmp_path):
+    needs = TargetNeeds(layers=(2, 4, 5), logits=True)
+    cache_dir = write_feature_cache(tiny_target, offline_rows(), needs, tmp_path / "cache", split_fingerprint="split-a",
+                                    dtype=torch.float32, rows_per_shard=2)
+    with pytest.raises(DrafttrainError, match="built from other training rows.*stale"):
+        FeatureCache(cache_dir, tiny_target, needs, "split-b")
+    with pytest.raises(DrafttrainError, match="the draft needs \\[1\\] too"):
+        FeatureCache(cache_dir, tiny_target, TargetNeeds(layers=(1, 2), logits=True), "split-a")
     shard = cache_dir / "shard-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")
     with pytest.raises(DrafttrainError, match="corrupt"):
-        FeatureCache(cache_dir, tiny_target, layers).features([2], seq_len=7)
+        FeatureCache(cache_dir, tiny_target, needs, "split-a").outputs(
+            {"input_ids": torch.zeros(1, 7, dtype=torch.long), "row_index": torch.tensor([2])})
     wide = Target("wide", LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64,
-                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)), None)
+                  num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)), None)
     with pytest.raises(DrafttrainError, match="hidden size 32"):
-        FeatureCache(cache_dir, wide, layers)
+        FeatureCache(cache_dir, wide, needs, "split-a")

@@ -10,10 +10,9 @@ from drafttrain import DrafttrainError
 from drafttrain.decoding.engine import SpeculativeDecoder, plain_decode
 from drafttrain.decoding.proposers import build_proposer
 from drafttrain.decoding.trees import DynamicTree
-from drafttrain.drafts import build_draft
-from drafttrain.drafts.eagle import EagleConfig
-from drafttrain.drafts.eagle3 import Eagle3Config
-from drafttrain.training.features import compute_features
+from drafttrain.config import DraftConfig, Eagle3Config, EagleConfig
+from drafttrain.drafts import Drafter, build_drafter
+from drafttrain.targets import run_target
 
 PROMPT = [{"role": "user", "content": "List three facts about the moon."}]
 NEW_TOKENS = 32
@@ -28,11 +27,12 @@ def prompt_and_greedy(smollm2):
 def overfit_head(target, cfg, ids, continuation, steps=30, lr=3e-3):
     """Train a head on one sequence (prompt + the target's own answer) until it predicts it well."""
     torch.manual_seed(0)
-    head = build_draft(cfg, target).train()
+    head = build_drafter(cfg, target).train()
     tokens = torch.tensor([ids + continuation])
     batch = {"input_ids": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.float32),
              "attention_mask": torch.ones_like(tokens)}
-    features = compute_features(target, batch, head.target_layers)
+    with torch.no_grad():
+        features = run_target(target, batch, head.needs())
     opt = torch.optim.AdamW(head.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
@@ -67,7 +67,7 @@ def test_overfitting_lowers_the_loss(trained_head):
 def test_eagle_greedy_equals_target_greedy_with_acceptances(smollm2, prompt_and_greedy, trained_head, tree):
     ids, greedy = prompt_and_greedy
     head, _ = trained_head
-    proposer = build_proposer(head.kind, smollm2, draft=head)
+    proposer = build_proposer(head.proposer, smollm2, draft=head)
     out = SpeculativeDecoder(smollm2, proposer, depth=4, tree=tree).generate(ids, NEW_TOKENS)
     assert out.tokens == greedy
     assert sum(out.stats.accepted_per_step) > NEW_TOKENS // 4, out.stats.accepted_per_step  # the path is exercised
@@ -80,16 +80,18 @@ def test_eagle_greedy_on_a_prompt_it_was_not_trained_on(smollm2, trained_head):
                                                 add_generation_prompt=True, return_dict=True)["input_ids"]
     greedy = plain_decode(smollm2, ids, 24).tokens
     for tree in ("chain", DynamicTree(total_tokens=10, depth=4, top_k=3)):
-        out = SpeculativeDecoder(smollm2, build_proposer(head.kind, smollm2, draft=head), depth=5, tree=tree).generate(ids, 24)
+        out = SpeculativeDecoder(smollm2, build_proposer(head.proposer, smollm2, draft=head), depth=5, tree=tree).generate(ids, 24)
         assert out.tokens == greedy
 
 
-def test_eagle_proposer_refuses_bad_drafts(smollm2, tmp_path, trained_head):
+class NotAnEagleHead(Drafter):
+    kind, proposer = "other", "draft_model"
+
+
+def test_eagle_proposer_refuses_bad_drafts(smollm2, tmp_path):
     with pytest.raises(DrafttrainError, match="needs draft="):
-        build_proposer("eagle3", smollm2)
-    with pytest.raises(DrafttrainError, match="not found"):
-        build_proposer("eagle3", smollm2, draft=str(tmp_path / "missing"))
-    head, _ = trained_head
-    other = "eagle" if head.kind == "eagle3" else "eagle3"
-    with pytest.raises(DrafttrainError, match=f"needs an {other} head"):
-        build_proposer(other, smollm2, draft=head)
+        build_proposer("eagle", smollm2)
+    with pytest.raises(DrafttrainError, match="no draft checkpoint at"):
+        build_proposer("eagle", smollm2, draft=str(tmp_path / "missing"))
+    with pytest.raises(DrafttrainError, match="a other draft, served by the 'draft_model' proposer"):
+        build_proposer("eagle", smollm2, draft=NotAnEagleHead(DraftConfig(kind="other")))

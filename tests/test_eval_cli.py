@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from drafttrain.cli import main
+from drafttrain.commands import main
 from drafttrain.evaluation.report import REQUIRED_METRIC_KEYS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -91,7 +91,10 @@ def test_a_compared_proposer_runs_on_the_same_prompts_against_the_same_baseline(
         (["--proposer", "magic"], "unknown proposer 'magic'"),
         (["--proposer", "prompt_lookup", "--depth", "0"], "--depth (k) must be positive"),
         (["--proposer", "prompt_lookup", "--depth", "-2"], "--depth (k) must be positive"),
-        (["--proposer", "prompt_lookup", "--temperature", "-0.5"], "--temperature must be >= 0"),
+        (["--proposer", "prompt_lookup", "--temperature", "-0.5"], "temperature must be a finite number >= 0"),
+        (["--proposer", "prompt_lookup", "--temperature", "inf"], "temperature must be a finite number >= 0"),
+        (["--proposer", "prompt_lookup", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        ([], "give --proposer"),
         (["--proposer", "prompt_lookup", "--num-prompts", "0"], "--num-prompts must be positive"),
         (["--proposer", "draft_model"], "needs --draft"),
         (["--proposer", "prompt_lookup", "--draft", "smollm2-135m-instruct"], "--draft is not used by proposer"),
@@ -139,7 +142,7 @@ def test_mismatched_tokenizer_exits_2(tmp_path, capsys):
 
 
 def test_greedy_verdict_warns_loudly_and_fails_only_when_strict(capsys):
-    from drafttrain.evaluation.cli import _greedy_verdict
+    from drafttrain.commands.eval import _greedy_verdict
 
     assert _greedy_verdict(0.5, temperature=0.0, strict=True) == 1
     assert "WARNING" in capsys.readouterr().err
@@ -152,7 +155,7 @@ def test_greedy_verdict_warns_loudly_and_fails_only_when_strict(capsys):
 
 def test_tree_specs(tmp_path):
     from drafttrain.decoding import DynamicTree
-    from drafttrain.evaluation.cli import parse_tree
+    from drafttrain.commands.eval import parse_tree
 
     assert parse_tree("chain", 5, 60, 10) == "chain"
     assert parse_tree("dynamic", 6, 50, 8) == DynamicTree(total_tokens=50, depth=6, top_k=8)

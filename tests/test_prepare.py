@@ -6,17 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from drafttrain import DrafttrainError
-from drafttrain.cli import main
+from drafttrain.commands import main
 from drafttrain.config import load_recipe, parse_recipe
-from drafttrain.data.prepare import check_data_files, prepare
+from drafttrain.commands.prepare import check_data_files, prepare
 
 REPO = Path(__file__).resolve().parents[1]
-
-
 
 
 def write_recipe(tmp_path: Path, raw: dict) -> Path:
@@ -135,6 +132,12 @@ def test_prepare_end_to_end(tmp_path, shared_data, smollm2, capsys):
     assert summary["draft_vocab"]["coverage"] == pytest.approx(vocab.coverage, abs=1e-6)
     assert vocab.trainable_tokens == summary["datasets"]["train"]["trainable_tokens"]
 
+    # The validation conversations' first turns are the held-out prompts checkpoints are chosen on.
+    held_out = [json.loads(line) for line in (out / "data" / "validation_prompts.jsonl").read_text().splitlines()]
+    first_turns = {r["id"]: next(m["content"] for m in r["messages"] if m["role"] == "user") for r in regenerated}
+    assert {q["question_id"] for q in held_out} == set(validation["conversation_id"])
+    assert all(q["turns"] == [first_turns[q["question_id"]]] for q in held_out)
+
     # A rerun reuses the regenerated answers and the tokenised cache: same datasets, nothing generated.
     again = prepare(recipe, target=smollm2, progress=False, show_summary=False)
     assert again.summary["regenerate"]["regenerated_now"] == 0
@@ -176,3 +179,20 @@ def test_asking_a_source_to_regenerate_when_regeneration_is_off_is_refused(tmp_p
     raw["data"]["sources"][0]["regenerate"] = True
     with pytest.raises(DrafttrainError, match="regenerate.enabled is false"):
         parse_recipe(raw)
+
+
+def test_checkpoints_are_chosen_on_held_out_prompts_that_the_report_does_not_use(tmp_path):
+    from drafttrain.evaluation.checkpoint_eval import selection_prompts
+    from drafttrain.evaluation.suites import load_suite
+
+    mt_bench = load_suite("mt_bench").questions
+    recipe = parse_recipe({"output_dir": str(tmp_path), "eval": {"suite": "mt_bench", "num_prompts": 8}})
+    assert selection_prompts(recipe) is None  # no validation split: nothing held out to choose on
+    prompts = [{"question_id": "v1", "category": "alpaca", "turns": ["Name three colours."]},
+               {"question_id": "v2", "category": "alpaca", "turns": [mt_bench[0].turns[0]]},  # also in the report
+               {"question_id": "v3", "category": "gsm8k", "turns": ["What is 12 * 7?"]}]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "validation_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    chosen = selection_prompts(recipe)
+    assert [q.question_id for q in chosen.questions] == ["v1", "v3"]
+    assert not {q.turns[0] for q in chosen.questions} & {q.turns[0] for q in mt_bench}

@@ -15,13 +15,13 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.config import RegenerateConfig
+from drafttrain.sampling import keep_top_p
 from drafttrain.data.regenerate import (
     OutputPaths,
     SeededGumbelSampling,
     answer_slots,
     read_jsonl_resumable,
     regenerate_conversations,
-    top_p_filter,
     wire_messages,
 )
 
@@ -106,7 +106,7 @@ def test_gumbel_sampling_is_per_row_and_follows_the_distribution():
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    kept = torch.isfinite(top_p_filter(probs.log(), 0.7))[0].tolist()
+    kept = torch.isfinite(keep_top_p(probs.log(), 0.7))[0].tolist()
     assert kept == [True, True, False, False]  # 0.5 < 0.7, 0.8 >= 0.7 -> the crossing token stays
 
 

@@ -9,7 +9,8 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.config import TargetConfig
-from drafttrain.targets import HiddenStateTap, eagle3_default_layers, load_target, load_tokenizer
+from drafttrain.drafts.eagle3 import default_aux_layers
+from drafttrain.targets import HiddenStateTap, load_target, load_tokenizer
 from drafttrain.targets.loading import builtin_gguf_path, resolve_model_dir
 
 
@@ -64,7 +65,7 @@ def test_chat_template_override_from_the_recipe(smollm2):
 
 def test_taps_equal_output_hidden_states(smollm2):
     ids = torch.tensor([[1, 2683, 359, 253, 5356]])
-    layers = eagle3_default_layers(smollm2.num_layers) + [smollm2.num_layers]
+    layers = default_aux_layers(smollm2.num_layers) + [smollm2.num_layers]
     assert layers == [2, 15, 27, 30]
     with torch.no_grad(), HiddenStateTap(smollm2.model, layers) as tap:
         reference = smollm2.model(ids, output_hidden_states=True).hidden_states

@@ -16,7 +16,6 @@ from drafttrain import DrafttrainError
 from drafttrain.config import WandbConfig
 from drafttrain.training.loader import BatchLayout, ResumableBatchSampler, epoch_permutation, pad_collate
 from drafttrain.training.logging import resolve_wandb_mode, simulated_tau
-from drafttrain.training.schedule import build_optimizer, check_target_frozen
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
@@ -98,31 +97,36 @@ class RegistersTargetHead(StandInDraft):
 
 def test_trainer_refuses_a_draft_that_registers_target_weights(tmp_path):
     trainer = make_trainer(tmp_path)
-    trainer.draft = RegistersTargetHead(trainer.target)
+    trainer.drafter = RegistersTargetHead(trainer.target)
     with pytest.raises(DrafttrainError, match="registers target weights.*lm_head"):
         trainer.train()
 
 
-def test_trainer_refuses_a_target_that_is_not_frozen(tmp_path):
+def test_the_target_stays_frozen_unless_the_kind_declares_what_trains(tmp_path):
+    """The one rule: a target parameter trains only when the drafter's kind declares it. One left trainable
+    by accident is frozen (bit-identical after training); a declared one trains, and nothing else of the target."""
+    trainer = make_trainer(tmp_path / "frozen", max_steps=3)
+    norm = trainer.target.model.model.norm.weight
+    norm.requires_grad_(True)  # as if some code had thawed it
+    before = {n: p.clone() for n, p in trainer.target.model.named_parameters()}
+    result = trainer.train()
+    assert result.trainable_parameters == sum(p.numel() for p in trainer.drafter.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in trainer.target.model.named_parameters())
+
+    reset_accelerate()
+    trainer = make_trainer(tmp_path / "declared", max_steps=3)
+    trainer.drafter.trainable_target_parameters = lambda: ["model.norm.weight"]
+    before = {n: p.clone() for n, p in trainer.target.model.named_parameters()}
+    trainer.train()
+    changed = [n for n, p in trainer.target.model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed == ["model.norm.weight"]
+
+
+def test_declaring_a_target_parameter_the_target_lacks_is_refused(tmp_path):
     trainer = make_trainer(tmp_path)
-    trainer.target.model.model.norm.weight.requires_grad_(True)
-    with pytest.raises(DrafttrainError, match="target parameters require grad.*norm"):
+    trainer.drafter.trainable_target_parameters = lambda: ["model.nope.weight"]
+    with pytest.raises(DrafttrainError, match="declares target parameters the target lacks: model.nope.weight"):
         trainer.train()
-
-
-def test_frozen_check_catches_target_weights_in_the_optimizer():
-    target = tiny_target()
-    draft = StandInDraft(target)
-    optimizer = build_optimizer(draft, make_recipe_training())
-    optimizer.add_param_group({"params": [target.model.lm_head.weight]})
-    with pytest.raises(DrafttrainError, match="in the optimizer: lm_head.weight"):
-        check_target_frozen(target.model, draft, optimizer)
-
-
-def make_recipe_training():
-    from trainer_helpers import tiny_recipe
-
-    return tiny_recipe("unused").training
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
@@ -171,7 +175,7 @@ def test_cli_validates_the_recipe_before_loading_anything(tmp_path, monkeypatch,
         raise AssertionError("the target was loaded before the recipe was validated")
 
     monkeypatch.setattr(drafttrain.targets, "load_target", must_not_load)
-    from drafttrain.cli import main
+    from drafttrain.commands import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"output_dir: {tmp_path}\ndraft: {{kind: eagle3}}\ntraining: {{batch_size: 0}}\n")
@@ -187,19 +191,19 @@ def test_cli_trains_a_real_eagle3_head_and_resumes(tmp_path, monkeypatch, capsys
     """`drafttrain train` end to end with the real EAGLE-3 head; only the target loading is swapped for the
     tiny random Llama (no tokenizer needed: the data is already tokenised)."""
     import drafttrain.targets
-    from drafttrain.cli import main
-    from drafttrain.drafts import load_draft
+    from drafttrain.commands import main
+    from drafttrain.drafts import load_drafter
 
     monkeypatch.setattr(drafttrain.targets, "load_target", lambda cfg: tiny_target())
     tiny_dataset(16).save_to_disk(str(tmp_path / "data" / "train"))
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"output_dir: {tmp_path}\ndraft: {{kind: eagle3, ttt_steps: 2, layers: [0, 1, 2]}}\n"
+    recipe.write_text(f"output_dir: {tmp_path}\ndraft: {{kind: eagle3, ttt_steps: 2, layers: [0, 1]}}\n"
                       "training: {batch_size: 4, save_every: 2, log_every: 1}\nwandb: {enabled: false}\n"
                       "eval: {every_checkpoint: false}\n")  # no tokenizer on the tiny target to evaluate with
     assert main(["train", str(recipe), "--max-steps", "3"]) == 0
     assert "trained 3 steps" in capsys.readouterr().out
-    draft = load_draft(tmp_path / "checkpoints" / "step-000003", tiny_target())
-    assert draft.kind == "eagle3" and draft.target_layers == [0, 1, 2]
+    draft = load_drafter(tmp_path / "checkpoints" / "step-000003", tiny_target())
+    assert draft.kind == "eagle3" and draft.tap_layers == [0, 1]
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"acc_0", "acc_1", "loss_0", "loss_1", "sim_tau"} <= set(record)
 

@@ -16,8 +16,8 @@ from drafttrain.data.vocab import (
     load_draft_vocab,
     save_draft_vocab,
     select_draft_ids,
-    tokenizer_hash,
 )
+from drafttrain.data.tokenize import tokenizer_fingerprint
 
 
 class FakeTokenizer:
@@ -26,6 +26,9 @@ class FakeTokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return dict(self.vocab)
+
+    def __len__(self) -> int:
+        return len(self.vocab)
 
 
 def rows(*pairs):
@@ -91,7 +94,7 @@ def test_save_load_roundtrip_and_stale_key(tmp_path):
     with pytest.raises(DrafttrainError, match="stale.*data"):
         load_draft_vocab(path, expect_key=DraftVocabKey(data=other_data, tokenizer=vocab.key.tokenizer))
     with pytest.raises(DrafttrainError, match="stale.*tokenizer"):
-        load_draft_vocab(path, expect_key=DraftVocabKey(data=vocab.key.data, tokenizer=tokenizer_hash(FakeTokenizer(13))))
+        load_draft_vocab(path, expect_key=DraftVocabKey(data=vocab.key.data, tokenizer=tokenizer_fingerprint(FakeTokenizer(13))))
     with pytest.raises(DrafttrainError, match="not found"):
         load_draft_vocab(tmp_path / "missing.safetensors")
 

@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # when run as a script by accelerate launch
     sys.path.insert(0, str(REPO))
 
-from drafttrain.config import Recipe, parse_recipe  # noqa: E402
-from drafttrain.drafts.base import StepOutput, TargetFeatures  # noqa: E402
-from drafttrain.targets.loading import Target  # noqa: E402
+from drafttrain.config import DraftConfig, Recipe, parse_recipe  # noqa: E402
+from drafttrain.drafts.base import Drafter, StepOutput, top1_hits  # noqa: E402
+from drafttrain.targets import Target, TargetNeeds, TargetOutputs  # noqa: E402
 
 VOCAB = 128
 POISON_TOKEN = 127  # only in the row named "conv-poison"; the stand-in draft turns it into a NaN loss on request
@@ -59,13 +59,15 @@ def tiny_dataset(num_rows: int = 48, seed: int = 0, poison_row: int | None = Non
     return datasets.Dataset.from_dict(rows)
 
 
-class StandInDraft(nn.Module):
+class StandInDraft(Drafter):
     """Predicts token t+1 from the target's tapped hidden states at t plus the target's (frozen, referenced)
     embedding of token t, with its own small output head."""
 
+    kind = "stand-in"
+
     def __init__(self, target: Target, layers=(1, 2), dropout: float = 0.1, nan_on_poison: bool = False):
-        super().__init__()
-        self.__dict__["target"] = target  # referenced, not registered: not trained, not saved
+        super().__init__(DraftConfig(kind=self.kind))
+        self.attach_target(target)  # referenced, not registered: not trained, not saved
         self.layers = list(layers)
         self.nan_on_poison = nan_on_poison
         hidden = target.hidden_size
@@ -75,12 +77,11 @@ class StandInDraft(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.dropout_p = dropout
 
-    @property
-    def target_layers(self) -> list[int]:
-        return list(self.layers)
+    def needs(self) -> TargetNeeds:
+        return TargetNeeds(layers=tuple(self.layers))
 
-    def training_step(self, batch: dict[str, torch.Tensor], features: TargetFeatures) -> StepOutput:
-        h = self.fc(features.hidden) + self.target.model.get_input_embeddings()(batch["input_ids"])
+    def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
+        h = self.fc(outputs.hidden) + self.target.model.get_input_embeddings()(batch["input_ids"])
         h = h + self.mlp(self.dropout(h))
         logits = self.head(h)[:, :-1]
         labels = batch["input_ids"][:, 1:]
@@ -90,8 +91,9 @@ class StandInDraft(nn.Module):
         if self.nan_on_poison and bool((batch["input_ids"] == POISON_TOKEN).any()):
             loss = loss * float("nan")
         with torch.no_grad():
-            acc = float(((logits.argmax(-1) == labels).float() * weight).sum() / weight.sum().clamp(min=1))
-        return StepOutput(loss=loss, metrics={"loss_0": float(loss.detach()), "acc_0": acc}, step_accuracies=[acc])
+            correct, counted = top1_hits(logits.argmax(-1), labels, weight)
+        return StepOutput(loss=loss, metrics={"loss_0": float(loss.detach())},
+                          correct=[correct], counted=[counted])
 
     def save_pretrained(self, directory) -> Path:
         directory = Path(directory)
@@ -117,15 +119,14 @@ def tiny_recipe(output_dir, **training) -> Recipe:
 
 
 def make_trainer(output_dir, dataset=None, draft_kwargs=None, callbacks=None, best_metric=None, **training):
-    from drafttrain.training.features import compute_features
     from drafttrain.training.trainer import Trainer
 
     target = tiny_target()
     torch.manual_seed(1)  # the draft's initial weights, the same in every trainer of a test
     draft = StandInDraft(target, **(draft_kwargs or {}))
     dataset = dataset if dataset is not None else tiny_dataset()
-    return Trainer(tiny_recipe(output_dir, **training), target, draft, dataset, features_fn=compute_features,
-                   callbacks=callbacks, best_metric=best_metric)
+    return Trainer(tiny_recipe(output_dir, **training), target, draft, dataset, callbacks=callbacks,
+                   best_metric=best_metric)
 
 
 @pytest.fixture

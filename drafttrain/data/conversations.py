@@ -210,11 +210,17 @@ def _require(record: dict, fmt: str, *alternatives: tuple[str, ...]) -> None:
             raise FormatMismatch(f"format {fmt!r} needs a key {' or '.join(map(repr, keys))}")
 
 
-def _from_sharegpt(record: dict, conv_id: str, source: str) -> list[dict]:
-    _require(record, "sharegpt", ("conversations", "messages"))
-    turns = record.get("conversations", record.get("messages"))
+def _turn_list(record: dict, fmt: str, keys: tuple[str, str]) -> list:
+    """The record's list of turns, under its format's usual key or the other one."""
+    _require(record, fmt, keys)
+    turns = record.get(keys[0], record.get(keys[1]))
     if not isinstance(turns, list):
-        raise FormatMismatch("format 'sharegpt' needs 'conversations' to be a list")
+        raise FormatMismatch(f"format {fmt!r} needs {keys[0]!r} to be a list")
+    return turns
+
+
+def _from_sharegpt(record: dict, conv_id: str, source: str) -> list[dict]:
+    turns = _turn_list(record, "sharegpt", ("conversations", "messages"))
     messages = []
     system = _text(record.get("system"), "system")
     if system.strip():
@@ -237,10 +243,7 @@ def _from_sharegpt(record: dict, conv_id: str, source: str) -> list[dict]:
 
 
 def _from_openai(record: dict, conv_id: str, source: str) -> list[dict]:
-    _require(record, "openai", ("messages", "conversations"))
-    turns = record.get("messages", record.get("conversations"))
-    if not isinstance(turns, list):
-        raise FormatMismatch("format 'openai' needs 'messages' to be a list")
+    turns = _turn_list(record, "openai", ("messages", "conversations"))
     messages = []
     for turn in turns:
         if not isinstance(turn, dict) or "role" not in turn:

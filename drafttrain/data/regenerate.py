@@ -51,14 +51,12 @@ from typing import Any
 import torch
 
 from drafttrain import DrafttrainError
-from drafttrain.atomic import write_text_atomic
-from drafttrain.targets.loading import eos_token_ids
+from drafttrain.runfolder import write_text_atomic
 from drafttrain.config import RegenerateConfig
+from drafttrain.data.chat import chat_template_text, prompt_ids, stop_token_ids, tool_definitions
+from drafttrain.sampling import Sampling, warp_logits
 
 log = logging.getLogger(__name__)
-
-# End-of-turn markers of common chat templates; generation stops at any of these that the vocab has.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>")
 
 TOOL_CALL_KEYS = ("tool_calls", "function_call")
 
@@ -316,56 +314,19 @@ class ConversationJob:
 class SeededGumbelSampling:
     """Logits processor for reproducible per-row sampling inside a greedy ``generate``.
 
-    argmax(logits / T + Gumbel noise) is an exact sample from softmax(logits / T); top-p removes the tail
-    first. Each row draws its noise from its own generator, so its answer does not depend on its batch-mates.
+    argmax(warped logits + Gumbel noise) is an exact sample from the warped distribution (drafttrain.sampling).
+    Each row draws its noise from its own generator, so its answer does not depend on its batch-mates.
     """
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float):
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        self.temperature = temperature
-        self.top_p = top_p
+        self.sampling = Sampling(temperature, top_p)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        scores = scores.float() / self.temperature
-        if self.top_p < 1.0:
-            scores = top_p_filter(scores, self.top_p)
+        scores = warp_logits(scores, self.sampling)
         uniform = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp_(1e-10, 1.0 - 1e-7)))
         return scores + gumbel.to(scores.device)
-
-
-def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability reaches top_p (the token that crosses it included)."""
-    sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-    probs = sorted_scores.softmax(dim=-1)
-    remove = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches top_p
-    sorted_scores = sorted_scores.masked_fill(remove, float("-inf"))
-    return torch.empty_like(scores).scatter_(-1, order, sorted_scores)
-
-
-def stop_token_ids(tokenizer, model=None) -> list[int]:
-    """The target's eos ids plus any known end-of-turn token in the vocab."""
-    vocab = tokenizer.get_vocab()
-    ids = set(eos_token_ids(tokenizer, model)) | {vocab[token] for token in END_OF_TURN_TOKENS if token in vocab}
-    if not ids:
-        raise DrafttrainError("the tokenizer has no eos token and no known end-of-turn token: cannot stop answers")
-    return sorted(ids)
-
-
-def render_prompt(tokenizer, conversation: dict, history: list[dict]) -> list[int]:
-    """Token ids of the history plus the assistant header, rendered exactly as tokenisation will render it.
-
-    Tool calls, tool definitions and tool results go through the same adaptation as in
-    :mod:`drafttrain.data.tokenize` (e.g. calls written as JSON for templates without tool support), so the target
-    answers the very prompt the draft will later be trained on.
-    """
-    from drafttrain.data.tokenize import adapt_to_template, template_support
-
-    partial = {"messages": history, "tools": conversation.get("tools")}
-    messages, tools = adapt_to_template(partial, template_support(tokenizer))
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    # The template already wrote any BOS; add_special_tokens would add a second one.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class HFGenerator:
@@ -377,7 +338,8 @@ class HFGenerator:
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
-        self.stop_ids = stop_token_ids(tokenizer, model)
+        chat_template_text(tokenizer)  # the answers must be rendered as training will render them
+        self.stop_ids = stop_token_ids(tokenizer, model.generation_config)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.pad_id = int(pad)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -451,7 +413,7 @@ def run_hf(
         while active:
             prompts, seeds, ready = [], [], []
             for job in active:
-                ids = render_prompt(generator.tokenizer, job.conversation, job.pending_prompt())
+                ids = prompt_ids(generator.tokenizer, job.pending_prompt(), job.conversation.get("tools"))
                 if not generator.prompt_fits(ids):
                     job.drop_reason = "prompt_too_long"
                     on_done(job)
@@ -572,9 +534,7 @@ def wire_messages(messages: list[dict]) -> list[dict]:
 
 def wire_tools(conversation: dict) -> list | None:
     """The conversation's tool definitions as an OpenAI ``tools`` list (datasets often store them as JSON text)."""
-    from drafttrain.data.tokenize import _tool_definitions
-
-    tools, _raw_text = _tool_definitions(conversation.get("tools"))
+    tools, _raw_text = tool_definitions(conversation.get("tools"))
     return tools
 
 

@@ -14,11 +14,8 @@ How the mask is found (no per-model separators anywhere):
 Templates whose history rendering differs from the last turn's (reasoning templates that drop old ``<think>``
 blocks) fall back to locating the message content inside the full text.
 
-Tool use: templates that render ``tool_calls``/``tools``/the ``tool`` role get them as is; for a template that
-ignores them (SmolLM2's plain ChatML) a call is written into the assistant content as ``{"name": ..., "arguments":
-...}`` JSON, tool definitions go into the system message, and tool results become user turns if the template refuses
-the ``tool`` role; a template that refuses the ``system`` role (Gemma) gets the system text at the start of the first
-user turn -- so every conversation still renders and the call is still trained on.
+Tool calls, tool results and system turns are adapted to what the template can render by
+:mod:`drafttrain.data.chat`, the same way for regeneration and evaluation.
 
 Dataset columns (``build_tokenized_dataset``): ``input_ids``, ``loss_mask``, ``num_tokens``, ``num_trainable`` and
 ``conversation_id`` (str); packed rows instead carry ``conversation_ids`` (list[str]) and ``position_ids`` restarting
@@ -29,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -40,17 +36,15 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DataConfig
+from drafttrain.data.chat import TemplateRejected, adapt_to_template, chat_template_text, render_text, template_support
 
 log = logging.getLogger(__name__)
 
 # Bump when the tokenised output of the same inputs changes (new columns, mask rules ...): old caches are ignored.
 FORMAT_VERSION = 1
-TOOLS_SYSTEM_HEADER = "You have access to the following functions:"
-_PROBE = "drafttrain_probe_7f3a"
 _CACHE_MARKER = "drafttrain_stats.json"
 
 
@@ -58,133 +52,11 @@ class SkipConversation(Exception):
     """The conversation yields no training row; the message is the counted reason."""
 
 
-# ----------------------------------------------------------------------------------------------- chat template
-
-
-def chat_template_text(tokenizer) -> str:
-    """The tokenizer's chat template, or a DrafttrainError saying how to provide one."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise DrafttrainError(
-            f"tokenizer {name!r} has no chat template, so conversations cannot be rendered the way the target sees "
-            "them. Set target.chat_template in the recipe to the Jinja template text or to a .jinja file (e.g. the "
-            "'chat_template' of the model's tokenizer_config.json)."
-        )
-    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
-
-
 def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except DrafttrainError:
-        raise
-    except Exception as err:  # jinja raise_exception(), UndefinedError, TypeError from odd content ...
-        first_line = (str(err).splitlines() or [err.__class__.__name__])[0][:100]
-        raise SkipConversation(f"chat template rejected the conversation: {first_line}") from None
-    if not isinstance(text, str):  # defensive: transformers 5 returns BatchEncoding unless tokenize=False
-        raise DrafttrainError("apply_chat_template(tokenize=False) did not return text")
-    return text
-
-
-@dataclasses.dataclass(frozen=True)
-class TemplateSupport:
-    tool_calls: bool  # renders assistant ``tool_calls``
-    tools: bool  # renders the ``tools`` definitions
-    tool_role: bool  # renders ``tool`` messages
-    system_role: bool = True  # accepts a ``system`` message (Gemma's template refuses it)
-
-
-def _probe_call(name: str) -> dict:
-    return {"type": "function", "function": {"name": name, "arguments": {"x": 1}}}
-
-
-def _probe_renders(tokenizer, messages: list[dict], tools: list | None, marker: str) -> bool:
-    try:
-        return marker in _render(tokenizer, messages, tools, False)
-    except SkipConversation:
-        return False
-
-
-_SUPPORT_CACHE: dict[str, TemplateSupport] = {}
-
-
-def template_support(tokenizer) -> TemplateSupport:
-    """What the template does with tool calls, tool definitions and tool results, found by rendering probes.
-
-    Cached per template text and the bos/eos tokens it may print, not per tokenizer object.
-    """
-    template = chat_template_text(tokenizer)
-    key = f"{template}\0{getattr(tokenizer, 'bos_token', None)}\0{getattr(tokenizer, 'eos_token', None)}"
-    if key not in _SUPPORT_CACHE:
-        user = {"role": "user", "content": "hi"}
-        call = {"role": "assistant", "content": "", "tool_calls": [_probe_call(_PROBE + "_call")]}
-        tool_def = [{"type": "function", "function": {"name": _PROBE + "_def", "description": "probe",
-                                                      "parameters": {"type": "object", "properties": {}}}}]
-        calls = _probe_renders(tokenizer, [user, call], None, _PROBE + "_call")
-        answer = call if calls else {"role": "assistant", "content": "calling"}
-        tool_turn = {"role": "tool", "content": _PROBE + "_result"}
-        system = {"role": "system", "content": _PROBE + "_system"}
-        _SUPPORT_CACHE[key] = TemplateSupport(
-            tool_calls=calls,
-            tools=_probe_renders(tokenizer, [user], tool_def, _PROBE + "_def"),
-            tool_role=_probe_renders(tokenizer, [user, answer, tool_turn], None, _PROBE + "_result"),
-            system_role=_probe_renders(tokenizer, [system, user], None, _PROBE + "_system"),
-        )
-    return _SUPPORT_CACHE[key]
-
-
-def _tool_definitions(tools: Any) -> tuple[list | None, str | None]:
-    """(OpenAI-style tool list, or raw text when the dataset's tools are not JSON)."""
-    if not tools:
-        return None, None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            return None, tools
-    if isinstance(tools, dict):
-        tools = [tools]
-    if not isinstance(tools, list):
-        return None, str(tools)
-    wrapped = [t if isinstance(t, dict) and t.get("type") == "function" and "function" in t
-               else {"type": "function", "function": t} for t in tools]
-    return wrapped, None
-
-
-def _call_text(call: dict) -> str:
-    fn = call["function"]
-    return json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False)
-
-
-def adapt_to_template(conversation: dict, support: TemplateSupport) -> tuple[list[dict], list | None]:
-    """Messages and tools as this template can render them (see the module docstring)."""
-    tools, tools_text = _tool_definitions(conversation.get("tools"))
-    messages = [dict(m) for m in conversation["messages"]]
-    if not support.tool_calls:
-        for msg in messages:
-            if msg.get("tool_calls"):
-                calls = "\n".join(_call_text(c) for c in msg.pop("tool_calls"))
-                msg["content"] = f"{msg['content']}\n{calls}" if msg["content"] else calls
-    if not support.tool_role:
-        messages = [dict(m, role="user") if m["role"] == "tool" else m for m in messages]
-    if tools is not None and not support.tools:
-        tools_text = TOOLS_SYSTEM_HEADER + "\n" + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-        tools = None
-    if tools_text:
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{tools_text}"
-        else:
-            messages.insert(0, {"role": "system", "content": tools_text})
-    if not support.system_role and messages and messages[0]["role"] == "system":
-        # The usual workaround for system-less templates: the instructions open the first user turn.
-        system = messages.pop(0)["content"]
-        first_user = next((m for m in messages if m["role"] == "user"), None)
-        if first_user is not None:
-            first_user["content"] = f"{system}\n\n{first_user['content']}"
-    return messages, tools
+        return render_text(tokenizer, messages, tools, add_generation_prompt)
+    except TemplateRejected as why:
+        raise SkipConversation(str(why)) from None
 
 
 # ----------------------------------------------------------------------------------------------- spans and masks
@@ -373,9 +245,10 @@ def length_grouped_order(lengths: Sequence[int], batch_size: int, seed: int, gro
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Content hash of a tokenizer: vocabulary/merges/normalisation (backend JSON), size and special tokens.
+    """Content hash of a tokenizer: vocabulary/merges/normalisation (backend JSON), size and special tokens (16 hex).
 
-    The path it was loaded from is left out on purpose: a copied model folder reuses its caches.
+    The one identity of a tokenizer that every artifact records. The path it was loaded from is left out on
+    purpose: a copied model folder reuses its caches.
     """
     h = hashlib.sha256()
     h.update(f"{type(tokenizer).__name__}\0{len(tokenizer)}\0".encode())
@@ -386,7 +259,36 @@ def tokenizer_fingerprint(tokenizer) -> str:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
     specials = {k: str(v) for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()}
     h.update(json.dumps(specials, sort_keys=True).encode())
-    return h.hexdigest()
+    return h.hexdigest()[:16]
+
+
+def iter_token_rows(dataset, batch_size: int = 1024):
+    """(input_ids int64, loss_mask bool) numpy arrays per row of a tokenised split (or any iterable of such dicts)."""
+    import numpy as np
+
+    if hasattr(dataset, "iter"):
+        rows = (row for batch in dataset.select_columns(["input_ids", "loss_mask"]).iter(batch_size=batch_size)
+                for row in zip(batch["input_ids"], batch["loss_mask"]))
+    else:
+        rows = ((row["input_ids"], row["loss_mask"]) for row in dataset)
+    for ids, mask in rows:
+        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+        if ids.shape != mask.shape:
+            raise DrafttrainError(f"input_ids and loss_mask differ in length ({ids.shape[0]} vs {mask.shape[0]})")
+        yield ids, mask
+
+
+def split_fingerprint(dataset) -> str:
+    """Content hash of a tokenised split (every row's tokens and loss mask, in order; 16 hex): what artifacts
+    derived from the split (draft vocab, feature cache, checkpoints) record and are checked against."""
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for ids, mask in iter_token_rows(dataset):
+        digest.update(np.int64(ids.shape[0]).tobytes())
+        digest.update(ids.tobytes())
+        digest.update(np.packbits(mask).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def conversations_fingerprint(conversations: Iterable[dict]) -> str:
@@ -496,7 +398,7 @@ def _build_rows(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, 
 
 
 def _default_cache_dir() -> Path:
-    from drafttrain.targets.loading import cache_root
+    from drafttrain.runfolder import cache_root
 
     return cache_root() / "data"
 

@@ -19,8 +19,6 @@ another tokenizer is detected on load instead of silently mis-indexing the draft
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -29,6 +27,7 @@ import numpy as np
 import torch
 
 from drafttrain import DrafttrainError
+from drafttrain.data.tokenize import iter_token_rows, split_fingerprint, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -95,33 +94,10 @@ class DraftVocab:
 # Keys
 
 
-def tokenizer_hash(tokenizer) -> str:
-    """Content hash of the token -> id mapping (what decides which id means which token)."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
-def _iter_rows(dataset, batch_size: int = 1024):
-    """(input_ids, loss_mask) numpy arrays per row of a datasets.Dataset (or any iterable of such dicts)."""
-    if hasattr(dataset, "iter"):
-        for batch in dataset.select_columns(["input_ids", "loss_mask"]).iter(batch_size=batch_size):
-            for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
-                yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
-    else:
-        for row in dataset:
-            yield np.asarray(row["input_ids"], dtype=np.int64), np.asarray(row["loss_mask"], dtype=bool)
-
-
 def count_trainable_tokens(dataset, vocab_size: int) -> TokenCounts:
-    """Counts of target ids over the trainable (loss_mask = 1) positions, plus a hash of the data in one pass."""
+    """Counts of target ids over the trainable (loss_mask = 1) positions, and the split's fingerprint."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    digest = hashlib.sha256()
-    for ids, mask in _iter_rows(dataset):
-        if ids.shape != mask.shape:
-            raise DrafttrainError(f"input_ids and loss_mask differ in length ({ids.shape[0]} vs {mask.shape[0]})")
-        digest.update(np.int64(ids.shape[0]).tobytes())
-        digest.update(ids.tobytes())
-        digest.update(np.packbits(mask).tobytes())
+    for ids, mask in iter_token_rows(dataset):
         trainable = ids[mask]
         if trainable.size and (trainable.max() >= vocab_size or trainable.min() < 0):
             raise DrafttrainError(
@@ -129,13 +105,12 @@ def count_trainable_tokens(dataset, vocab_size: int) -> TokenCounts:
                 "the data was tokenised with another tokenizer"
             )
         counts += np.bincount(trainable, minlength=vocab_size)
-    return TokenCounts(torch.from_numpy(counts), digest.hexdigest()[:16])
+    return TokenCounts(torch.from_numpy(counts), split_fingerprint(dataset))
 
 
 def draft_vocab_key(dataset, tokenizer, vocab_size: int) -> DraftVocabKey:
     """The key a draft vocab built from ``dataset`` with ``tokenizer`` carries (to check a saved one against)."""
-    data_hash = count_trainable_tokens(dataset, vocab_size).data_hash
-    return DraftVocabKey(data=data_hash, tokenizer=tokenizer_hash(tokenizer))
+    return DraftVocabKey(data=split_fingerprint(dataset), tokenizer=tokenizer_fingerprint(tokenizer))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -186,7 +161,7 @@ def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int) -> DraftVo
     return DraftVocab(
         d2t=d2t,
         t2d=t2d,
-        key=DraftVocabKey(data=counts.data_hash, tokenizer=tokenizer_hash(tokenizer)),
+        key=DraftVocabKey(data=counts.data_hash, tokenizer=tokenizer_fingerprint(tokenizer)),
         coverage=coverage_of(counts.counts, t2d),
         trainable_tokens=counts.total,
         distinct_tokens_seen=counts.distinct,
@@ -255,16 +230,44 @@ def load_draft_vocab(path: str | Path, expect_key: DraftVocabKey | None = None) 
 
 
 def _check_consistent(vocab: DraftVocab, path: Path) -> None:
-    target_ids = vocab.target_ids()
+    _check_mapping(vocab.d2t, vocab.t2d, path)
+
+
+def _check_mapping(d2t: torch.Tensor, t2d: torch.Tensor, path: Path) -> None:
+    target_ids = torch.arange(d2t.numel(), dtype=torch.long) + d2t.long()
     ok = (
-        vocab.d2t.dtype == torch.int64
-        and vocab.t2d.dtype == torch.bool
-        and int(vocab.t2d.sum()) == vocab.size
+        d2t.dtype == torch.int64
+        and t2d.dtype == torch.bool
+        and int(t2d.sum()) == d2t.numel()
         and bool((target_ids[1:] > target_ids[:-1]).all())
-        and torch.equal(torch.nonzero(vocab.t2d).flatten(), target_ids)
+        and torch.equal(torch.nonzero(t2d).flatten(), target_ids)
     )
     if not ok:
         raise DrafttrainError(f"{path}: d2t and t2d do not describe the same draft vocabulary; the file is corrupt")
+
+
+def read_vocab_mapping(path: str | Path, target_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from any safetensors file that holds them (ours, or another EAGLE-3 trainer's), checked against
+    the target's vocabulary size and for consistency."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise DrafttrainError(f"draft vocab file not found: {path} (run `drafttrain prepare` first)")
+    try:
+        tensors = load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for corrupt files
+        raise DrafttrainError(f"cannot read draft vocab {path}: {err}") from None
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise DrafttrainError(f"draft vocab {path} lacks d2t/t2d tensors")
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    if t2d.numel() != target_vocab_size:
+        raise DrafttrainError(f"draft vocab {path} was built for a vocabulary of {t2d.numel()} tokens, the target "
+                              f"has {target_vocab_size}")
+    if d2t.numel() > target_vocab_size:
+        raise DrafttrainError(f"draft vocab size {d2t.numel()} is larger than the target's {target_vocab_size}")
+    _check_mapping(d2t, t2d, path)
+    return d2t, t2d
 
 
 def _check_key(found: DraftVocabKey, expected: DraftVocabKey, path: Path) -> None:

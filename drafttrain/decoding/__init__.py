@@ -1,4 +1,5 @@
-"""Speculative decoding: the loop (engine), lossless verification rules (verify), draft proposers, tree shapes.
+"""Speculative decoding: the loop (engine), lossless verification rules (verify), draft shapes (trees), and the
+proposers (prompt lookup, draft model, EAGLE heads), registered by name.
 
     from drafttrain.decoding import SpeculativeDecoder, build_proposer, DynamicTree
     dec = SpeculativeDecoder(target, build_proposer("prompt_lookup", target), depth=5)
@@ -6,10 +7,12 @@
     out.tokens, out.stats.accepted_per_step
 """
 
+# importing a proposer module registers it by name
+from drafttrain.decoding.draft_model import DraftModelProposer
+from drafttrain.decoding.eagle import EagleProposer
 from drafttrain.decoding.engine import DecodeOutput, DecodeStats, SpeculativeDecoder, plain_decode
 from drafttrain.decoding.proposers import (
     PROPOSERS,
-    DraftModelProposer,
     DraftRequest,
     NoDraft,
     PromptLookupProposer,
@@ -18,8 +21,8 @@ from drafttrain.decoding.proposers import (
     register_proposer,
 )
 from drafttrain.decoding.trees import Chain, Draft, DynamicTree, StaticTree
-from drafttrain.decoding.verify import Sampling, expected_acceptance_rate
-from drafttrain.decoding import eagle as _eagle  # noqa: F401,E402  (registers the eagle3 / eagle proposers)
+from drafttrain.decoding.verify import expected_acceptance_rate
+from drafttrain.sampling import Sampling
 
 __all__ = [
     "PROPOSERS",
@@ -30,6 +33,7 @@ __all__ = [
     "DraftModelProposer",
     "DraftRequest",
     "DynamicTree",
+    "EagleProposer",
     "NoDraft",
     "PromptLookupProposer",
     "Proposer",

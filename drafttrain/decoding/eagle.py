@@ -1,38 +1,36 @@
-"""EAGLE proposers: a trained EAGLE-3 or EAGLE-1/2 head drafting chains, static trees or EAGLE-2 dynamic trees.
+"""The ``eagle`` proposer: a trained EAGLE head (EAGLE-3, or EAGLE-1/2) drafting chains, static trees or EAGLE-2
+dynamic trees.
 
 The head's KV cache holds one entry per (target hidden state, following token) pair of the accepted text, so
 it grows by exactly the m tokens emitted per step (the engine hands those pairs to ``accept``). Draft nodes
-are appended while proposing and cropped afterwards. Tree expansion and reranking are shared with the
-draft-model proposer; only how one level is fed differs: each node's input is its parent's output hidden.
+are appended while proposing and cropped afterwards. Which tokens to draft is drafttrain.decoding.expand's;
+only how one level is fed is the head's: each node's input is its parent's output hidden.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from drafttrain import DrafttrainError
-from drafttrain.decoding.proposers import DraftModelProposer, DraftRequest, register_proposer
-from drafttrain.decoding.trees import Chain, Draft, StaticTree
+from drafttrain.decoding.expand import TreeDrafter
+from drafttrain.decoding.proposers import register_proposer
+from drafttrain.decoding.trees import feed_mask
+from drafttrain.drafts import Drafter, load_drafter
 
 
-class EagleProposer(DraftModelProposer):
+@register_proposer("eagle")
+class EagleProposer(TreeDrafter):
+    """``draft``: a checkpoint (or run) folder written by drafttrain, or an in-memory EAGLE drafter."""
+
     def __init__(self, target, *, draft=None):
-        from drafttrain.drafts import DraftHead, load_draft
-
         if draft is None or draft == "":
-            raise DrafttrainError(f"the {self.name!r} proposer needs draft=<a checkpoint folder written by drafttrain>")
-        if isinstance(draft, DraftHead):
-            self.head = draft
-        else:
-            if not Path(draft).is_dir():
-                raise DrafttrainError(f"EAGLE draft checkpoint not found: {draft}")
-            self.head = load_draft(draft, target)
-        if self.head.kind != self.expected_kind:
-            raise DrafttrainError(f"proposer {self.name!r} needs an {self.expected_kind} head, {draft} is {self.head.kind}")
+            raise DrafttrainError("the 'eagle' proposer needs draft=<a checkpoint or run folder written by drafttrain>")
+        self.head = draft if isinstance(draft, Drafter) else load_drafter(draft, target)
+        if self.head.proposer != self.name:
+            raise DrafttrainError(f"the 'eagle' proposer serves EAGLE heads; {draft} is a {self.head.kind} draft, "
+                                  f"served by the {self.head.proposer!r} proposer")
         self.head.eval()
-        self.hidden_layers = self.head.target_layers
+        self.hidden_layers = self.head.tap_layers
         self.vocab_size = target.vocab_size
 
     # -- the accepted text -----------------------------------------------------------------------------
@@ -53,68 +51,24 @@ class EagleProposer(DraftModelProposer):
         self.root_hidden, self.root_logits = out[:, -1:], logits[0, -1]
 
     # -- drafting ----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def propose(self, request: DraftRequest) -> Draft:
-        self.ctx = self.length
-        self.fed: list[int] = []
+    def _root_logits(self) -> torch.Tensor:
         self.node_hidden: dict[int, torch.Tensor] = {-1: self.root_hidden}
-        self.ids = torch.empty(1, 0, dtype=torch.long, device=self.device)  # the shared tree code reads .ids.device
-        shape = request.shape
-        if isinstance(shape, Chain):
-            draft = self._chain(self.root_logits, shape.depth, request)
-        elif isinstance(shape, StaticTree):
-            draft = self._static(self.root_logits, shape, request)
-        else:
-            draft = self._dynamic(self.root_logits, shape, request)
-        for cache in self.caches:
-            cache.crop(self.length)
-        return draft
+        return self.root_logits
 
-    def _chain(self, logits: torch.Tensor, depth: int, request: DraftRequest) -> Draft:
-        tokens, parents, depths = [], [], []
-        qs = []
-        for i in range(depth):
-            if i:
-                logits = self._feed([i - 1], tokens, parents, depths)[0]
-            (tok,), q = self._draw(logits, 1, request)
-            tokens.append(tok)
-            parents.append(i - 1)
-            depths.append(i + 1)
-            qs.append(q)
-        q = None if request.sampling.greedy else torch.stack(qs)[None]
-        return Draft.chain(torch.tensor([tokens], device=self.device), q)
-
-    def _feed(self, nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
-        """One head forward over tree ``nodes``: (parent's output hidden, node token) at position ctx-1+depth,
-        each seeing the accepted text, its ancestors and itself. Returns their logits [len(nodes), V]."""
-        slot = {n: i for i, n in enumerate(self.fed)}
-        allowed = torch.zeros(len(nodes), self.ctx + len(self.fed) + len(nodes), dtype=torch.bool, device=self.device)
-        allowed[:, : self.ctx] = True
-        for row, n in enumerate(nodes):
-            allowed[row, self.ctx + len(self.fed) + row] = True
-            a = parents[n]
-            while a >= 0:
-                allowed[row, self.ctx + slot[a]] = True
-                a = parents[a]
+    def _feed(self, nodes, tokens, parents, depths) -> torch.Tensor:
+        """One head forward over tree ``nodes``: (parent's output hidden, node token) at position length-1+depth,
+        each seeing the accepted text, its ancestors and itself."""
+        allowed = torch.cat([torch.ones(len(nodes), self.length, dtype=torch.bool),
+                             feed_mask(parents, self.fed, nodes)], dim=1).to(self.device)
         hidden = torch.cat([self.node_hidden[parents[n]] for n in nodes], dim=1)
         ids = torch.tensor([[tokens[n] for n in nodes]], device=self.device)
-        pos = torch.tensor([[self.ctx - 1 + depths[n] for n in nodes]], device=self.device)
+        pos = torch.tensor([[self.length - 1 + depths[n] for n in nodes]], device=self.device)
         out, logits = self.head.step(hidden, ids, pos, self.caches, allowed)
         for row, n in enumerate(nodes):
             self.node_hidden[n] = out[:, row : row + 1]
         self.fed.extend(nodes)
         return logits[0]
 
-
-@register_proposer("eagle3")
-class Eagle3Proposer(EagleProposer):
-    """A trained EAGLE-3 head (``draft`` = checkpoint folder or an in-memory head)."""
-
-    expected_kind = "eagle3"
-
-
-@register_proposer("eagle")
-class Eagle1Proposer(EagleProposer):
-    """A trained EAGLE-1/2 head (``draft`` = checkpoint folder or an in-memory head)."""
-
-    expected_kind = "eagle"
+    def _forget_draft(self) -> None:
+        for cache in self.caches:
+            cache.crop(self.length)

@@ -15,6 +15,7 @@ import time
 import torch
 
 from drafttrain import DrafttrainError
+from drafttrain.sampling import Sampling, probabilities
 from drafttrain.decoding.proposers import DraftRequest, NoDraft, Proposer, build_proposer
 from drafttrain.decoding.trees import (
     Draft,
@@ -25,8 +26,6 @@ from drafttrain.decoding.trees import (
     tree_position_ids,
 )
 from drafttrain.decoding.verify import (
-    Sampling,
-    probabilities,
     verify_chain,
     verify_chain_greedy,
     verify_tree,

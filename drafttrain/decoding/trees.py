@@ -183,6 +183,16 @@ def ancestor_matrix(parents: tuple[int, ...]) -> torch.Tensor:
     return anc
 
 
+def feed_mask(parents: list[int], fed: list[int], nodes: list[int]) -> torch.Tensor:
+    """Bool [len(nodes), len(fed) + len(nodes)]: which of the tree nodes already in a drafter's cache (``fed``, in
+    cache order) and which of the ``nodes`` being fed now each of ``nodes`` may see: its ancestors and itself.
+    The one tree mask for drafting, from the same ancestor relation that verification uses."""
+    anc = ancestor_matrix(tuple(parents))
+    rows = torch.tensor([n + 1 for n in nodes])
+    cols = torch.tensor([n + 1 for n in [*fed, *nodes]])
+    return anc[rows][:, cols]
+
+
 def additive_mask(allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A 4D float mask [1, 1, q, prefix_len + k] from ``allowed`` [q, k]: every query sees the whole cached
     prefix, and of the k new keys only those allowed. Float (0 / dtype-min) works for both sdpa and eager

@@ -14,68 +14,16 @@ No model is involved, so each rule can be tested on a vocabulary of five tokens.
   the one-hot q = delta(xi) (accept with p(xi); residual = p with xi removed). That is lossless for any rule
   that picks candidates from the context alone, including EAGLE-2's data-dependent pruning.
 
-``p`` is always the *warped* target distribution (temperature, top-k, top-p, see ``probabilities``) and the
-draft must warp its q with the same ``Sampling``.
+``p`` is always the *warped* target distribution (temperature, top-k, top-p: ``drafttrain.sampling``) and the
+draft warps its q with the same ``Sampling``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from drafttrain import DrafttrainError
 from drafttrain.decoding.trees import children_lists
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """temperature 0 = greedy. top_k 0 = off. top_p 1 = off. The same warping applies to target and draft."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise DrafttrainError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise DrafttrainError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise DrafttrainError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Warped distribution over the last axis (float32): logits / T, then top-k, then top-p (HF's order)."""
-    logits = logits.float() / sampling.temperature
-    if 0 < sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits.softmax(-1)
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs`` [..., V] -> LongTensor [...]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-
-
-def sample_without_replacement(q: torch.Tensor, m: int, generator: torch.Generator | None) -> torch.Tensor:
-    """m distinct tokens per row of q [..., V], in draw order (Gumbel-top-k: rank q / Exp(1)) -> [..., m].
-    Where q has fewer than m nonzero entries the missing draws are -1."""
-    keys = q / torch.empty_like(q).exponential_(generator=generator)
-    vals, idx = torch.topk(keys, min(m, q.shape[-1]), dim=-1)
-    return idx.masked_fill(vals <= 0, -1)
+from drafttrain.sampling import sample
 
 
 def accepts(u, p_x, q_x):

@@ -1,15 +1,6 @@
-"""Draft heads (EAGLE-3, EAGLE-1/2; Medusa and distilled drafts later) behind one registry."""
+"""Draft kinds (EAGLE-3, EAGLE-1/2; Medusa and distilled drafts next), one registry entry each."""
 
-from drafttrain.drafts.base import DraftHead, StepOutput, TargetFeatures
-from drafttrain.drafts.registry import build_draft, draft_class, known_kinds, load_draft, register_draft
+from drafttrain.drafts.base import Drafter, StepOutput
+from drafttrain.drafts.registry import KINDS, build_drafter, drafter_class, load_drafter, saved_kind
 
-__all__ = [
-    "DraftHead",
-    "StepOutput",
-    "TargetFeatures",
-    "build_draft",
-    "draft_class",
-    "known_kinds",
-    "load_draft",
-    "register_draft",
-]
+__all__ = ["KINDS", "Drafter", "StepOutput", "build_drafter", "drafter_class", "load_drafter", "saved_kind"]

@@ -1,7 +1,16 @@
-"""What every draft head shares: target attachment, the training-step contract, save/load.
+"""What every draft kind is. A kind is one class (its registry entry, drafttrain.drafts.registry) that says:
 
-A head never registers the target's weights (embedding, lm_head) as its own: they stay frozen, are not in the
-optimizer and are not saved, matching the EAGLE interchange layout that vLLM and SGLang load.
+* ``kind`` and ``config_class``: its name and its section of the recipe schema (drafttrain.config);
+* ``build`` / ``from_pretrained``: how its module is made for a target, fresh or from a checkpoint;
+* ``target_needs``: which target outputs it trains on (drafttrain.targets.outputs.TargetNeeds);
+* ``trainable_target_parameters``: which target parameters it trains (none: the frozen target is the default);
+* ``training_step``: its loss (built from drafttrain.drafts.losses);
+* ``proposer``: the decoding proposer that serves it (drafttrain.decoding, by name);
+* ``formats``: the export formats it can be written in (drafttrain.export, by name).
+
+The trainer, ``prepare``, checkpoint evaluation and the evaluator only ever talk to a kind through this class.
+A draft never registers the target's weights as its own: it references the target (``attach_target``), so the
+target is neither trained (unless declared) nor saved with the draft.
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -17,50 +27,67 @@ from torch import nn
 
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DraftConfig
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-
-
-@dataclasses.dataclass
-class TargetFeatures:
-    """What a head learns from: the target's tapped hidden states and its next-token logits."""
-
-    hidden: torch.Tensor  # (B, T, F): the draft's taps, concatenated in draft.target_layers order
-    logits: torch.Tensor  # (B, T, V)
+from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
 @dataclasses.dataclass
 class StepOutput:
+    """One training step's result. ``correct[k]`` / ``counted[k]``: at draft position k+1 (an unrolled step, a
+    Medusa head, a token of the draft model), how many trainable tokens the draft's top-1 got right out of how
+    many it was scored on; their ratio estimates the acceptance at that position."""
+
     loss: torch.Tensor
-    metrics: dict[str, float]
-    step_accuracies: list[float]  # per unrolled step: P(draft argmax == target argmax) on trainable tokens
+    metrics: dict[str, float]  # loss parts, logged as they are (acc_k come from correct / counted)
+    correct: list[float]
+    counted: list[float]
+
+    @property
+    def accuracies(self) -> list[float]:
+        return [c / n if n else 0.0 for c, n in zip(self.correct, self.counted)]
 
 
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, n:] padded with zeros at the end back to x's length (dim 1)."""
-    if n == 0:
-        return x
-    pad = torch.zeros_like(x[:, :n])
-    return torch.cat([x[:, n:], pad], dim=1) if n < x.shape[1] else torch.zeros_like(x)
+def simulated_tau(per_step_acc: Iterable[float]) -> float:
+    """τ predicted from per-depth conditional acceptance probabilities acc_1..acc_K of a chain of K drafts.
+
+    ``1 + Σ_k Π_{i<=k} acc_i``: the 1 is the target's own token at every step (same +1 bonus convention as
+    drafttrain.evaluation.metrics.tau), and Π_{i<=k} acc_i is the probability that depth k is accepted. Feed it
+    ``acceptance_per_position(...)["conditional"]`` to get back the measured τ; a None entry stops the chain.
+    """
+    total, survive = 1.0, 1.0
+    for acc in per_step_acc:
+        if acc is None:
+            break
+        survive *= float(acc)
+        total += survive
+    return total
 
 
-def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Mean over weighted positions of -Σ p log q."""
-    per_pos = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
-    return (per_pos * weight).sum() / weight.sum().clamp(min=1)
+def add_positions(total: list[float], values: list[float]) -> list[float]:
+    """Element-wise sum of two per-position lists (of any lengths): pooling ``correct`` / ``counted``."""
+    return [(total[i] if i < len(total) else 0.0) + (values[i] if i < len(values) else 0.0)
+            for i in range(max(len(total), len(values)))]
 
 
-class DraftHead(nn.Module):
+def top1_hits(draft_ids: torch.Tensor, target_ids: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
+    """(weighted number of positions where the draft's top-1 equals the target's, total weight)."""
+    weight = weight.float()
+    return float(((draft_ids == target_ids).float() * weight).sum()), float(weight.sum())
+
+
+class Drafter(nn.Module):
     kind: ClassVar[str]
     config_class: ClassVar[type[DraftConfig]]
+    proposer: ClassVar[str]
+    formats: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self):
+    def __init__(self, config: DraftConfig):
         super().__init__()
-        self.__dict__["_target"] = None  # plain attribute: the target must not become a submodule
+        self.config = config
+        self.__dict__["_target"] = None  # a plain attribute: the target must not become a submodule
 
-    # -- target -------------------------------------------------------------------------------------------
-    def attach_target(self, target) -> "DraftHead":
+    # -- the target it serves ---------------------------------------------------------------------------
+    def attach_target(self, target) -> "Drafter":
         self.__dict__["_target"] = target
         return self
 
@@ -70,65 +97,44 @@ class DraftHead(nn.Module):
             raise RuntimeError(f"{type(self).__name__} has no target attached (call attach_target)")
         return self.__dict__["_target"]
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.target.model.get_input_embeddings()(input_ids)
-
-    @property
-    def target_layers(self) -> list[int]:
-        return list(self.layer_ids)
-
-    # -- contract ----------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, torch.Tensor], features: TargetFeatures) -> StepOutput:
+    # -- the registry entry --------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, config: DraftConfig, target, run: RunFolder | None = None) -> "Drafter":
+        """A fresh draft for ``target`` (``run``: the run folder, for files ``prepare`` wrote there)."""
         raise NotImplementedError
 
-    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
-        """Target taps -> the hidden input of the first draft step."""
+    @classmethod
+    def from_pretrained(cls, directory: Path, target) -> "Drafter":
         raise NotImplementedError
 
-    def step(self, hidden, input_ids, position_ids, caches, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft forward: (hidden for the next step, logits over the TARGET vocab)."""
+    @classmethod
+    def target_needs(cls, config: DraftConfig, target) -> TargetNeeds:
+        """What it trains on, known from the recipe and the target alone (prepare asks before any draft exists)."""
         raise NotImplementedError
 
-    def new_caches(self) -> list:
+    def needs(self) -> TargetNeeds:
+        return self.target_needs(self.config, self.target)
+
+    def trainable_target_parameters(self) -> list[str]:
+        """Names (in ``target.model``) of the target parameters this draft trains; none by default."""
+        return []
+
+    def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
         raise NotImplementedError
 
+    # -- save / load ---------------------------------------------------------------------------------------
     def interchange_config(self) -> dict[str, Any]:
         """The config.json that serving engines read (HF style)."""
         raise NotImplementedError
 
-    def llama_fields(self) -> dict[str, Any]:
-        """The Llama-layer part of the interchange config, shared by every head built from ``layer_config``."""
-        c = self.layer_config
-        return {
-            "model_type": "llama",
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "num_hidden_layers": self.draft_config.num_layers,
-            "rms_norm_eps": c.rms_norm_eps,
-            "hidden_act": c.hidden_act,
-            "max_position_embeddings": c.max_position_embeddings,
-            "rope_parameters": dict(c.rope_parameters),
-            "rope_theta": c.rope_parameters.get("rope_theta"),
-            "vocab_size": c.vocab_size,
-            "tie_word_embeddings": False,
-        }
-
-    # -- save / load -------------------------------------------------------------------------------------
-    def save_pretrained(self, directory: str | Path, draft_config: DraftConfig | None = None, **meta) -> Path:
+    def save_pretrained(self, directory: str | Path, **meta) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "kind": self.kind})
         config = self.interchange_config()
-        config["drafttrain"] = {
-            "kind": self.kind,
-            "version": __version__,
-            "draft": (draft_config or self.draft_config).model_dump(mode="json"),
-            **meta,
-        }
+        config["drafttrain"] = {"kind": self.kind, "version": __version__,
+                                "draft": self.config.model_dump(mode="json"), **meta}
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         return directory
 
@@ -141,7 +147,7 @@ class DraftHead(nn.Module):
         missing, unexpected = self.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise DrafttrainError(
-                f"draft weights {path} do not match a {self.kind} head: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                f"draft weights {path} do not match a {self.kind} draft: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
 
 

@@ -7,70 +7,51 @@ Parameter names follow the EAGLE-3 interchange layout that vLLM and SGLang load:
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
-
 import torch
-from pydantic import Field
-from safetensors.torch import load_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafttrain import DrafttrainError
-from drafttrain.config import DraftConfig
-from drafttrain.drafts.base import DraftHead, StepOutput, TargetFeatures, shift_left, soft_cross_entropy
-from drafttrain.drafts.layers import DraftDecoderLayer, LayerCache, llama_config_like
-from drafttrain.drafts.registry import register_draft
-from drafttrain.targets.hidden import eagle3_default_layers, resolve_layers
-
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
-
-
-class Eagle3Config(DraftConfig):
-    kind: Literal["eagle3"] = "eagle3"
-    num_layers: int = Field(1, ge=1)
-    # Target taps in HF hidden_states numbering (i = input of layer i); default: inputs of 2, L/2, L-3.
-    layers: list[int] | None = Field(None, min_length=1)
-    # d2t/t2d mapping from `drafttrain prepare`; default <output_dir>/draft_vocab.safetensors when it exists,
-    # else the full target vocabulary.
-    draft_vocab: str | None = None
-    ttt_steps: int = Field(7, ge=1)
-    step_decay: float = Field(0.8, gt=0, le=1)  # loss weight of unrolled step i is step_decay**i
-    intermediate_size: int | None = Field(None, gt=0)
+from drafttrain.config import Eagle3Config
+from drafttrain.data.vocab import read_vocab_mapping
+from drafttrain.drafts import losses
+from drafttrain.drafts.base import StepOutput, top1_hits
+from drafttrain.drafts.eagle_head import EagleHead
+from drafttrain.drafts.layers import DraftDecoderLayer, llama_config_like, shift_left
+from drafttrain.runfolder import RunFolder
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
-def load_vocab_mapping(path: Path, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    try:
-        tensors = load_file(str(path))
-    except Exception as err:  # noqa: BLE001
-        raise DrafttrainError(f"cannot read draft vocab {path}: {err}") from None
-    if "d2t" not in tensors or "t2d" not in tensors:
-        raise DrafttrainError(f"draft vocab {path} lacks d2t/t2d tensors")
-    d2t, t2d = tensors["d2t"].long(), tensors["t2d"].bool()
-    if t2d.numel() != target_vocab:
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high taps: the inputs of layers 2, L/2 and L-3 (vLLM's and SpecForge's default), each
+    once (a shallow target can map two of them to one layer)."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+
+
+def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
+    """The taps as vLLM and SGLang read them: ascending, unique, each the input of a real layer (< L)."""
+    if layers != sorted(set(layers)) or any(not 0 <= i < num_layers for i in layers):
         raise DrafttrainError(
-            f"draft vocab {path} was built for a vocabulary of {t2d.numel()} tokens, the target has {target_vocab}"
+            f"EAGLE-3 aux layer ids {layers} must be ascending, unique and in 0..{num_layers - 1} for this "
+            f"{num_layers}-layer target (i = the input of layer i; the final output is not a tap): serving engines "
+            "collect the taps in layer order and never the final output"
         )
-    if d2t.numel() > target_vocab:
-        raise DrafttrainError(f"draft vocab size {d2t.numel()} is larger than the target's {target_vocab}")
-    return d2t, t2d
+    return list(layers)
 
 
-@register_draft
-class Eagle3Draft(DraftHead):
+class Eagle3Drafter(EagleHead):
     kind = "eagle3"
     config_class = Eagle3Config
 
-    def __init__(self, draft_config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d):
-        super().__init__()
-        self.draft_config = draft_config
+    def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d):
+        super().__init__(config)
         self.layer_config = layer_config
         self.layer_ids = list(layer_ids)
         h = layer_config.hidden_size
         self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
         self.midlayer = DraftDecoderLayer(layer_config, fuse_embedding=True)
         self.layers = nn.ModuleDict(
-            {str(i): DraftDecoderLayer(layer_config, fuse_embedding=False) for i in range(1, draft_config.num_layers)}
+            {str(i): DraftDecoderLayer(layer_config, fuse_embedding=False) for i in range(1, config.num_layers)}
         )
         self.norm = LlamaRMSNorm(h, eps=layer_config.rms_norm_eps)
         self.lm_head = nn.Linear(h, d2t.numel(), bias=False)
@@ -80,39 +61,36 @@ class Eagle3Draft(DraftHead):
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: Eagle3Config, target, output_dir: str | Path | None = None) -> "Eagle3Draft":
-        num_layers = target.num_layers
-        layer_ids = resolve_layers(cfg.layers or eagle3_default_layers(num_layers), num_layers)
-        vocab_path = Path(cfg.draft_vocab) if cfg.draft_vocab else None
-        if vocab_path is None and output_dir is not None and (Path(output_dir) / DRAFT_VOCAB_FILE).is_file():
-            vocab_path = Path(output_dir) / DRAFT_VOCAB_FILE
+    def aux_layers(cls, config: Eagle3Config, num_layers: int) -> list[int]:
+        return check_aux_layers(config.layers or default_aux_layers(num_layers), num_layers)
+
+    @classmethod
+    def target_needs(cls, config: Eagle3Config, target) -> TargetNeeds:
+        return TargetNeeds(layers=tuple(cls.aux_layers(config, target.num_layers)), logits=True)
+
+    @classmethod
+    def build(cls, config: Eagle3Config, target, run: RunFolder | None = None) -> "Eagle3Drafter":
+        layer_ids = cls.aux_layers(config, target.num_layers)
+        vocab_path = config.draft_vocab
+        if vocab_path is None and run is not None and run.draft_vocab.is_file():
+            vocab_path = run.draft_vocab
         if vocab_path is not None:
-            if not vocab_path.is_file():
-                raise DrafttrainError(f"draft vocab file not found: {vocab_path} (run `drafttrain prepare` first)")
-            d2t, t2d = load_vocab_mapping(vocab_path, target.vocab_size)
+            d2t, t2d = read_vocab_mapping(vocab_path, target.vocab_size)
         else:  # full vocabulary: draft id == target id
             d2t = torch.zeros(target.vocab_size, dtype=torch.long)
             t2d = torch.ones(target.vocab_size, dtype=torch.bool)
-        layer_config = llama_config_like(target.config, intermediate_size=cfg.intermediate_size)
-        head = cls(cfg, layer_config, layer_ids, d2t, t2d).to(target.device)
-        return head.attach_target(target)
+        layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size)
+        return cls(config, layer_config, layer_ids, d2t, t2d).to(target.device).attach_target(target)
 
     @classmethod
-    def from_pretrained(cls, directory, target) -> "Eagle3Draft":
-        from drafttrain.drafts.base import read_draft_config
-
-        config = read_draft_config(directory)
+    def from_pretrained(cls, directory, target) -> "Eagle3Drafter":
+        config = cls.read_checked_config(directory, target)
         cfg = Eagle3Config.model_validate(config["drafttrain"]["draft"])
-        layer_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        if config["vocab_size"] != target.vocab_size or config["hidden_size"] != target.hidden_size:
-            raise DrafttrainError(
-                f"draft at {directory} was trained for a target with vocab {config['vocab_size']} and hidden "
-                f"{config['hidden_size']}; this target has {target.vocab_size} and {target.hidden_size}"
-            )
-        resolve_layers(layer_ids, target.num_layers)
+        layer_ids = check_aux_layers(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers)
         n = config["draft_vocab_size"]
         layer_config = llama_config_like(target.config, intermediate_size=config["intermediate_size"])
-        head = cls(cfg, layer_config, layer_ids, torch.zeros(n, dtype=torch.long), torch.zeros(target.vocab_size, dtype=torch.bool))
+        head = cls(cfg, layer_config, layer_ids, torch.zeros(n, dtype=torch.long),
+                   torch.zeros(target.vocab_size, dtype=torch.bool))
         head.load_weights(directory)
         return head.to(target.device).attach_target(target)
 
@@ -136,9 +114,6 @@ class Eagle3Draft(DraftHead):
     def _extra_layers(self):
         return [self.layers[k] for k in sorted(self.layers, key=int)]
 
-    def new_caches(self) -> list[LayerCache]:
-        return [LayerCache() for _ in range(self.draft_config.num_layers)]
-
     def step(self, hidden, input_ids, position_ids, caches, mask=None):
         cos, sin = self.rotary(hidden, position_ids)
         h = self.midlayer(hidden, self.embed(input_ids), cos, sin, caches[0], mask)
@@ -155,34 +130,32 @@ class Eagle3Draft(DraftHead):
         return out
 
     # -- training ------------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, torch.Tensor], features: TargetFeatures) -> StepOutput:
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].to(features.logits.dtype)
-        seq = input_ids.shape[1]
-        positions = torch.arange(seq, device=input_ids.device).unsqueeze(0)
+    def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         with torch.no_grad():
-            target_ids = features.logits.argmax(-1)
-            in_vocab = self.t2d[target_ids].to(loss_mask.dtype)
-            target_p = torch.softmax(features.logits.index_select(-1, self.draft_to_target).float(), dim=-1)
-        hidden = self.fuse(features.hidden.to(self.fc.weight.dtype))
-        blocks = [[] for _ in range(self.draft_config.num_layers)]
-        total, metrics, accuracies = 0.0, {}, []
-        for i in range(self.draft_config.ttt_steps):
+            target_ids = outputs.logits.argmax(-1)
+            in_vocab = self.t2d[target_ids].float()
+            target_logits = outputs.logits.index_select(-1, self.draft_to_target)
+        hidden = self.fuse(outputs.hidden.to(self.fc.weight.dtype))
+        blocks = [[] for _ in range(self.config.num_layers)]
+        total, metrics, correct, counted = 0.0, {}, [], []
+        for i in range(self.config.ttt_steps):
             # Step i at position t: hidden for t (real at i=0, the draft's own after), embedding of the true
             # token t+1+i; it predicts token t+2+i, whose target distribution sits at position t+1+i.
-            tokens = shift_left(input_ids, 1 + i)
-            p, want = shift_left(target_p, 1 + i), shift_left(target_ids, 1 + i)
             trainable = shift_left(loss_mask, 2 + i)
             cos, sin = self.rotary(hidden, positions + i)
-            h = self.midlayer.forward_ttt(hidden, self.embed(tokens), cos, sin, blocks[0])
+            h = self.midlayer.forward_ttt(hidden, self.embed(shift_left(input_ids, 1 + i)), cos, sin, blocks[0])
             for layer, layer_blocks in zip(self._extra_layers(), blocks[1:]):
                 h = layer.forward_ttt(h, None, cos, sin, layer_blocks)
             logits = self.lm_head(self.norm(h))
-            loss_i = soft_cross_entropy(logits, p, trainable * shift_left(in_vocab, 1 + i))
-            total = total + self.draft_config.step_decay**i * loss_i
+            loss_i = losses.soft_cross_entropy(logits, shift_left(target_logits, 1 + i),
+                                               trainable * shift_left(in_vocab, 1 + i))
+            total = total + self.config.step_decay**i * loss_i
             with torch.no_grad():
-                guess = self.draft_to_target[logits.argmax(-1)]
-                acc = ((guess == want).to(trainable.dtype) * trainable).sum() / trainable.sum().clamp(min=1)
-            accuracies.append(float(acc))
-            metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(loss_i.detach()), float(acc)
+                hits, n = top1_hits(self.draft_to_target[logits.argmax(-1)], shift_left(target_ids, 1 + i), trainable)
+            correct.append(hits)
+            counted.append(n)
+            metrics[f"loss_{i}"] = float(loss_i.detach())
             hidden = h
-        return StepOutput(loss=total, metrics=metrics, step_accuracies=accuracies)
+        return StepOutput(loss=total, metrics=metrics, correct=correct, counted=counted)

@@ -1,4 +1,4 @@
-"""Building blocks shared by the EAGLE heads: a Llama-style decoder layer with its own small KV cache.
+"""Building blocks of the draft heads: a Llama-style decoder layer with its own small KV cache, and label shifts.
 
 HF's own pieces (RMSNorm, MLP, rotary embedding, ``apply_rotary_pos_emb``, ``repeat_kv``) are used as they are;
 only the attention is ours, because the heads need two things HF's layer does not offer: EAGLE-3's 2H-wide
@@ -16,6 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, n:] padded with zeros at the end back to x's length (dim 1): position t then holds t+n's value."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x[:, :n])
+    return torch.cat([x[:, n:], pad], dim=1) if n < x.shape[1] else torch.zeros_like(x)
 
 
 @dataclasses.dataclass

@@ -1,56 +1,40 @@
-"""One registry of draft kinds: each kind names its config class (recipe schema) and its head class."""
+"""The draft kinds: one line each. A kind's class says everything about it (drafttrain.drafts.base.Drafter)."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from drafttrain import DrafttrainError
+from drafttrain.config import DraftConfig
+from drafttrain.drafts.base import Drafter, read_draft_config
+from drafttrain.drafts.eagle import EagleDrafter
+from drafttrain.drafts.eagle3 import Eagle3Drafter
+from drafttrain.runfolder import RunFolder, find_draft
 
-# kind -> module defining it (imported on first use, so the schema stays cheap to import)
-_KIND_MODULES = {
-    "eagle3": "drafttrain.drafts.eagle3",
-    "eagle": "drafttrain.drafts.eagle",
+KINDS: dict[str, type[Drafter]] = {
+    Eagle3Drafter.kind: Eagle3Drafter,
+    EagleDrafter.kind: EagleDrafter,
 }
-_REGISTRY: dict[str, type] = {}
 
 
-def register_draft(cls):
-    """Class decorator: ``@register_draft`` on a DraftHead subclass with ``kind`` and ``config_class``."""
-    _REGISTRY[cls.kind] = cls
-    return cls
+def drafter_class(kind: str) -> type[Drafter]:
+    if kind not in KINDS:
+        raise DrafttrainError(f"unknown draft kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
+    return KINDS[kind]
 
 
-def draft_class(kind: str):
-    if kind not in _REGISTRY and kind in _KIND_MODULES:
-        importlib.import_module(_KIND_MODULES[kind])
-    if kind not in _REGISTRY:
-        raise DrafttrainError(f"unknown draft kind {kind!r}; known kinds: {', '.join(sorted(_KIND_MODULES))}")
-    return _REGISTRY[kind]
+def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> Drafter:
+    """A fresh draft of the recipe's kind for ``target`` (``run``: the run folder prepare wrote)."""
+    return drafter_class(config.kind).build(config, target, run)
 
 
-def draft_config_class(kind: str):
-    try:
-        return draft_class(kind).config_class
-    except DrafttrainError as err:
-        raise ValueError(str(err)) from None  # surfaces as a recipe validation error on draft.kind
+def saved_kind(path: str | Path) -> type[Drafter]:
+    """The kind of the draft a checkpoint folder, ``checkpoints/`` folder or run folder holds."""
+    return drafter_class(read_draft_config(find_draft(path))["drafttrain"]["kind"])
 
 
-def known_kinds() -> list[str]:
-    return sorted(_KIND_MODULES)
-
-
-def build_draft(draft_config, target, **context):
-    """A fresh head for ``target`` from the recipe's draft section (``context``: e.g. output_dir)."""
-    return draft_class(draft_config.kind).build(draft_config, target, **context)
-
-
-def load_draft(directory: str | Path, target):
-    """Load a saved head of any kind and attach ``target`` (checked against what the head was trained on).
-    ``directory`` may also be a run's output_dir or checkpoints folder: its best checkpoint is loaded."""
-    from drafttrain.drafts.base import read_draft_config
-    from drafttrain.training.checkpoint import resolve_draft_dir
-
-    directory = resolve_draft_dir(directory)
-    config = read_draft_config(directory)
-    return draft_class(config["drafttrain"]["kind"]).from_pretrained(directory, target)
+def load_drafter(path: str | Path, target) -> Drafter:
+    """Load a saved draft of any kind and attach ``target`` (checked against what the draft was trained for).
+    ``path`` may also be a run's output_dir or checkpoints folder: its best checkpoint is loaded."""
+    directory = find_draft(path)
+    return saved_kind(directory).from_pretrained(directory, target)

@@ -5,7 +5,7 @@
 >>> report.overall["tau"], report.overall["speedup"], report.greedy_match
 """
 
-from drafttrain.evaluation.evaluate import EvalReport, evaluate, render_prompt, stop_token_ids
+from drafttrain.evaluation.evaluate import EvalReport, evaluate
 from drafttrain.evaluation.metrics import (
     acceptance_per_position,
     acceptance_rate,
@@ -32,11 +32,9 @@ __all__ = [
     "load_suite",
     "print_report",
     "render_markdown",
-    "render_prompt",
     "simulated_tau",
     "speedup",
     "speedup_mean_of_ratios",
-    "stop_token_ids",
     "summarize",
     "tau",
     "write_report",

@@ -32,7 +32,10 @@ import drafttrain
 from drafttrain import DrafttrainError
 from drafttrain.evaluation import metrics
 from drafttrain.evaluation.suites import Question, Suite
-from drafttrain.targets.loading import eos_token_ids
+from drafttrain.data.chat import prompt_ids, stop_token_ids
+from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.drafts import Drafter
+from drafttrain.sampling import check_sampling
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ class SideRun:
 
 def evaluate(
     target,
-    proposer: str | Any,
+    proposer: str | Any,  # a registered proposer name, a Proposer, or a trained Drafter
     prompts: Suite | Sequence[Question | str],
     *,
     depth: int = 5,
@@ -110,22 +113,20 @@ def evaluate(
     registered proposers (that need no draft, e.g. ``prompt_lookup``) to run through the same engine settings on
     the same prompts, interleaved with the others, into ``report.comparisons``.
     """
-    from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
 
-    _check_settings(depth, temperature, top_p, max_new_tokens)
+    _check_settings(depth, temperature, top_p, top_k, max_new_tokens)
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     suite_name, questions = _as_questions(prompts)
-    proposer_name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
     proposer_kwargs = dict(proposer_kwargs or {})
-    if isinstance(proposer, str):
-        registered_proposers()  # make sure the EAGLE proposers are registered before looking the name up
-        proposer_obj = build_proposer(proposer, target, **proposer_kwargs)
-    else:
-        proposer_obj = proposer
+    if isinstance(proposer, Drafter):  # a trained draft: its kind says which proposer serves it
+        proposer, proposer_kwargs = proposer.proposer, {**proposer_kwargs, "draft": proposer}
+    proposer_name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
+    proposer_obj = build_proposer(proposer, target, **proposer_kwargs) if isinstance(proposer, str) else proposer
     decoder = SpeculativeDecoder(
         target, proposer_obj, depth=depth, tree=tree, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
-    stop_ids = stop_token_ids(target)  # the same stop set for every side, HF references included
+    # The one stop rule (template end-of-turn + EOS), the same for every side, HF references included.
+    stop_ids = stop_token_ids(target.tokenizer, target.model.generation_config)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
 
     def speculative_fn(spec_decoder) -> Callable[[int], GenerateFn]:
@@ -148,7 +149,7 @@ def evaluate(
     if baseline:
         sides["baseline"] = baseline_fn
     if hf_reference:
-        sides.update(_hf_sides(target, proposer_name, proposer_obj, proposer_kwargs, depth, stop_ids, **sampling))
+        sides.update(_hf_sides(target, proposer_obj, depth, stop_ids, **sampling))
     for name in compare:
         other = SpeculativeDecoder(target, build_proposer(name, target), depth=depth, tree=tree, seed=seed, **sampling)
         sides[COMPARE_PREFIX + name] = speculative_fn(other)
@@ -174,7 +175,7 @@ def evaluate(
     }
     config = _config(
         target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
-        suite_name, questions, baseline, hf_reference, compare, started_at,
+        suite_name, questions, baseline, hf_reference, compare, started_at, stop_ids,
     )
     references = {name: _reference_line(pairs, temperature) for name, pairs in extra_runs.items()
                   if name.startswith("hf_")}
@@ -184,28 +185,13 @@ def evaluate(
                       comparisons=comparisons)
 
 
-def registered_proposers() -> list[str]:
-    """Names build_proposer knows, including the EAGLE heads (registered when their module is imported)."""
-    import importlib
-
-    from drafttrain.decoding import PROPOSERS
-
-    try:
-        importlib.import_module("drafttrain.decoding.eagle")
-    except ImportError:  # EAGLE support not installed in this build: the other proposers still work
-        pass
-    return sorted(PROPOSERS)
-
-
-def _check_settings(depth: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
-    if depth <= 0:
-        raise DrafttrainError(f"depth (k) must be positive, got {depth}")
-    if temperature < 0:
-        raise DrafttrainError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise DrafttrainError(f"top_p must be in (0, 1], got {top_p}")
-    if max_new_tokens <= 0:
-        raise DrafttrainError(f"max_new_tokens must be positive, got {max_new_tokens}")
+def _check_settings(depth: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int) -> None:
+    """Before any decoding: a value that can only fail later must fail now."""
+    check_sampling(temperature, top_p, top_k)
+    if not isinstance(depth, int) or depth <= 0:
+        raise DrafttrainError(f"depth (k) must be a positive integer, got {depth!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise DrafttrainError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
 
 
 def _as_questions(prompts: Suite | Sequence[Question | str]) -> tuple[str, list[Question]]:
@@ -222,22 +208,6 @@ def _as_questions(prompts: Suite | Sequence[Question | str]) -> tuple[str, list[
     return name, items
 
 
-def stop_token_ids(target) -> list[int]:
-    """EOS ids from the generation config and the tokenizer (chat models often end turns with a special token)."""
-    return eos_token_ids(target.tokenizer, target.model)
-
-
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids (1, L) of a conversation in the tokenizer's chat template, generation prompt added."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # The template already holds any BOS it wants; adding special tokens again would double it.
-        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    # A base model without a template: the turns joined by blank lines, with the tokenizer's usual BOS.
-    text = "\n\n".join(m["content"] for m in messages) + "\n\n"
-    return tokenizer(text, return_tensors="pt").input_ids
-
-
 def _answer_text(tokenizer, tokens: list[int]) -> str:
     """The answer as the next turn's history sees it (stop and other special tokens dropped, as EAGLE's eval does)."""
     return tokenizer.decode(tokens, skip_special_tokens=True).strip()
@@ -252,7 +222,7 @@ def run_turns(tokenizer, question: Question, generate: GenerateFn, device: torch
     turn_tokens, stats, prompt_tokens, seconds = [], [], [], 0.0
     for turn in question.turns:
         messages = history + [{"role": "user", "content": turn}]
-        ids = render_prompt(tokenizer, messages)
+        ids = torch.tensor([prompt_ids(tokenizer, messages)])
         if device is not None:
             ids = ids.to(device)
         _sync(ids.device)
@@ -374,39 +344,15 @@ def _prompt_record(question: Question, runs: dict[str, SideRun], temperature: fl
 # ---------------------------------------------------------------- Hugging Face reference lines
 
 
-def _hf_sides(target, proposer_name, proposer_obj, proposer_kwargs, depth, stop_ids, **sampling):
+def _hf_sides(target, proposer_obj, depth, stop_ids, **sampling):
     """HF ``generate`` runners: greedy/sampled plain decoding, plus HF's own version of the proposer if it has one."""
     sides: dict[str, Callable[[int], GenerateFn]] = {"hf_generate": lambda n: _hf_generate_fn(target, n, stop_ids, sampling)}
-    if proposer_name == "prompt_lookup":
-        extra = {"prompt_lookup_num_tokens": depth}
-        ngram = _first_attr(proposer_obj, ("max_ngram_size", "max_ngram", "ngram_max", "max_matching_ngram_size"))
-        if ngram is not None:
-            extra["max_matching_ngram_size"] = int(ngram)
-        sides["hf_prompt_lookup"] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra)
-    elif proposer_name == "draft_model":
-        assistant = _draft_model_of(proposer_obj, proposer_kwargs)
-        if assistant is None:
-            log.warning("HF assisted-generation reference skipped: could not find the draft model")
-        else:
-            extra = {"assistant_model": assistant}
-            sides["hf_assisted"] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra, assistant_k=depth)
+    equivalent = proposer_obj.hf_equivalent(depth)
+    if equivalent is not None:
+        name, extra = equivalent
+        pin = depth if "assistant_model" in extra else None
+        sides[name] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra, assistant_k=pin)
     return sides
-
-
-def _first_attr(obj, names: Sequence[str]):
-    for name in names:
-        if getattr(obj, name, None) is not None:
-            return getattr(obj, name)
-    return None
-
-
-def _draft_model_of(proposer_obj, proposer_kwargs) -> torch.nn.Module | None:
-    for candidate in (proposer_kwargs.get("draft"), getattr(proposer_obj, "draft", None),
-                      getattr(proposer_obj, "model", None)):
-        model = getattr(candidate, "model", candidate)
-        if isinstance(model, torch.nn.Module):
-            return model
-    return None
 
 
 @contextlib.contextmanager
@@ -545,7 +491,7 @@ def machine_description() -> dict[str, Any]:
 
 
 def _config(target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
-            suite_name, questions, baseline, hf_reference, compare, started_at) -> dict[str, Any]:
+            suite_name, questions, baseline, hf_reference, compare, started_at, stop_ids) -> dict[str, Any]:
     import transformers
 
     param = next(target.model.parameters())
@@ -560,6 +506,7 @@ def _config(target, proposer_name, proposer_kwargs, depth, tree, temperature, to
         "top_k": top_k,
         "max_new_tokens": max_new_tokens,
         "seed": seed,
+        "stop_token_ids": list(stop_ids),
         "suite": suite_name,
         "num_prompts": len(questions),
         "num_turns": sum(len(q.turns) for q in questions),

@@ -28,12 +28,11 @@ Definitions (one *step* = one target verification forward; the prefill forward i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from drafttrain.decoding.verify import expected_acceptance_rate as expected_acceptance  # noqa: F401  (Σ min(p, q))
+from drafttrain.drafts.base import simulated_tau  # noqa: F401  (τ from per-position acceptance)
 
 
 def tau(accepted_per_step: Sequence[int]) -> float | None:
@@ -111,22 +110,6 @@ def greedy_match_share(matches: Sequence[bool | None]) -> float | None:
     """Share of prompts whose method tokens equal the baseline's (None when no prompt was compared)."""
     known = [m for m in matches if m is not None]
     return sum(known) / len(known) if known else None
-
-
-def simulated_tau(per_step_acc: Iterable[float]) -> float:
-    """τ predicted from per-depth conditional acceptance probabilities acc_1..acc_K of a chain of K drafts.
-
-    ``1 + Σ_k Π_{i<=k} acc_i``: the 1 is the target's own token at every step (same +1 bonus convention as
-    :func:`tau`), and Π_{i<=k} acc_i is the probability that depth k is accepted. Feed it
-    ``acceptance_per_position(...)["conditional"]`` to get back the measured τ; a None entry stops the chain.
-    """
-    total, survive = 1.0, 1.0
-    for acc in per_step_acc:
-        if acc is None:
-            break
-        survive *= float(acc)
-        total += survive
-    return total
 
 
 def summarize(records: Sequence[dict[str, Any]], depth: int | None = None) -> dict[str, Any]:

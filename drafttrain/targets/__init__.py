@@ -1,14 +1,19 @@
-"""Frozen target models: loading (Hub id, folder, GGUF, built-in names) and hidden-state capture."""
+"""Targets: loading (Hub id, folder, GGUF, built-in names), hidden-state taps, and the outputs drafts learn from."""
 
-from drafttrain.targets.hidden import HiddenStateTap, eagle3_default_layers, resolve_layers
-from drafttrain.targets.loading import BUILTIN_TARGETS, Target, load_target, load_tokenizer
+from drafttrain.targets.hidden import HiddenStateTap, resolve_layers
+from drafttrain.targets.loading import BUILTIN_TARGETS, Target, check_same_tokenizer, load_target, load_tokenizer
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, logits_from_final, run_target
 
 __all__ = [
     "BUILTIN_TARGETS",
     "HiddenStateTap",
     "Target",
-    "eagle3_default_layers",
+    "TargetNeeds",
+    "TargetOutputs",
+    "check_same_tokenizer",
     "load_target",
     "load_tokenizer",
+    "logits_from_final",
     "resolve_layers",
+    "run_target",
 ]

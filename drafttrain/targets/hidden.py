@@ -7,8 +7,6 @@ output that feeds the lm_head. Hooks keep only the requested tensors instead of 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from drafttrain import DrafttrainError
@@ -28,11 +26,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:
     return _decoder_part(model, "norm")
-
-
-def eagle3_default_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high taps: the inputs of layers 2, L/2 and L-3 (as SpecForge and the paper use)."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -103,9 +96,3 @@ class HiddenStateTap:
 
     def clear(self) -> None:
         self.captured.clear()
-
-
-@contextlib.contextmanager
-def tapped(model: torch.nn.Module, layers: list[int]):
-    with HiddenStateTap(model, layers) as tap:
-        yield tap

@@ -22,6 +22,7 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.config import TargetConfig
+from drafttrain.runfolder import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,6 @@ class Target:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DRAFTTRAIN_CACHE", Path.home() / ".cache" / "drafttrain"))
 
 
 def builtin_gguf_path(name: str) -> Path:
@@ -187,16 +184,27 @@ def load_target(cfg: TargetConfig | str, **overrides) -> Target:
     return Target(name=cfg.model, model=model, tokenizer=tokenizer, source_dir=Path(where) if Path(where).is_dir() else None)
 
 
-def eos_token_ids(tokenizer, model=None) -> list[int]:
-    """EOS ids of the model's generation config and of the tokenizer, in that order, without repeats (chat models
-    often end a turn with a token the tokenizer alone does not call eos)."""
-    ids: list[int] = []
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        for value in eos if isinstance(eos, (list, tuple)) else [eos]:
-            if value is not None and int(value) not in ids:
-                ids.append(int(value))
-    return ids
+def check_same_tokenizer(target, draft) -> None:
+    """Refuse a draft whose tokenizer differs from the target's (vocabulary or special tokens)."""
+    problems = []
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        changed = sum(1 for t in tv.keys() & dv.keys() if tv[t] != dv[t])
+        problems.append(
+            f"vocabularies differ ({len(tv)} vs {len(dv)} tokens; {len(tv.keys() - dv.keys())} only in the target, "
+            f"{len(dv.keys() - tv.keys())} only in the draft, {changed} with different ids)"
+        )
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target.tokenizer, attr, None), getattr(draft.tokenizer, attr, None)
+        if a != b:
+            problems.append(f"{attr} {a} vs {b}")
+    a, b = sorted(target.tokenizer.all_special_tokens), sorted(draft.tokenizer.all_special_tokens)
+    if a != b:
+        problems.append(f"special tokens {a} vs {b}")
+    if problems:
+        raise DrafttrainError(
+            f"draft {draft.name!r} does not use the tokenizer of target {target.name!r}: " + "; ".join(problems)
+        )
 
 
 def _missing_model_message(spec: str, err: Exception) -> str:

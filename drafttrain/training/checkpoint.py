@@ -1,19 +1,9 @@
 """Checkpoint folders: atomic writes, a ``latest`` pointer, keep-last-N pruning that spares the best one.
 
-Layout under ``<output_dir>/checkpoints/``::
-
-    step-000100/
-        model.safetensors, config.json   the draft (draft.save_pretrained): what eval and export load
-        trainer_state.json               step, epoch, position in the epoch's order, data seed, batch layout
-        accelerate/                      accelerator.save_state: optimizer, scheduler, RNG states, model
-                                         (under DeepSpeed: its per-rank ZeRO shards)
-        eval.json                        metrics the on_checkpoint callbacks returned (if any)
-    latest                               text: the newest complete checkpoint's folder name
-    best.json                            {"checkpoint", "step", "metric", "value"} (higher is better)
-
-A checkpoint is written into ``step-N.tmp`` and renamed to ``step-N`` once every file is fsynced; the rename is
-the commit point, so a folder named ``step-N`` is always complete and a crash mid-save leaves only a ``.tmp``
-orphan (removed on the next start). Pruned folders are renamed to ``.old`` before deletion for the same reason.
+The layout of ``<output_dir>/checkpoints/`` is drafttrain.runfolder's. A checkpoint is written into
+``step-N.tmp`` and renamed to ``step-N`` once every file is fsynced; the rename is the commit point, so a folder
+named ``step-N`` is always complete and a crash mid-save leaves only a ``.tmp`` orphan (removed on the next
+start). Pruned folders are renamed to ``.old`` before deletion for the same reason.
 """
 
 from __future__ import annotations
@@ -22,42 +12,27 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
-from drafttrain.atomic import fsync_dir, write_text_atomic
+from drafttrain.runfolder import (
+    BEST,
+    EVAL_FILE,
+    LATEST,
+    STATE_FILE,
+    best_checkpoint_record,
+    complete_checkpoints,
+    fsync_dir,
+    fsync_tree,
+    step_dir_name,
+    write_text_atomic,
+)
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
-ACCELERATE_DIR = "accelerate"
-EVAL_FILE = "eval.json"
-LATEST = "latest"
-BEST = "best.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _ORPHAN_SUFFIXES = (".tmp", ".old")
-
-
-def resolve_draft_dir(path: str | Path) -> Path:
-    """The head checkpoint a user means: the folder itself when it holds a head; for a run's ``checkpoints/``
-    folder or its output_dir, the best checkpoint by the run's eval metric, else the newest complete one."""
-    from drafttrain.drafts.base import CONFIG_NAME
-
-    path = Path(path)
-    if (path / CONFIG_NAME).is_file():
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    manager = CheckpointManager(root, keep_last=0)
-    best, latest = manager.best(), manager.latest()
-    if best is not None:
-        return root / best["checkpoint"]
-    if latest is not None:
-        return latest
-    raise DrafttrainError(f"no draft checkpoint at {path}: neither a head folder ({CONFIG_NAME}) nor a run with "
-                          "complete checkpoints")
 
 
 @dataclasses.dataclass
@@ -99,22 +74,6 @@ class TrainerState:
         return problems
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def fsync_tree(root: Path) -> None:
-    """Flush every file and folder under ``root`` (and root itself) to disk."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(folder))
-
-
 class CheckpointManager:
     """Owns ``<output_dir>/checkpoints``. Folder operations are for the main process only; the trainer
     brackets them with barriers."""
@@ -127,14 +86,7 @@ class CheckpointManager:
     # -- reading ------------------------------------------------------------------------------------------
     def complete(self) -> list[tuple[int, Path]]:
         """Committed checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for path in self.root.iterdir():
-            match = _STEP_DIR.match(path.name)
-            if match and path.is_dir() and (path / STATE_FILE).is_file():
-                found.append((int(match.group(1)), path))
-        return sorted(found)
+        return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
         """The newest committed checkpoint. Found by scanning, since the rename is the commit point; the
@@ -143,11 +95,7 @@ class CheckpointManager:
         return done[-1][1] if done else None
 
     def best(self) -> dict[str, Any] | None:
-        path = self.root / BEST
-        if not path.is_file():
-            return None
-        record = json.loads(path.read_text())
-        return record if (self.root / record["checkpoint"]).is_dir() else None
+        return best_checkpoint_record(self.root)
 
     def tmp_dir(self, step: int) -> Path:
         return self.root / (step_dir_name(step) + ".tmp")

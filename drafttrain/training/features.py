@@ -1,9 +1,14 @@
-"""Target features for training: online (the frozen target runs inside the step) or from an offline cache.
+"""The offline cache of target outputs: the target runs once over the train split (``drafttrain prepare``), and
+training streams what the draft kind needs from disk instead of running the target at every step.
 
-The offline cache is sharded safetensors written once by ``write_feature_cache`` (``drafttrain prepare`` with
-``training.hidden_states: offline``): per row, the draft's taps and the target's final normed hidden state, from
-which the logits are recomputed with the target's lm_head (storing V-wide logits would be ~100× larger).
-An index.json records shapes, the target and a sha256 per shard, so a stale or corrupt cache is refused.
+Per row the cache keeps each hidden state the kind needs exactly once (its taps, and the final hidden state when
+the kind needs it or the logits), in the target's dtype unless the recipe chooses another
+(``training.feature_dtype``). Logits are not stored (V-wide, ~100x larger): they are recomputed from the final
+hidden state through the target's own output path (drafttrain.targets.outputs.logits_from_final).
+
+Shards are safetensors written to a temporary name and renamed; ``index.json`` records the target, the layers,
+the dtype, a sha256 per shard and the fingerprint of the split the rows come from, so a cache built for other data,
+another target or other layers is refused instead of silently feeding the wrong rows.
 """
 
 from __future__ import annotations
@@ -19,26 +24,18 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from drafttrain import DrafttrainError
-from drafttrain.atomic import write_text_atomic
-from drafttrain.drafts.base import TargetFeatures
+from drafttrain.runfolder import write_text_atomic
 from drafttrain.targets.hidden import HiddenStateTap
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, logits_from_final
 
 INDEX = "index.json"
-FEATURE_CACHE = "features"  # under output_dir
+FORMAT_VERSION = 2
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@torch.no_grad()
-def compute_features(target, batch: dict[str, torch.Tensor], layers: list[int]) -> TargetFeatures:
-    """Run the frozen target once: the taps for ``layers`` and the next-token logits."""
-    device = target.device
-    with HiddenStateTap(target.model, layers) as tap:
-        out = target.model(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device) if "attention_mask" in batch else None,
-            use_cache=False,
-        )
-        hidden = tap.stacked()
-    return TargetFeatures(hidden=hidden, logits=out.logits)
+def cache_dtype(name: str, target) -> torch.dtype:
+    """``auto`` is the target's own dtype: nothing is lost by storing its hidden states as they came."""
+    return target.model.dtype if name == "auto" else DTYPES[name]
 
 
 def _sha256(path: Path) -> str:
@@ -50,93 +47,106 @@ def _sha256(path: Path) -> str:
 
 
 @torch.no_grad()
-def write_feature_cache(target, dataset, layers: list[int], out_dir: str | Path, rows_per_shard: int = 256,
-                        dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Run the target over every row of a tokenised dataset and store its features. Each shard and the index
-    are written to a temporary name and renamed, so a killed run never leaves a half-written file in place."""
+def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path, *, split_fingerprint: str,
+                        dtype: torch.dtype, rows_per_shard: int = 256) -> Path:
+    """Run the target over every row of a tokenised split and store what ``needs`` asks for (see module doc)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    final_layer = target.num_layers
-    taps = list(layers) + ([final_layer] if final_layer not in layers else [])
-    index = {"target": target.name, "layers": list(layers), "hidden_size": target.hidden_size,
-             "num_rows": len(dataset), "dtype": str(dtype).removeprefix("torch."), "shards": []}
-    shard_rows: dict[str, torch.Tensor] = {}
-    shard_id = 0
+    layers = needs.stored_layers(target.num_layers)
+    index = {"format_version": FORMAT_VERSION, "target": target.name, "layers": layers,
+             "hidden_size": target.hidden_size, "num_rows": len(dataset), "dtype": str(dtype).removeprefix("torch."),
+             "split_fingerprint": split_fingerprint, "shards": []}
+    shard: dict[str, torch.Tensor] = {}
+    rows: list[int] = []
 
     def flush():
-        nonlocal shard_rows, shard_id
-        name = f"shard-{shard_id:05d}.safetensors"
+        name = f"shard-{len(index['shards']):05d}.safetensors"
         tmp = out_dir / (name + ".tmp")
-        save_file(shard_rows, str(tmp))
+        save_file(shard, str(tmp))
         os.replace(tmp, out_dir / name)
-        index["shards"].append({"file": name, "sha256": _sha256(out_dir / name), "rows": sorted(
-            {int(k.split(".")[0].removeprefix("row")) for k in shard_rows})})
-        shard_rows, shard_id = {}, shard_id + 1
+        index["shards"].append({"file": name, "sha256": _sha256(out_dir / name), "rows": list(rows)})
+        shard.clear()
+        rows.clear()
 
     for row in tqdm(range(len(dataset)), desc="target features", unit="row"):
         ids = torch.tensor(dataset[row]["input_ids"]).unsqueeze(0)
-        with HiddenStateTap(target.model, taps) as tap:
-            target.model(input_ids=ids.to(target.device), use_cache=False)
-            captured = tap.get()
-        shard_rows[f"row{row}.hidden"] = torch.cat(captured[: len(layers)], dim=-1)[0].to(dtype).cpu().contiguous()
-        shard_rows[f"row{row}.final"] = captured[-1][0].to(dtype).cpu().contiguous()
-        if len(shard_rows) >= 2 * rows_per_shard:
+        with HiddenStateTap(target.model, layers) as tap:
+            target.model(input_ids=ids.to(target.device), use_cache=False, logits_to_keep=1)
+            for layer, hidden in zip(layers, tap.get()):
+                shard[f"row{row}.layer{layer}"] = hidden[0].to(dtype).cpu().contiguous()
+        rows.append(row)
+        if len(rows) >= rows_per_shard:
             flush()
-    if shard_rows:
+    if rows:
         flush()
     write_text_atomic(out_dir / INDEX, json.dumps(index, indent=1))
     return out_dir
 
 
 class FeatureCache:
-    """Streams features of given rows from the cache (memory-mapped shards, verified once each)."""
+    """Streams the target outputs of given rows from the cache (memory-mapped shards, verified once each)."""
 
-    def __init__(self, directory: str | Path, target, layers: list[int]):
-        self.directory = Path(directory)
+    def __init__(self, directory: str | Path, target, needs: TargetNeeds, split_fingerprint: str):
+        self.directory, self.target, self.needs = Path(directory), target, needs
         path = self.directory / INDEX
         if not path.is_file():
-            raise DrafttrainError(f"no feature cache at {self.directory} ({INDEX} missing): run `drafttrain prepare`")
+            raise DrafttrainError(f"no feature cache at {self.directory} ({INDEX} missing): run `drafttrain prepare` "
+                                  "with training.hidden_states: offline")
         self.index = json.loads(path.read_text())
-        if self.index["hidden_size"] != target.hidden_size:
-            raise DrafttrainError(
-                f"feature cache {self.directory} has hidden size {self.index['hidden_size']}, "
-                f"the target has {target.hidden_size}: it was written for another target"
-            )
-        if list(self.index["layers"]) != list(layers):
-            raise DrafttrainError(
-                f"feature cache {self.directory} holds layers {self.index['layers']}, the draft needs {list(layers)}"
-            )
-        self.target = target
+        self._check(split_fingerprint)
         self._row_shard = {r: s["file"] for s in self.index["shards"] for r in s["rows"]}
         self._verified: set[str] = set()
+
+    def _check(self, split_fingerprint: str) -> None:
+        index, where = self.index, f"feature cache {self.directory}"
+        rerun = "rerun `drafttrain prepare` to rebuild it"
+        if index.get("format_version") != FORMAT_VERSION:
+            raise DrafttrainError(f"{where} was written by another drafttrain version; {rerun}")
+        if index["hidden_size"] != self.target.hidden_size:
+            raise DrafttrainError(f"{where} has hidden size {index['hidden_size']}, the target has "
+                                  f"{self.target.hidden_size}: it was written for another target; {rerun}")
+        missing = [layer for layer in self.needs.stored_layers(self.target.num_layers) if layer not in index["layers"]]
+        if missing:
+            raise DrafttrainError(f"{where} holds layers {index['layers']}, the draft needs {missing} too; {rerun}")
+        if index["split_fingerprint"] != split_fingerprint:
+            raise DrafttrainError(f"{where} was built from other training rows (split {index['split_fingerprint']}, "
+                                  f"now {split_fingerprint}): it is stale; {rerun}")
 
     def _open(self, name: str):
         path = self.directory / name
         if name not in self._verified:
             expected = next(s["sha256"] for s in self.index["shards"] if s["file"] == name)
             if not path.is_file() or _sha256(path) != expected:
-                raise DrafttrainError(f"feature cache shard {path} is missing or corrupt (sha256 mismatch)")
+                raise DrafttrainError(f"feature cache shard {path} is missing or corrupt (sha256 mismatch): rerun "
+                                      "`drafttrain prepare` to rebuild the cache")
             self._verified.add(name)
         return safe_open(str(path), framework="pt")
 
-    def row(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row(self, row: int, layers: list[int]) -> list[torch.Tensor]:
         if row not in self._row_shard:
             raise DrafttrainError(f"feature cache {self.directory} has no row {row}")
         with self._open(self._row_shard[row]) as f:
-            return f.get_tensor(f"row{row}.hidden"), f.get_tensor(f"row{row}.final")
+            return [f.get_tensor(f"row{row}.layer{layer}") for layer in layers]
 
     @torch.no_grad()
-    def features(self, rows: list[int], seq_len: int) -> TargetFeatures:
-        """Right-padded batch features; logits recomputed from the final hidden with the target's lm_head."""
-        hiddens, finals = zip(*(self.row(r) for r in rows))
-        dtype, device = self.target.model.dtype, self.target.device
+    def outputs(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:
+        """Right-padded outputs for the batch's rows (``row_index``), in the target's dtype, on its device."""
+        needs, final_layer = self.needs, self.target.num_layers
+        layers = needs.stored_layers(final_layer)
+        per_row = [self._row(int(r), layers) for r in batch["row_index"].tolist()]
+        seq_len, dtype = batch["input_ids"].shape[1], self.target.model.dtype
 
-        def pad(xs):
-            out = torch.zeros(len(xs), seq_len, xs[0].shape[-1], dtype=dtype)
-            for i, x in enumerate(xs):
-                out[i, : min(seq_len, x.shape[0])] = x[:seq_len].to(dtype)
-            return out.to(device)
+        def padded(layer: int) -> torch.Tensor:
+            at = layers.index(layer)
+            out = torch.zeros(len(per_row), seq_len, self.target.hidden_size, dtype=dtype)
+            for i, tensors in enumerate(per_row):
+                x = tensors[at][:seq_len]
+                out[i, : x.shape[0]] = x.to(dtype)
+            return out.to(self.target.device)
 
-        final = pad(finals)
-        logits = self.target.model.get_output_embeddings()(final)
-        return TargetFeatures(hidden=pad(hiddens), logits=logits)
+        final = padded(final_layer) if needs.final_hidden or needs.logits else None
+        return TargetOutputs(
+            hidden=torch.cat([padded(layer) for layer in needs.layers], dim=-1) if needs.layers else None,
+            final=final if needs.final_hidden else None,
+            logits=logits_from_final(self.target, final) if needs.logits else None,
+        )

@@ -15,17 +15,15 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
-from drafttrain.atomic import write_text_atomic
+from drafttrain.runfolder import write_text_atomic
 from drafttrain.config import Recipe, WandbConfig
-from drafttrain.evaluation.metrics import simulated_tau  # noqa: F401  (also re-exported)
+from drafttrain.drafts.base import add_positions, simulated_tau
+from drafttrain.runfolder import RunFolder
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-WANDB_ID_FILE = "wandb_run_id"
 _SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
 
 
@@ -68,21 +66,18 @@ class WindowMeter:
         self.steps = 0
         self.metric_sums: dict[str, float] = defaultdict(float)
         self.metric_counts: dict[str, int] = defaultdict(int)
-        self.step_acc_sums: list[float] = []
-        self.micro_batches = 0
+        self.correct: list[float] = []  # per draft position, summed over micro-batches
+        self.counted: list[float] = []
         self.tokens = 0
         self.trainable_tokens = 0
         self.started = time.perf_counter()
 
-    def add_micro_batch(self, metrics: dict[str, float], step_accuracies: list[float], tokens: int, trainable: int):
+    def add_micro_batch(self, metrics: dict[str, float], correct: list[float], counted: list[float], tokens: int,
+                        trainable: int):
         for key, value in metrics.items():
             self.metric_sums[key] += float(value)
             self.metric_counts[key] += 1
-        if len(self.step_acc_sums) < len(step_accuracies):
-            self.step_acc_sums += [0.0] * (len(step_accuracies) - len(self.step_acc_sums))
-        for i, acc in enumerate(step_accuracies):
-            self.step_acc_sums[i] += float(acc)
-        self.micro_batches += 1
+        self.correct, self.counted = add_positions(self.correct, correct), add_positions(self.counted, counted)
         self.tokens += tokens
         self.trainable_tokens += trainable
 
@@ -101,8 +96,8 @@ class WindowMeter:
             "steps": self.steps,
             "metric_sums": dict(self.metric_sums),
             "metric_counts": dict(self.metric_counts),
-            "step_acc_sums": list(self.step_acc_sums),
-            "micro_batches": self.micro_batches,
+            "correct": list(self.correct),
+            "counted": list(self.counted),
             "tokens": self.tokens,
             "trainable_tokens": self.trainable_tokens,
             "seconds": time.perf_counter() - self.started,
@@ -121,11 +116,14 @@ def summarise(parts: list[dict[str, Any]]) -> dict[str, float]:
             sums[key] += value
             counts[key] += part["metric_counts"][key]
     out.update({key: sums[key] / counts[key] for key in sorted(sums)})
-    micro = sum(p["micro_batches"] for p in parts)
-    width = max(len(p["step_acc_sums"]) for p in parts)
-    if micro and width:
-        accs = [sum(p["step_acc_sums"][i] for p in parts if i < len(p["step_acc_sums"])) / micro for i in range(width)]
-        out["sim_tau"] = simulated_tau(accs)
+    correct, counted = [], []
+    for part in parts:
+        correct, counted = add_positions(correct, part["correct"]), add_positions(counted, part["counted"])
+    if counted:
+        # per draft position, pooled over every token of every rank (not a mean of per-batch means)
+        accuracies = [c / n if n else 0.0 for c, n in zip(correct, counted)]
+        out.update({f"acc_{i}": a for i, a in enumerate(accuracies)})
+        out["sim_tau"] = simulated_tau(accuracies)
     seconds = max(p["seconds"] for p in parts) or 1e-9
     out["tokens_per_s"] = sum(p["tokens"] for p in parts) / seconds
     out["trainable_tokens_per_s"] = sum(p["trainable_tokens"] for p in parts) / seconds
@@ -136,9 +134,9 @@ class MetricsLog:
     """Writes one JSON object per log step to metrics.jsonl, mirrors it to wandb and the console."""
 
     def __init__(self, recipe: Recipe, total_steps: int, start_step: int, resumed: bool):
-        self.output_dir = Path(recipe.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.output_dir / METRICS_FILE
+        self.run = RunFolder.of(recipe.output_dir)
+        self.run.root.mkdir(parents=True, exist_ok=True)
+        self.path = self.run.metrics
         self._prepare_file(start_step, resumed)
         self._file = open(self.path, "a")
         self._wandb = self._start_wandb(recipe, resumed)
@@ -158,15 +156,15 @@ class MetricsLog:
             return None
         import wandb
 
-        id_file = self.output_dir / WANDB_ID_FILE
+        id_file = self.run.wandb_id
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
         return wandb.init(
             project=recipe.wandb.project,
-            name=self.output_dir.name,
+            name=self.run.root.name,
             id=run_id,
             resume="allow",
-            dir=str(self.output_dir),
+            dir=str(self.run.root),
             mode=mode,
             config=_public_config(recipe.model_dump(mode="json")),
             # console capture could record anything printed (e.g. data samples); code is not needed either.

@@ -1,4 +1,4 @@
-"""Optimizer, learning-rate schedule and step budget, plus the check that the target stays frozen."""
+"""What trains (the one frozen-target rule), the optimizer, the learning-rate schedule and the step budget."""
 
 from __future__ import annotations
 
@@ -22,15 +22,35 @@ def total_steps(training: TrainingConfig, layout: BatchLayout) -> int:
     return max(1, math.ceil(training.epochs * layout.steps_per_epoch))
 
 
-def trainable_parameters(draft: nn.Module) -> list[nn.Parameter]:
-    return [p for p in draft.parameters() if p.requires_grad]
+def select_trainable(target_model: nn.Module, drafter) -> list[nn.Parameter]:
+    """The one place that decides what trains: the drafter's own parameters, plus the target parameters its kind
+    declares (``trainable_target_parameters``, e.g. LoRA adapters); every other target parameter is frozen here.
 
-
-def build_optimizer(draft: nn.Module, training: TrainingConfig) -> torch.optim.AdamW:
-    """AdamW over the draft's trainable parameters; no weight decay on biases and norm gains (1-D tensors)."""
-    params = trainable_parameters(draft)
+    Refuses a drafter that *registers* target weights as its own (checked by identity): they would be trained
+    and saved with the draft although they belong to the target.
+    """
+    target_params = dict(target_model.named_parameters())
+    declared = set(drafter.trainable_target_parameters())
+    unknown = sorted(declared - target_params.keys())
+    if unknown:
+        raise DrafttrainError(f"{type(drafter).__name__} declares target parameters the target lacks: {_few(unknown)}")
+    for name, param in target_params.items():
+        param.requires_grad_(name in declared)
+    by_id = {id(p): name for name, p in target_params.items()}
+    registered = [name for name, p in drafter.named_parameters() if id(p) in by_id]
+    if registered:
+        raise DrafttrainError(
+            f"{type(drafter).__name__} registers target weights as its own parameters ({_few(registered)}): "
+            "reference the target's modules without registering them, so they are neither trained nor saved"
+        )
+    params = [p for p in drafter.parameters() if p.requires_grad] + [target_params[n] for n in sorted(declared)]
     if not params:
-        raise DrafttrainError(f"{type(draft).__name__} has no trainable parameters")
+        raise DrafttrainError(f"{type(drafter).__name__} has no trainable parameters")
+    return params
+
+
+def build_optimizer(params: list[nn.Parameter], training: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW; no weight decay on biases and norm gains (1-D tensors)."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": training.weight_decay}]
@@ -48,28 +68,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, 
         num_warmup_steps=min(training.warmup_steps, num_steps),
         num_training_steps=num_steps,
     )
-
-
-def check_target_frozen(target_model: nn.Module, draft: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Refuse to train if any target weight could change or be saved with the draft.
-
-    Returns the number of trainable draft parameters. Checked by identity, so a draft that *registers* the
-    target's embedding or lm_head (instead of referencing it) is caught even though the tensors are frozen.
-    """
-    target_params = {id(p): name for name, p in target_model.named_parameters()}
-    thawed = [name for name, p in target_model.named_parameters() if p.requires_grad]
-    if thawed:
-        raise DrafttrainError(f"target parameters require grad (the target must be frozen): {_few(thawed)}")
-    registered = [name for name, p in draft.named_parameters() if id(p) in target_params]
-    if registered:
-        raise DrafttrainError(
-            f"{type(draft).__name__} registers target weights as its own parameters ({_few(registered)}): "
-            "reference the target's modules without registering them, so they are neither trained nor saved"
-        )
-    in_optimizer = [target_params[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in target_params]
-    if in_optimizer:
-        raise DrafttrainError(f"target parameters are in the optimizer: {_few(in_optimizer)}")
-    return sum(p.numel() for g in optimizer.param_groups for p in g["params"])
 
 
 def _few(names: list[str], limit: int = 5) -> str:

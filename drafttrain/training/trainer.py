@@ -1,7 +1,9 @@
-"""The training loop: a frozen target feeds features to a draft head trained with accelerate (DDP/DeepSpeed).
+"""The training loop: a drafter learns from the target's outputs, with accelerate (DDP / DeepSpeed ZeRO).
 
-Only the draft, its optimizer and schedule go through ``accelerator.prepare``; the target is frozen, so it is
-just moved to the device (wrapping it would make DDP/ZeRO track and shard weights that never change).
+What accelerate wraps is :class:`TrainStep`: the target outputs the kind needs (online from the target, or from the
+offline cache), then the kind's loss. The target's module is registered in it only when the kind trains part of
+the target (LoRA); a frozen target is just moved to the device, since wrapping it would make DDP/ZeRO track and
+shard weights that never change. The trainer never names a draft kind: it asks the drafter.
 """
 
 from __future__ import annotations
@@ -19,19 +21,20 @@ from torch import nn
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
-from drafttrain.training.checkpoint import ACCELERATE_DIR, STATE_FILE, CheckpointManager, TrainerState
+from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder
+from drafttrain.targets.outputs import TargetOutputs, run_target
+from drafttrain.training.checkpoint import CheckpointManager, TrainerState
 from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids
 from drafttrain.training.logging import MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator
-from drafttrain.training.schedule import build_optimizer, build_scheduler, check_target_frozen, total_steps
+from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
 # fn(step, checkpoint_dir) -> metrics (e.g. {"tau": 3.1}); runs on the main process after each checkpoint.
 CheckpointCallback = Callable[[int, Path], "dict[str, float] | None"]
-# fn(target, batch, layers) -> TargetFeatures; called under torch.no_grad.
-FeaturesFn = Callable[[Any, "dict[str, torch.Tensor]", "list[int]"], Any]
+# fn(batch) -> the target outputs the drafter trains on (online: a target forward; offline: the cache).
+OutputsFn = Callable[["dict[str, torch.Tensor]"], TargetOutputs]
 
 
 @dataclasses.dataclass
@@ -47,15 +50,24 @@ class TrainResult:
     metrics_path: Path
 
 
-class DraftStepModule(nn.Module):
-    """What accelerate wraps: its forward is the draft's training step, so DDP and ZeRO hooks see a forward."""
+class TrainStep(nn.Module):
+    """What accelerate wraps, so DDP and ZeRO hooks see one forward: the target outputs, then the kind's loss."""
 
-    def __init__(self, draft: nn.Module):
+    def __init__(self, drafter: nn.Module, target, outputs_fn: OutputsFn):
         super().__init__()
-        self.draft = draft
+        self.drafter = drafter
+        self.__dict__["outputs_fn"] = outputs_fn  # not a submodule
+        if drafter.trainable_target_parameters():
+            self.target_model = target.model  # its trainable part is the engine's to track, shard and save
 
-    def forward(self, batch: dict[str, torch.Tensor], features: Any):
-        return self.draft.training_step(batch, features)
+    def forward(self, batch: dict[str, torch.Tensor]):
+        return self.drafter.training_step(batch, self.outputs_fn(batch))
+
+
+def online_outputs(target, drafter) -> OutputsFn:
+    """The target runs inside every step. Gradients flow only where the kind trains the target."""
+    needs = drafter.needs()
+    return lambda batch: run_target(target, batch, needs)
 
 
 class Trainer:
@@ -63,21 +75,19 @@ class Trainer:
         self,
         recipe: Recipe,
         target,
-        draft: nn.Module,
+        drafter: nn.Module,
         train_dataset,
-        features_fn: FeaturesFn | None = None,
+        outputs_fn: OutputsFn | None = None,
         callbacks: list[CheckpointCallback] | None = None,
         best_metric: str | None = None,
     ):
-        if features_fn is None:
-            from drafttrain.training.features import compute_features as features_fn
         self.recipe, self.training = recipe, recipe.training
-        self.target, self.draft, self.dataset = target, draft, train_dataset
-        self.features_fn = features_fn
+        self.target, self.drafter, self.dataset = target, drafter, train_dataset
+        self.outputs_fn = outputs_fn or online_outputs(target, drafter)
         self.on_checkpoint: list[CheckpointCallback] = list(callbacks or [])
-        self.output_dir = Path(recipe.output_dir)
+        self.run = RunFolder.of(recipe.output_dir)
         self.checkpoints = CheckpointManager(
-            self.output_dir / CHECKPOINTS, self.training.keep_last, best_metric or self.training.best_metric
+            self.run.checkpoints, self.training.keep_last, best_metric or self.training.best_metric
         )
 
     # -- setup ---------------------------------------------------------------------------------------------
@@ -88,21 +98,23 @@ class Trainer:
         resume_from = self._start_folder(resume)
         set_seed(self.recipe.seed, device_specific=True)
         self.target.model.to(acc.device)
-        optimizer = build_optimizer(self.draft, self.training)
-        trainable = check_target_frozen(self.target.model, self.draft, optimizer)
+        params = select_trainable(self.target.model, self.drafter)
+        optimizer = build_optimizer(params, self.training)
+        trainable = sum(p.numel() for p in params)
         self.layout = BatchLayout(len(self.dataset), self.training.batch_size, acc.num_processes,
                                   self.training.gradient_accumulation)
         self.layout.check()
         steps = total_steps(self.training, self.layout)
         scheduler = build_scheduler(optimizer, self.training, steps)
-        self.module, self.optimizer, self.scheduler = acc.prepare(DraftStepModule(self.draft), optimizer, scheduler)
+        step_module = TrainStep(self.drafter, self.target, self.outputs_fn)
+        self.module, self.optimizer, self.scheduler = acc.prepare(step_module, optimizer, scheduler)
         state = TrainerState(0, 0, 0, self.recipe.seed, len(self.dataset), self.training.batch_size,
                              acc.num_processes, self.training.gradient_accumulation, steps)
         if resume_from is not None:
             state = self._restore(resume_from, state)
         acc.print(
-            f"trainable parameters: {trainable:,} (draft); target parameters: "
-            f"{sum(p.numel() for p in self.target.model.parameters()):,} (frozen, not in the optimizer); "
+            f"trainable parameters: {trainable:,}; target parameters: "
+            f"{sum(p.numel() for p in self.target.model.parameters() if not p.requires_grad):,} frozen; "
             f"{steps} steps of {self.layout.global_batch * self.layout.grad_accum} rows "
             f"({self.layout.steps_per_epoch} per epoch, {acc.num_processes} process(es))"
         )
@@ -125,7 +137,7 @@ class Trainer:
         latest = self.checkpoints.latest()
         if latest is not None and not resume:
             raise DrafttrainError(
-                f"{self.output_dir} already holds checkpoints (newest: {latest.name}): pass --resume to continue "
+                f"{self.run.root} already holds checkpoints (newest: {latest.name}): pass --resume to continue "
                 "that run, or use another output_dir"
             )
         if resume and latest is None:
@@ -185,9 +197,7 @@ class Trainer:
             rows = batch[ROW_INDEX].tolist()
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             with acc.accumulate(self.module):
-                with torch.no_grad():
-                    features = self.features_fn(self.target, batch, self.draft.target_layers)
-                out = self.module(batch, features)
+                out = self.module(batch)
                 self._check_finite(out.loss, state, state.batch_in_epoch + i, rows)
                 acc.backward(out.loss)
                 if acc.sync_gradients:
@@ -195,7 +205,7 @@ class Trainer:
             total += float(out.loss.detach())
             attention = batch["attention_mask"]
             self.meter.add_micro_batch(
-                out.metrics, out.step_accuracies, int(attention.sum()), int((batch["loss_mask"] * attention).sum())
+                out.metrics, out.correct, out.counted, int(attention.sum()), int((batch["loss_mask"] * attention).sum())
             )
         loss = total / len(group)
         if acc.num_processes > 1:
@@ -272,7 +282,7 @@ class Trainer:
         tmp = self.checkpoints.tmp_dir(state.step)
         acc.save_state(str(tmp / ACCELERATE_DIR))  # every rank: RNG states, and ZeRO shards under DeepSpeed
         if acc.is_main_process:
-            acc.unwrap_model(self.module).draft.save_pretrained(tmp)
+            acc.unwrap_model(self.module).drafter.save_pretrained(tmp)
             (tmp / STATE_FILE).write_text(state.to_json())  # written last: a folder without it is incomplete
         acc.wait_for_everyone()
         if acc.is_main_process:
@@ -302,7 +312,7 @@ class Trainer:
             best=best,
             trainable_parameters=trainable,
             resumed_from=resumed,
-            metrics_path=self.output_dir / "metrics.jsonl",
+            metrics_path=self.run.metrics,
         )
 
 

@@ -25,8 +25,10 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target model: built-in name, folder, .gguf or Hub id")
-    parser.add_argument("--proposer", required=True, help="proposer name: draft_model, prompt_lookup, eagle3, ...")
-    parser.add_argument("--draft", help="draft model / checkpoint for the proposer (required by draft_model)")
+    parser.add_argument("--proposer", help="proposer name: prompt_lookup, draft_model, eagle, ... (default: the one "
+                                           "that serves the --draft checkpoint's kind)")
+    parser.add_argument("--draft", help="a drafttrain checkpoint or run folder, or a draft model (built-in name, "
+                                        "folder, .gguf) for the draft_model proposer")
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--suite", default=_DEFAULTS.suite, help="built-in suite: mt_bench, humaneval, gsm8k, alpaca")
     prompts.add_argument("--questions", help="FastChat-format .jsonl (question_id, category, turns) instead of a suite")
@@ -97,12 +99,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
+    from drafttrain.sampling import check_sampling
+
+    check_sampling(args.temperature, args.top_p)
     if args.depth <= 0:
         raise DrafttrainError(f"--depth (k) must be positive, got {args.depth}")
-    if args.temperature < 0:
-        raise DrafttrainError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise DrafttrainError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens <= 0:
         raise DrafttrainError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.num_prompts is not None and args.num_prompts <= 0:
@@ -150,16 +151,21 @@ def _static_paths(text: str) -> list[list[int]]:
 
 
 def _check_proposer(args: argparse.Namespace) -> None:
-    """Fail before loading the target: unknown proposer name, or a draft that is needed but missing."""
-    known = _known_proposers()
+    """Fail before loading the target: unknown proposer name, or a draft that is needed but missing. Without
+    --proposer, the --draft checkpoint's kind names the proposer that serves it."""
+    from drafttrain.decoding import PROPOSERS
+
+    known = set(PROPOSERS)
+    if args.draft and _looks_like_path(args.draft) and not Path(args.draft).expanduser().exists():
+        raise DrafttrainError(f"draft not found: {args.draft}")
+    if args.proposer is None:
+        args.proposer = _default_proposer(args.draft)
     if args.proposer not in known:
         raise DrafttrainError(f"unknown proposer {args.proposer!r}: choose one of {', '.join(sorted(known))}")
     if args.draft and "draft" not in _proposer_options(args.proposer):
         raise DrafttrainError(f"--draft is not used by proposer {args.proposer!r} (it needs no draft model)")
     if args.proposer == "draft_model" and not args.draft:
         raise DrafttrainError("proposer draft_model needs --draft (a draft model: built-in name, folder or .gguf)")
-    if args.draft and _looks_like_path(args.draft) and not Path(args.draft).expanduser().exists():
-        raise DrafttrainError(f"draft not found: {args.draft}")
     for name in args.compare:
         if name not in known:
             raise DrafttrainError(f"--compare: unknown proposer {name!r}: choose one of {', '.join(sorted(known))}")
@@ -168,10 +174,15 @@ def _check_proposer(args: argparse.Namespace) -> None:
                                   "(run a second eval for a drafted one)")
 
 
-def _known_proposers() -> set[str]:
-    from drafttrain.evaluation.evaluate import registered_proposers
+def _default_proposer(draft: str | None) -> str:
+    from drafttrain.drafts import saved_kind
 
-    return set(registered_proposers())
+    if not draft:
+        raise DrafttrainError("give --proposer (e.g. prompt_lookup), or --draft with a checkpoint written by drafttrain")
+    try:
+        return saved_kind(draft).proposer
+    except DrafttrainError:  # not a drafttrain checkpoint: a plain model used as the draft
+        return "draft_model"
 
 
 def _proposer_options(name: str) -> set[str]:

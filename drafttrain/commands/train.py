@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe, load_recipe
+from drafttrain.runfolder import RunFolder
 
 log = logging.getLogger(__name__)
-
-TRAIN_SPLIT = Path("data") / "train"  # under output_dir, written by `drafttrain prepare`
-VALIDATION_SPLIT = Path("data") / "validation"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,19 +35,21 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
 
 def check_trainable(recipe: Recipe) -> None:
     """What `train` needs beyond a valid schema; checked before anything heavy loads."""
+    from pathlib import Path
+
     if recipe.draft is None:
         raise DrafttrainError("the recipe has no draft section: set draft.kind (e.g. eagle3)")
     if recipe.training.deepspeed is not None and not Path(recipe.training.deepspeed).is_file():
         raise DrafttrainError(f"training.deepspeed: file not found: {recipe.training.deepspeed}")
     if recipe.data is not None and recipe.data.packing:
         raise DrafttrainError(
-            "data.packing: EAGLE heads are trained on unpacked rows (their attention is not document-aware "
-            "yet); set data.packing: false, or use length-grouped batches"
+            "data.packing: drafts are trained on unpacked rows (their attention is not document-aware yet); "
+            "set data.packing: false"
         )
-    train_dir = Path(recipe.output_dir) / TRAIN_SPLIT
-    if not train_dir.is_dir():
+    run = RunFolder.of(recipe.output_dir)
+    if not run.train_split.is_dir():
         raise DrafttrainError(
-            f"no prepared training data at {train_dir}: run `drafttrain prepare` with this recipe first"
+            f"no prepared training data at {run.train_split}: run `drafttrain prepare` with this recipe first"
         )
 
 
@@ -60,24 +59,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(recipe: Recipe, resume: bool = False, target=None):
-    """Load the target (unless given), the prepared data and a fresh head; train; return the TrainResult."""
+    """Load the target (unless given), the prepared data and a fresh draft of the recipe's kind; train; return the
+    TrainResult."""
     check_trainable(recipe)
     import datasets
     from accelerate.utils import set_seed
 
-    from drafttrain.drafts import build_draft
+    from drafttrain.data.tokenize import split_fingerprint
+    from drafttrain.drafts import build_drafter
     from drafttrain.targets import load_target
-    from drafttrain.training.trainer import Trainer
+    from drafttrain.training.trainer import Trainer, online_outputs
 
-    dataset = datasets.load_from_disk(str(Path(recipe.output_dir) / TRAIN_SPLIT))
+    run = RunFolder.of(recipe.output_dir)
+    dataset = datasets.load_from_disk(str(run.train_split))
     target = target if target is not None else load_target(recipe.target)
-    check_draft_vocab_is_current(recipe, dataset, target)
+    fingerprint = split_fingerprint(dataset)
+    check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
-    draft = build_draft(recipe.draft, target, output_dir=recipe.output_dir)
-    callbacks = checkpoint_callbacks(recipe, target)
+    drafter = build_drafter(recipe.draft, target, run)
+    if recipe.training.hidden_states == "offline":
+        from drafttrain.training.features import FeatureCache
+
+        outputs = FeatureCache(run.features, target, drafter.needs(), fingerprint).outputs
+    else:
+        outputs = online_outputs(target, drafter)
+    callbacks = checkpoint_callbacks(recipe, target, run)
     best_metric = recipe.training.best_metric or ("tau" if callbacks else None)  # keep the best by real tau
-    trainer = Trainer(recipe, target, draft, dataset, features_fn=features_fn(recipe, target, draft),
-                      callbacks=callbacks, best_metric=best_metric)
+    trainer = Trainer(recipe, target, drafter, dataset, outputs_fn=outputs, callbacks=callbacks, best_metric=best_metric)
     result = trainer.train(resume=resume)
     if trainer.accelerator.is_main_process:
         best = f"; best: {result.best_checkpoint} ({result.best['metric']}={result.best['value']:.4g})" \
@@ -87,37 +95,24 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     return result
 
 
-def check_draft_vocab_is_current(recipe: Recipe, dataset, target) -> None:
+def check_draft_vocab_is_current(recipe: Recipe, run: RunFolder, fingerprint: str, target) -> None:
     """The run's draft vocab (written by `drafttrain prepare`) must come from this train split and tokenizer: a
-    mapping left from other data would silently mask the wrong tokens. A mapping the recipe names is the user's."""
-    from drafttrain.data.vocab import draft_vocab_key, load_draft_vocab
-    from drafttrain.drafts.eagle3 import DRAFT_VOCAB_FILE
+    mapping left from other data would silently mask the wrong tokens."""
+    from drafttrain.data.tokenize import tokenizer_fingerprint
+    from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
 
-    path = Path(recipe.output_dir) / DRAFT_VOCAB_FILE
-    if getattr(recipe.draft, "draft_vocab", None) or not path.is_file():
-        return
-    load_draft_vocab(path, expect_key=draft_vocab_key(dataset, target.tokenizer, target.vocab_size))
+    if recipe.draft_vocab.enabled:
+        load_draft_vocab(run.draft_vocab, expect_key=DraftVocabKey(fingerprint, tokenizer_fingerprint(target.tokenizer)))
 
 
-def features_fn(recipe: Recipe, target, draft):
-    """Online: the target runs inside each step. Offline: stream the cache `drafttrain prepare` wrote."""
-    from drafttrain.training.features import FEATURE_CACHE, FeatureCache, compute_features
-
-    if recipe.training.hidden_states == "online":
-        return compute_features
-    cache = FeatureCache(Path(recipe.output_dir) / FEATURE_CACHE, target, draft.target_layers)
-    return lambda target, batch, layers: cache.features(batch["row_index"].tolist(), batch["input_ids"].shape[1])
-
-
-def checkpoint_callbacks(recipe: Recipe, target) -> list:
+def checkpoint_callbacks(recipe: Recipe, target, run: RunFolder) -> list:
     """Callbacks run after each checkpoint (fn(step, checkpoint_dir) -> metrics): held-out simulated tau and a
-    real tau / speedup from the evaluator, so the best checkpoint is kept by measured acceptance."""
+    real tau / speedup on held-out prompts, so the best checkpoint is kept by measured acceptance."""
     if not recipe.eval.every_checkpoint:
         return []
     import datasets
 
-    from drafttrain.training.checkpoint_eval import CheckpointEvaluator
+    from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator
 
-    validation_dir = Path(recipe.output_dir) / VALIDATION_SPLIT
-    validation = datasets.load_from_disk(str(validation_dir)) if validation_dir.is_dir() else None
+    validation = datasets.load_from_disk(str(run.validation_split)) if run.validation_split.is_dir() else None
     return [CheckpointEvaluator(recipe, target, validation)]

@@ -1,11 +1,13 @@
-"""``drafttrain prepare``: recipe -> mixture -> (regenerated answers) -> tokenised datasets -> draft vocab -> summary.
+"""``drafttrain prepare``: recipe -> mixture -> (regenerated answers) -> tokenised datasets -> draft vocab ->
+(offline target outputs) -> summary.
 
-Outputs under ``output_dir``:
+Outputs in the run folder (drafttrain.runfolder):
   * ``regenerated.jsonl`` (+ ``.settings.json``, ``.dropped.jsonl``) when ``regenerate.enabled``; resumable;
   * ``data/train`` and ``data/validation``: ``datasets.save_to_disk`` folders (columns from
-    :func:`drafttrain.data.tokenize.build_tokenized_dataset`);
+    :func:`drafttrain.data.tokenize.build_tokenized_dataset`), and ``data/validation_prompts.jsonl``: the
+    validation conversations' first user turns, on which checkpoints are chosen;
   * ``draft_vocab.safetensors`` when ``draft_vocab.enabled`` (see :mod:`drafttrain.data.vocab`);
-  * ``features/`` when ``training.hidden_states: offline``: the target's hidden states for the train split;
+  * ``features/`` when ``training.hidden_states: offline``: what the draft kind needs from the target;
   * ``prepare_summary.json``: every count (per source, regenerated, tokens, each skip reason, coverage).
 
 The recipe is validated in full before any work starts, and so are the things that would fail late (missing data
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
-from drafttrain.atomic import write_text_atomic
+from drafttrain.runfolder import RunFolder, write_text_atomic
 from drafttrain.config import DataConfig, Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -36,39 +38,12 @@ DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz", ".csv", ".txt")
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Paths and result
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparePaths:
-    """Where ``prepare`` writes; the trainer uses the same object to find them."""
-
-    output_dir: Path
-    regenerated: Path
-    train: Path
-    validation: Path
-    draft_vocab: Path
-    summary: Path
-    cache_dir: Path
-
-    @classmethod
-    def for_recipe(cls, recipe: Recipe) -> "PreparePaths":
-        out = Path(recipe.output_dir).expanduser()
-        data_cache = recipe.data.cache_dir if recipe.data is not None else None
-        return cls(
-            output_dir=out,
-            regenerated=out / "regenerated.jsonl",
-            train=out / "data" / "train",
-            validation=out / "data" / "validation",
-            draft_vocab=out / "draft_vocab.safetensors",
-            summary=out / "prepare_summary.json",
-            cache_dir=Path(data_cache).expanduser() if data_cache else out / "cache",
-        )
+# Result
 
 
 @dataclasses.dataclass
 class PrepareResult:
-    paths: PreparePaths
+    run: RunFolder
     summary: dict[str, Any]
     train_rows: int
     validation_rows: int  # 0 when there is no validation split
@@ -77,11 +52,11 @@ class PrepareResult:
 
     @property
     def train_path(self) -> Path:
-        return self.paths.train
+        return self.run.train_split
 
     @property
     def validation_path(self) -> Path | None:
-        return self.paths.validation if self.validation_rows else None
+        return self.run.validation_split if self.validation_rows else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -139,7 +114,7 @@ def _with_limit(data: DataConfig, limit: int | None) -> DataConfig:
     return data.model_copy(update={"num_samples": num})
 
 
-def _regenerate(recipe: Recipe, mixture, target, paths: PreparePaths, progress: bool):
+def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool):
     from drafttrain.data.regenerate import regenerate_conversations
 
     kept = {name for name, yes in _regenerated_sources(recipe, mixture).items() if not yes}
@@ -147,7 +122,7 @@ def _regenerate(recipe: Recipe, mixture, target, paths: PreparePaths, progress: 
     result = regenerate_conversations(
         todo,
         recipe.regenerate,
-        paths.regenerated,
+        run.regenerated,
         seed=recipe.seed,
         target=target,
         target_name=recipe.target.model,
@@ -199,13 +174,13 @@ def save_dataset(dataset, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _build_vocab(recipe: Recipe, train_ds, validation_ds, tokenizer, vocab_size: int, paths: PreparePaths) -> dict:
+def _build_vocab(recipe: Recipe, train_ds, validation_ds, tokenizer, vocab_size: int, run: RunFolder) -> dict:
     from drafttrain.data.vocab import build_draft_vocab, dataset_coverage, save_draft_vocab
 
     vocab = build_draft_vocab(train_ds, tokenizer, vocab_size, recipe.draft_vocab.size)
-    save_draft_vocab(vocab, paths.draft_vocab)
+    save_draft_vocab(vocab, run.draft_vocab)
     info = vocab.summary()
-    info["path"] = str(paths.draft_vocab)
+    info["path"] = str(run.draft_vocab)
     has_validation = validation_ds is not None
     info["coverage_validation"] = round(dataset_coverage(validation_ds, vocab), 6) if has_validation else None
     return info
@@ -237,7 +212,7 @@ def build_summary(
     train_set: tuple[Any, dict],
     validation_set: tuple[Any, dict],
     vocab_info: dict | None,
-    paths: PreparePaths,
+    run: RunFolder,
     seconds: dict[str, float],
 ) -> dict[str, Any]:
     (train_ds, train_stats), (val_ds, val_stats) = train_set, validation_set
@@ -280,7 +255,7 @@ def build_summary(
         }
 
     return {
-        "output_dir": str(paths.output_dir),
+        "output_dir": str(run.root),
         "target": recipe.target.model,
         "seed": recipe.seed,
         "sources": sources,
@@ -292,8 +267,8 @@ def build_summary(
         },
         "regenerate": regen.stats() if regen else None,
         "datasets": {
-            "train": split_info(train_ds, train_stats, paths.train),
-            "validation": split_info(val_ds, val_stats, paths.validation),
+            "train": split_info(train_ds, train_stats, run.train_split),
+            "validation": split_info(val_ds, val_stats, run.validation_split),
         },
         "skipped": skipped,
         "draft_vocab": vocab_info,
@@ -371,7 +346,8 @@ def prepare(
     if recipe.data is None:
         raise DrafttrainError("the recipe has no data section: prepare needs data.sources")
     data = _with_limit(recipe.data, limit)
-    paths = PreparePaths.for_recipe(recipe)
+    run = RunFolder.of(recipe.output_dir)
+    cache_dir = run.data_cache(data.cache_dir)
     check_data_files(data)
     needs_model = recipe.regenerate.enabled and recipe.regenerate.backend == "hf"
     if recipe.regenerate.enabled and recipe.regenerate.backend == "openai" and not recipe.regenerate.base_url:
@@ -389,7 +365,7 @@ def prepare(
 
     if needs_model and target is None:
         target = load_target(recipe.target)
-    paths.output_dir.mkdir(parents=True, exist_ok=True)
+    run.root.mkdir(parents=True, exist_ok=True)
     train, validation, regen = mixture.train, mixture.validation, None
     unanswered = _unanswered_per_source(recipe, mixture)
     if unanswered:
@@ -398,47 +374,48 @@ def prepare(
                     ", ".join(f"{name}: {n}" for name, n in unanswered.items()))
     if recipe.regenerate.enabled:
         clock = time.perf_counter()
-        train, validation, regen = _regenerate(recipe, mixture, target, paths, progress)
+        train, validation, regen = _regenerate(recipe, mixture, target, run, progress)
         seconds["regenerate"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
     tokenizer = target.tokenizer if target is not None else load_tokenizer(recipe.target)
-    train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, paths.cache_dir, required=True)
-    val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, paths.cache_dir, required=False)
-    save_dataset(train_ds, paths.train)
+    train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, cache_dir, required=True)
+    val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, cache_dir, required=False)
+    save_dataset(train_ds, run.train_split)
     if val_ds is not None:
-        save_dataset(val_ds, paths.validation)
+        save_dataset(val_ds, run.validation_split)
     else:
-        shutil.rmtree(paths.validation, ignore_errors=True)  # never leave a stale split from an earlier run
+        shutil.rmtree(run.validation_split, ignore_errors=True)  # never leave a stale split from an earlier run
+    write_validation_prompts(validation if val_ds is not None else [], run.validation_prompts)
     seconds["tokenize"] = time.perf_counter() - clock
 
     vocab_info = None
     if recipe.draft_vocab.enabled:
         clock = time.perf_counter()
-        vocab_info = _build_vocab(recipe, train_ds, val_ds, tokenizer, vocab_size, paths)
+        vocab_info = _build_vocab(recipe, train_ds, val_ds, tokenizer, vocab_size, run)
         seconds["draft_vocab"] = time.perf_counter() - clock
-    elif paths.draft_vocab.exists():
-        paths.draft_vocab.unlink()  # a mapping from an earlier run would not match this data
+    elif run.draft_vocab.exists():
+        run.draft_vocab.unlink()  # a mapping from an earlier run would not match this data
 
     if recipe.training.hidden_states == "offline" and recipe.draft is not None:
         clock = time.perf_counter()
         target = target if target is not None else load_target(recipe.target)
-        _write_features(recipe, target, train_ds, paths)
+        _write_features(recipe, target, train_ds, run)
         seconds["features"] = time.perf_counter() - clock
 
     summary = build_summary(
-        recipe, mixture, regen, (train_ds, train_stats), (val_ds, val_stats), vocab_info, paths, seconds
+        recipe, mixture, regen, (train_ds, train_stats), (val_ds, val_stats), vocab_info, run, seconds
     )
-    write_text_atomic(paths.summary, json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(run.summary, json.dumps(summary, indent=2) + "\n")
     if show_summary:
         print_summary(summary)
     return PrepareResult(
-        paths=paths,
+        run=run,
         summary=summary,
         train_rows=len(train_ds),
         validation_rows=len(val_ds) if val_ds is not None else 0,
-        draft_vocab_path=paths.draft_vocab if vocab_info else None,
-        regenerated_path=paths.regenerated if regen else None,
+        draft_vocab_path=run.draft_vocab if vocab_info else None,
+        regenerated_path=run.regenerated if regen else None,
     )
 
 
@@ -453,15 +430,31 @@ def _unanswered_per_source(recipe: Recipe, mixture) -> dict[str, int]:
                         if c["needs_response"] and not regenerates[c["source"]]))
 
 
-def _write_features(recipe: Recipe, target, train_ds, paths: PreparePaths) -> None:
-    """Offline hidden states: run the target once over the train split and cache the draft's taps."""
-    from drafttrain.drafts import build_draft
-    from drafttrain.training.features import FEATURE_CACHE, write_feature_cache
+def write_validation_prompts(conversations: list[dict], path: Path) -> None:
+    """The validation conversations' first user turns as a FastChat question file: the held-out prompts on which
+    every checkpoint's real τ is measured (and the best checkpoint chosen)."""
+    lines = []
+    for conversation in conversations:
+        first = next((m["content"] for m in conversation["messages"] if m["role"] == "user"), None)
+        if first and first.strip():
+            lines.append(json.dumps({"question_id": str(conversation["id"]), "category": conversation["source"],
+                                     "turns": [first]}, ensure_ascii=False))
+    if lines:
+        write_text_atomic(path, "\n".join(lines) + "\n")
+    else:
+        path.unlink(missing_ok=True)
 
-    layers = build_draft(recipe.draft, target, output_dir=paths.output_dir).target_layers
-    out = paths.output_dir / FEATURE_CACHE
-    shutil.rmtree(out, ignore_errors=True)  # features of an earlier dataset would not line up with these rows
-    write_feature_cache(target, train_ds, layers, out)
+
+def _write_features(recipe: Recipe, target, train_ds, run: RunFolder) -> None:
+    """Offline target outputs: run the target once over the train split and store what the draft kind needs."""
+    from drafttrain.data.tokenize import split_fingerprint
+    from drafttrain.drafts import drafter_class
+    from drafttrain.training.features import cache_dtype, write_feature_cache
+
+    needs = drafter_class(recipe.draft.kind).target_needs(recipe.draft, target)
+    shutil.rmtree(run.features, ignore_errors=True)  # outputs of an earlier dataset would not line up with these rows
+    write_feature_cache(target, train_ds, needs, run.features, split_fingerprint=split_fingerprint(train_ds),
+                        dtype=cache_dtype(recipe.training.feature_dtype, target))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -478,5 +471,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)  # the whole recipe is validated before any work
     result = prepare(recipe, limit=args.limit, progress=not args.no_progress)
-    print(f"prepared {result.train_rows} train / {result.validation_rows} validation rows -> {result.paths.output_dir}")
+    print(f"prepared {result.train_rows} train / {result.validation_rows} validation rows -> {result.run.root}")
     return 0

@@ -1,6 +1,6 @@
-"""``drafttrain`` command line: one subcommand per pipeline stage.
+"""The commands: the top layer, which composes the library layers into ``drafttrain <command>``.
 
-Each stage module exposes ``add_arguments(parser)`` and ``run(args) -> int``; they are imported lazily so that
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; they are imported lazily so that
 ``drafttrain --help`` stays fast and a stage's heavy imports load only when it runs.
 """
 
@@ -15,10 +15,10 @@ from drafttrain import DrafttrainError, __version__
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare": ("drafttrain.data.prepare", "load, regenerate, tokenise conversations and build the draft vocab"),
-    "train": ("drafttrain.training.cli", "train a draft head from a recipe (also under accelerate launch)"),
-    "eval": ("drafttrain.evaluation.cli", "measure speculative decoding: tau, acceptance, speedup"),
-    "quickstart": ("drafttrain.quickstart", "prepare, train and evaluate the bundled SmolLM2 quick recipe"),
+    "prepare": ("drafttrain.commands.prepare", "load, regenerate, tokenise conversations and build the draft vocab"),
+    "train": ("drafttrain.commands.train", "train a draft from a recipe (also under accelerate launch)"),
+    "eval": ("drafttrain.commands.eval", "measure speculative decoding: tau, acceptance, speedup"),
+    "quickstart": ("drafttrain.commands.quickstart", "prepare, train and evaluate the bundled SmolLM2 quick recipe"),
 }
 
 

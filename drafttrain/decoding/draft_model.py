@@ -1,0 +1,69 @@
+"""The ``draft_model`` proposer: a separate causal LM with the target's tokenizer and its own KV cache (classic
+speculative decoding, and the proposer of distilled draft models).
+
+The draft's cache holds the accepted text only: drafted nodes are cropped after each proposal, and the accepted
+tokens are fed with the next root in one batched forward. Chains and trees are drafted by
+drafttrain.decoding.expand.TreeDrafter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafttrain import DrafttrainError
+from drafttrain.decoding.expand import TreeDrafter
+from drafttrain.decoding.proposers import register_proposer
+from drafttrain.decoding.trees import compact_cache, feed_mask, forward
+
+
+@register_proposer("draft_model")
+class DraftModelProposer(TreeDrafter):
+    def __init__(self, target, *, draft=None):
+        from drafttrain.targets import Target, check_same_tokenizer, load_target
+
+        if draft is None or draft == "":
+            raise DrafttrainError(
+                "the 'draft_model' proposer needs draft=<a built-in name, model folder, .gguf file or Hub id>"
+            )
+        self.draft = draft if isinstance(draft, Target) else load_target(str(draft))
+        check_same_tokenizer(target, self.draft)
+        self.model = self.draft.model
+        self.vocab_size = target.vocab_size
+
+    def prefill(self, input_ids, hidden, next_token) -> None:
+        from transformers import DynamicCache
+
+        self.device = input_ids.device
+        self.ids = torch.cat([input_ids, next_token], dim=1)
+        self.cache = DynamicCache(config=self.model.config)
+
+    def accept(self, tokens, hidden) -> None:
+        self.ids = torch.cat([self.ids, tokens], dim=1)
+
+    def hf_equivalent(self, depth: int) -> tuple[str, dict]:
+        return "hf_assisted", {"assistant_model": self.model}  # HF's assisted generation with the same draft
+
+    def _root_logits(self) -> torch.Tensor:
+        # feed what the draft has not seen yet (the accepted tokens and the root) -> logits for the root's children
+        self.ctx = self.ids.shape[1]
+        new = self.ids[:, self.cache.get_seq_length() :]
+        return self._aligned(forward(self.model, self.cache, new, logits_to_keep=1)[0, -1])
+
+    def _feed(self, nodes, tokens, parents, depths) -> torch.Tensor:
+        ids = torch.tensor([[tokens[n] for n in nodes]], device=self.device)
+        pos = torch.tensor([[self.ctx - 1 + depths[n] for n in nodes]], device=self.device)
+        logits = forward(self.model, self.cache, ids, position_ids=pos, allowed=feed_mask(parents, self.fed, nodes))
+        self.fed.extend(nodes)
+        return self._aligned(logits[0])
+
+    def _forget_draft(self) -> None:
+        compact_cache(self.cache, self.ctx, [])
+
+    def _aligned(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over the target's vocabulary size (same tokenizer, differently padded heads)."""
+        v = logits.shape[-1]
+        if v > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        if v < self.vocab_size:
+            return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))
+        return logits

@@ -1,0 +1,95 @@
+"""Evaluation at every checkpoint, to keep the best one.
+
+Two measures: the held-out accuracy at each draft position (and the τ it predicts) on validation rows, and a real
+τ / speedup from the evaluator, against plain decoding in the same run. The real τ is measured on the first turns
+of the run's *validation* conversations (``data/validation_prompts.jsonl``, written by prepare), never on the
+suite the final report uses (``eval.suite``): a checkpoint chosen on the prompts it is then reported on would be
+reported too well. Prompts that also occur in the reported suite are left out of the selection slice.
+
+Nothing here knows a draft kind: the held-out accuracy comes from the kind's own training step on the target
+outputs it declares, and the evaluator serves the draft with the proposer its kind names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from drafttrain.config import Recipe
+from drafttrain.drafts import load_drafter
+from drafttrain.drafts.base import add_positions, simulated_tau
+from drafttrain.evaluation.evaluate import EvalReport, evaluate
+from drafttrain.evaluation.report import write_report
+from drafttrain.evaluation.suites import Suite, load_suite
+from drafttrain.runfolder import EVAL_DIR, RunFolder
+from drafttrain.targets.outputs import run_target
+from drafttrain.training.loader import ROW_INDEX, pad_collate
+
+log = logging.getLogger(__name__)
+
+
+def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress: bool = True) -> EvalReport:
+    """The evaluator on ``questions`` with the recipe's eval settings, against plain decoding in the same run."""
+    from drafttrain.decoding import DynamicTree
+
+    cfg = recipe.eval
+    tree = "chain" if cfg.tree == "chain" else DynamicTree(depth=cfg.depth)
+    return evaluate(target, drafter, questions, depth=cfg.depth, tree=tree, temperature=cfg.temperature,
+                    max_new_tokens=cfg.max_new_tokens, seed=recipe.seed, progress=progress)
+
+
+def selection_prompts(recipe: Recipe) -> Suite | None:
+    """The held-out prompts a checkpoint is chosen on: validation first turns not in the reported suite."""
+    path = RunFolder.of(recipe.output_dir).validation_prompts
+    if not path.is_file():
+        return None
+    reported = {q.turns[0].strip() for q in load_suite(recipe.eval.suite).questions}
+    held_out = load_suite(path)
+    kept = tuple(q for q in held_out.questions if q.turns[0].strip() not in reported)
+    if len(kept) < len(held_out.questions):
+        log.warning("%d validation prompt(s) also occur in %s and are not used to choose checkpoints",
+                    len(held_out.questions) - len(kept), recipe.eval.suite)
+    if not kept:
+        return None
+    return dataclasses.replace(held_out, questions=kept).select(num_prompts=recipe.eval.num_prompts, turns="1")
+
+
+class CheckpointEvaluator:
+    """``fn(step, checkpoint_dir) -> metrics`` for Trainer callbacks (main process only)."""
+
+    def __init__(self, recipe: Recipe, target, validation=None, max_rows: int = 16):
+        self.recipe, self.target = recipe, target
+        self.validation = validation.select(range(min(max_rows, len(validation)))) if validation else None
+        self.questions = selection_prompts(recipe)
+        if self.questions is None:
+            log.warning("no held-out validation prompts in %s: checkpoints get no real τ, and the best one is not "
+                        "chosen by it (set data.validation_fraction > 0)", recipe.output_dir)
+
+    @torch.no_grad()
+    def held_out_accuracies(self, drafter) -> list[float]:
+        """Per draft position, the share of held-out trainable tokens where the draft's top-1 is the target's."""
+        needs, correct, counted = drafter.needs(), [], []
+        for row in range(len(self.validation)):
+            batch = pad_collate([{**self.validation[row], ROW_INDEX: row}])
+            out = drafter.training_step(batch, run_target(self.target, batch, needs))
+            correct, counted = add_positions(correct, out.correct), add_positions(counted, out.counted)
+        return [c / n if n else 0.0 for c, n in zip(correct, counted)]
+
+    def __call__(self, step: int, checkpoint: Path) -> dict[str, float]:
+        drafter = load_drafter(checkpoint, self.target).eval()
+        metrics: dict[str, float] = {}
+        if self.validation is not None and len(self.validation):
+            accs = self.held_out_accuracies(drafter)
+            metrics["sim_tau"] = simulated_tau(accs)
+            metrics.update({f"val_acc_{i}": a for i, a in enumerate(accs)})
+        if self.questions is not None:
+            report = evaluate_drafter(self.recipe, self.target, drafter, self.questions, progress=False)
+            write_report(report, checkpoint / EVAL_DIR)
+            overall = report.overall
+            metrics.update({k: float(overall[k]) for k in ("tau", "acceptance_rate", "speedup", "greedy_match")
+                            if overall.get(k) is not None})
+        log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if not k.startswith("val_")))
+        return metrics

@@ -8,7 +8,7 @@ import torch
 
 from conftest import template_variant
 from drafttrain.config import RegenerateConfig
-from drafttrain.data.chat import end_of_turn_ids, prompt_ids, stop_token_ids
+from drafttrain.data.chat import end_of_turn_ids, eos_token_ids, prompt_ids, stop_token_ids
 from drafttrain.data.regenerate import HFGenerator, RegenerationSettings
 from drafttrain.data.tokenize import tokenize_conversation
 from drafttrain.evaluation import evaluate
@@ -58,7 +58,7 @@ def test_regeneration_and_evaluation_stop_at_the_same_tokens(smol_tokenizer, nam
     report = evaluate(target, "prompt_lookup", ["Hi"], max_new_tokens=2, progress=False, warmup=False)
     assert report.config["stop_token_ids"] == regeneration
     assert end_of_turn in regeneration
-    assert set(regeneration) == {end_of_turn, *[i for i in [tokenizer.eos_token_id] if i is not None]}
+    assert set(regeneration) == {end_of_turn, *eos_token_ids(tokenizer, target.model.generation_config)}
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))

@@ -16,7 +16,8 @@ from drafttrain import DrafttrainError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Unknown keys are errors, and so are inf / nan anywhere: a number that can only fail later fails now.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TargetConfig(Section):

@@ -5,6 +5,7 @@ Layout of ``<output_dir>/`` (``RunFolder``)::
     regenerated.jsonl (+ .settings.json, .dropped.jsonl)   the target's answers      prepare
     data/train, data/validation                          tokenised splits (Arrow)    prepare
     data/validation_prompts.jsonl                        held-out first turns        prepare
+    data/manifest.json                                   what the splits were built from  prepare
     draft_vocab.safetensors                              d2t / t2d                   prepare
     features/                                            offline target outputs      prepare
     prepare_summary.json                                 every count of prepare      prepare
@@ -13,21 +14,28 @@ Layout of ``<output_dir>/`` (``RunFolder``)::
         model.safetensors, config.json                     the draft (what eval and export load)
         trainer_state.json                                 where training stands (written last: commit marker)
         accelerate/                                        optimizer, scheduler, RNG (ZeRO shards per rank)
+        manifest.json                                      checksums of every file, and what it was built from
         eval.json, eval/                                   its evaluation
     checkpoints/latest, checkpoints/best.json            pointers
     eval/                                                the final report                quickstart
 
 A checkpoint folder named ``step-N`` is always complete: it is written as ``step-N.tmp`` and renamed once every
 file is on disk (see drafttrain.training.checkpoint).
+
+Reading: every reader of a run-folder file goes through the functions below, which turn a decode error (JSON,
+safetensors, Arrow) or a checksum mismatch into a DrafttrainError that names the file, the stage that wrote it and
+how to recover, instead of a raw traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from drafttrain import DrafttrainError
 
@@ -39,6 +47,7 @@ EVAL_FILE = "eval.json"
 EVAL_DIR = "eval"
 LATEST = "latest"
 BEST = "best.json"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -65,6 +74,10 @@ class RunFolder:
     @property
     def validation_prompts(self) -> Path:
         return self.root / "data" / "validation_prompts.jsonl"
+
+    @property
+    def data_manifest(self) -> Path:
+        return self.root / "data" / MANIFEST
 
     @property
     def draft_vocab(self) -> Path:
@@ -125,12 +138,19 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def best_checkpoint_record(root: Path) -> dict | None:
-    """``best.json`` of a ``checkpoints/`` folder when the checkpoint it names still exists."""
+    """``best.json`` of a ``checkpoints/`` folder when the checkpoint it names still exists. A damaged pointer is
+    ignored (with a warning): the checkpoints themselves are still found by scanning."""
     path = root / BEST
     if not path.is_file():
         return None
-    record = json.loads(path.read_text())
-    return record if (root / record["checkpoint"]).is_dir() else None
+    try:
+        record = read_json(path)
+        return record if (root / record["checkpoint"]).is_dir() else None
+    except (DrafttrainError, KeyError, TypeError) as err:
+        import logging
+
+        logging.getLogger(__name__).warning("ignoring %s: %s", path, err)
+        return None
 
 
 def find_draft(path: str | Path) -> Path:
@@ -181,3 +201,112 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+# ------------------------------------------------------------------------------------------------ reading, checked
+
+
+def _writer_of(path: Path) -> tuple[str, str]:
+    """(the stage that writes this run-folder file, how to recover from its damage), judged from its path."""
+    parts = path.parts
+    for i, part in enumerate(parts):
+        if _STEP_DIR.match(part.removesuffix(".tmp")):
+            folder = Path(*parts[: i + 1])
+            return "train", (f"resume from an older checkpoint (`drafttrain train --resume` skips a damaged one), "
+                             f"or delete {folder}")
+    if "tokenized" in parts:
+        return "prepare", "delete that cache folder; the next `drafttrain prepare` rebuilds it"
+    if EVAL_DIR in parts:
+        return "eval", "rerun the evaluation"
+    return "prepare", "rerun `drafttrain prepare` with this recipe to rebuild it"
+
+
+def damaged(path: str | Path, problem: str) -> DrafttrainError:
+    """The error for a run-folder file that cannot be used: names it, its writer and the way out."""
+    stage, recover = _writer_of(Path(path))
+    return DrafttrainError(f"{path} {problem} (written by `drafttrain {stage}`): {recover}")
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise damaged(path, "is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise damaged(path, f"is not valid JSON ({_first_line(err)})") from None
+
+
+def read_safetensors(path: str | Path) -> tuple[dict, dict[str, str]]:
+    """(tensors, metadata) of a safetensors file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise damaged(path, "is missing")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {k: handle.get_tensor(k) for k in handle.keys()}, dict(handle.metadata() or {})
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for damaged files
+        raise damaged(path, f"cannot be read as safetensors ({_first_line(err)})") from None
+
+
+def open_dataset(path: str | Path):
+    """A tokenised split saved with ``datasets.save_to_disk``."""
+    import datasets
+
+    path = Path(path)
+    if not path.is_dir():
+        raise damaged(path, "is missing")
+    try:
+        dataset = datasets.load_from_disk(str(path))
+        len(dataset)  # touch the table: a truncated Arrow file fails here, not deep inside training
+        return dataset
+    except Exception as err:  # noqa: BLE001 - Arrow and datasets raise many types for damaged files
+        raise damaged(path, f"cannot be read as a dataset ({_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:200]
+
+
+# ------------------------------------------------------------------------------------------------ manifests
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, built_from: dict[str, Any], skip: tuple[str, ...] = ()) -> Path:
+    """``manifest.json``: size and sha256 of every file under ``folder`` (but ``skip``), and what it was built
+    from (fingerprints of the data, target, tokenizer, recipe)."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        if name != MANIFEST and name not in skip:
+            files[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    path = folder / MANIFEST
+    write_text_atomic(path, json.dumps({"built_from": built_from, "files": files}, indent=1))
+    return path
+
+
+def verify_manifest(folder: Path) -> dict[str, Any]:
+    """Check every file the manifest lists against its size and checksum; returns what it was built from."""
+    manifest = read_json(folder / MANIFEST)
+    try:
+        files, built_from = manifest["files"], manifest["built_from"]
+    except (KeyError, TypeError):
+        raise damaged(folder / MANIFEST, "lacks its 'files' or 'built_from' section") from None
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise damaged(path, "is missing (listed in manifest.json)")
+        if path.stat().st_size != want["bytes"] or file_sha256(path) != want["sha256"]:
+            raise damaged(path, "does not match its checksum in manifest.json: it was changed or damaged after it "
+                                "was written")
+    return built_from

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from trainer_helpers import StandInDraft, fresh_accelerate, make_trainer, reset_accelerate, tiny_target  # noqa: F401
 
 from drafttrain import DrafttrainError
+from drafttrain.runfolder import write_manifest
 from drafttrain.training.checkpoint import CheckpointManager, TrainerState
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -82,6 +83,9 @@ def test_manager_commits_only_complete_folders_and_repairs_a_stale_pointer(tmp_p
     with pytest.raises(DrafttrainError, match="incomplete"):
         manager.commit(1)  # no trainer_state.json yet
     (tmp / "trainer_state.json").write_text("{}")
+    with pytest.raises(DrafttrainError, match="incomplete.*manifest.json missing"):
+        manager.commit(1)  # no checksums yet
+    write_manifest(tmp, {"data": "d"})
     assert manager.commit(1) == tmp_path / "step-000001"
     (tmp_path / "latest").write_text("step-000000\n")  # e.g. a crash between the rename and the pointer update
     (tmp_path / "step-000002.old").mkdir()  # an interrupted prune

@@ -260,7 +260,7 @@ def test_offline_cache_refuses_stale_corrupt_or_foreign_caches(tiny_target, tmp_
         FeatureCache(cache_dir, tiny_target, TargetNeeds(layers=(1, 2), logits=True), "split-a")
     shard = cache_dir / "shard-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")
-    with pytest.raises(DrafttrainError, match="corrupt"):
+    with pytest.raises(DrafttrainError, match="shard-00001.safetensors is missing or does not match its sha256"):
         FeatureCache(cache_dir, tiny_target, needs, "split-a").outputs(
             {"input_ids": torch.zeros(1, 7, dtype=torch.long), "row_index": torch.tensor([2])})
     wide = Target("wide", LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64,

@@ -14,6 +14,7 @@ from trainer_helpers import (  # noqa: F401  (fresh_accelerate: an autouse fixtu
 
 from drafttrain import DrafttrainError
 from drafttrain.config import WandbConfig
+from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.training.loader import BatchLayout, ResumableBatchSampler, epoch_permutation, pad_collate
 from drafttrain.training.logging import resolve_wandb_mode, simulated_tau
 
@@ -195,7 +196,9 @@ def test_cli_trains_a_real_eagle3_head_and_resumes(tmp_path, monkeypatch, capsys
     from drafttrain.drafts import load_drafter
 
     monkeypatch.setattr(drafttrain.targets, "load_target", lambda cfg: tiny_target())
-    tiny_dataset(16).save_to_disk(str(tmp_path / "data" / "train"))
+    dataset = tiny_dataset(16)
+    dataset.save_to_disk(str(tmp_path / "data" / "train"))
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"train": split_fingerprint(dataset)}))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"output_dir: {tmp_path}\ndraft: {{kind: eagle3, ttt_steps: 2, layers: [0, 1]}}\n"
                       "training: {batch_size: 4, save_every: 2, log_every: 1}\nwandb: {enabled: false}\n"

@@ -43,9 +43,24 @@ def _chosen_command(argv: list[str] | None) -> str | None:
     return None
 
 
+def parse_with_overrides_anywhere(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``key.sub=value`` overrides are taken wherever they stand, before or after flags (argparse alone stops
+    collecting a positional list at the first flag)."""
+    args, extra = parser.parse_known_args(argv)
+    late = [item for item in extra if "=" in item and not item.startswith("-")]
+    unknown = [item for item in extra if item not in late]
+    if late and hasattr(args, "overrides"):
+        args.overrides = list(args.overrides) + late
+    elif late:
+        unknown += late
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args = parse_with_overrides_anywhere(parser, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

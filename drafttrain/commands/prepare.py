@@ -387,6 +387,7 @@ def prepare(
     else:
         shutil.rmtree(run.validation_split, ignore_errors=True)  # never leave a stale split from an earlier run
     write_validation_prompts(validation if val_ds is not None else [], run.validation_prompts)
+    write_data_manifest(run, train_ds, val_ds, tokenizer, recipe)
     seconds["tokenize"] = time.perf_counter() - clock
 
     vocab_info = None
@@ -428,6 +429,16 @@ def _unanswered_per_source(recipe: Recipe, mixture) -> dict[str, int]:
     regenerates = _regenerated_sources(recipe, mixture)
     return dict(Counter(c["source"] for c in mixture.train + mixture.validation
                         if c["needs_response"] and not regenerates[c["source"]]))
+
+
+def write_data_manifest(run: RunFolder, train_ds, val_ds, tokenizer, recipe: Recipe) -> None:
+    """What the splits are: their content fingerprints and the tokenizer that made them. `train` checks both."""
+    from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
+
+    manifest = {"train": split_fingerprint(train_ds),
+                "validation": split_fingerprint(val_ds) if val_ds is not None else None,
+                "tokenizer": tokenizer_fingerprint(tokenizer), "target": recipe.target.model}
+    write_text_atomic(run.data_manifest, json.dumps(manifest, indent=1) + "\n")
 
 
 def write_validation_prompts(conversations: list[dict], path: Path) -> None:

@@ -11,7 +11,7 @@ import logging
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe, load_recipe
-from drafttrain.runfolder import RunFolder
+from drafttrain.runfolder import RunFolder, damaged, open_dataset, read_json
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +62,16 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     """Load the target (unless given), the prepared data and a fresh draft of the recipe's kind; train; return the
     TrainResult."""
     check_trainable(recipe)
-    import datasets
     from accelerate.utils import set_seed
 
-    from drafttrain.data.tokenize import split_fingerprint
     from drafttrain.drafts import build_drafter
     from drafttrain.targets import load_target
     from drafttrain.training.trainer import Trainer, online_outputs
 
     run = RunFolder.of(recipe.output_dir)
-    dataset = datasets.load_from_disk(str(run.train_split))
+    dataset = open_dataset(run.train_split)
     target = target if target is not None else load_target(recipe.target)
-    fingerprint = split_fingerprint(dataset)
+    fingerprint = check_split_is_current(run, dataset, target)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
     drafter = build_drafter(recipe.draft, target, run)
@@ -95,6 +93,23 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     return result
 
 
+def check_split_is_current(run: RunFolder, dataset, target) -> str:
+    """The train split must be what prepare wrote (its fingerprint in data/manifest.json), tokenised with this
+    target's tokenizer. Returns the split's fingerprint, which every artifact built from it records."""
+    from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
+
+    manifest = read_json(run.data_manifest)
+    fingerprint = split_fingerprint(dataset)
+    if fingerprint != manifest.get("train"):
+        raise damaged(run.train_split, f"does not hash to the fingerprint prepare recorded in {run.data_manifest} "
+                                       "(it was changed after prepare wrote it)")
+    tokenizer = getattr(target, "tokenizer", None)
+    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != manifest.get("tokenizer"):
+        raise DrafttrainError(f"{run.train_split} was tokenised with another tokenizer than the target's "
+                              f"({target.name}): rerun `drafttrain prepare` with this recipe")
+    return fingerprint
+
+
 def check_draft_vocab_is_current(recipe: Recipe, run: RunFolder, fingerprint: str, target) -> None:
     """The run's draft vocab (written by `drafttrain prepare`) must come from this train split and tokenizer: a
     mapping left from other data would silently mask the wrong tokens."""
@@ -110,9 +125,7 @@ def checkpoint_callbacks(recipe: Recipe, target, run: RunFolder) -> list:
     real tau / speedup on held-out prompts, so the best checkpoint is kept by measured acceptance."""
     if not recipe.eval.every_checkpoint:
         return []
-    import datasets
-
     from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator
 
-    validation = datasets.load_from_disk(str(run.validation_split)) if run.validation_split.is_dir() else None
+    validation = open_dataset(run.validation_split) if run.validation_split.is_dir() else None
     return [CheckpointEvaluator(recipe, target, validation)]

@@ -39,12 +39,19 @@ from pathlib import Path
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DataConfig
-from drafttrain.data.chat import TemplateRejected, adapt_to_template, chat_template_text, render_text, template_support
+from drafttrain.data.chat import (
+    TemplateRejected,
+    adapt_to_template,
+    chat_template_text,
+    render_text,
+    template_support,
+)
+from drafttrain.runfolder import damaged, open_dataset, read_json
 
 log = logging.getLogger(__name__)
 
 # Bump when the tokenised output of the same inputs changes (new columns, mask rules ...): old caches are ignored.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _CACHE_MARKER = "drafttrain_stats.json"
 
 
@@ -314,7 +321,8 @@ def cache_key(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig) ->
 
 
 def _features(packed: bool):
-    from datasets import Features, Sequence as Seq, Value
+    from datasets import Features, Value
+    from datasets import Sequence as Seq
 
     cols = {"input_ids": Seq(Value("int32")), "loss_mask": Seq(Value("int8"))}
     if packed:
@@ -413,18 +421,16 @@ def build_tokenized_dataset(
 
     Returns ``(datasets.Dataset, stats)``; ``stats["cache_hit"]`` says whether it was reused. The cache folder is
     ``cache_dir`` (else ``data_cfg.cache_dir``, else ``~/.cache/drafttrain/data``) / ``tokenized/<key>``, written
-    atomically (temp folder + rename), so an interrupted build never leaves a half dataset behind.
+    atomically (temp folder + rename), so an interrupted build never leaves a half dataset behind. A cached dataset
+    is used only when its content still hashes to the fingerprint recorded beside it; a damaged one is rebuilt.
     """
-    from datasets import load_from_disk
-
     root = Path(cache_dir or data_cfg.cache_dir or _default_cache_dir()).expanduser() / "tokenized"
     key = cache_key(conversations, tokenizer, data_cfg)
     final = root / key
     if (final / _CACHE_MARKER).is_file():
-        stats = json.loads((final / _CACHE_MARKER).read_text())
-        stats.update(cache_hit=True, cache_path=str(final))
-        log.info("tokenised data: cache hit %s", final)
-        return load_from_disk(str(final)), stats
+        cached = _verified_cache(final)
+        if cached is not None:
+            return cached
 
     stats: dict = {"conversations": len(conversations), "tokenized": 0, "rows": 0, "tokens": 0,
                    "trainable_tokens": 0, "skipped": {}, "packed": data_cfg.packing,
@@ -434,6 +440,7 @@ def build_tokenized_dataset(
     work, tmp = root / f".{key}.work-{tag}", root / f".{key}.tmp-{tag}"
     try:
         dataset = _build(conversations, tokenizer, data_cfg, key, work, stats)
+        stats["fingerprint"] = split_fingerprint(dataset)
         with _quiet_datasets_bars():
             dataset.save_to_disk(str(tmp))
         (tmp / _CACHE_MARKER).write_text(json.dumps(stats, indent=1, sort_keys=True))
@@ -448,7 +455,24 @@ def build_tokenized_dataset(
     log.info("tokenised data: %d rows (%d conversations, %d skipped) -> %s", stats["rows"], stats["tokenized"],
              sum(stats["skipped"].values()), final)
     stats.update(cache_hit=False, cache_path=str(final))
-    return load_from_disk(str(final)), stats
+    return open_dataset(final), stats
+
+
+def _verified_cache(folder: Path):
+    """(dataset, stats) of a cached tokenisation whose content matches its recorded fingerprint, else None (the
+    folder is removed, with a warning, and rebuilt by the caller)."""
+    try:
+        stats = read_json(folder / _CACHE_MARKER)
+        dataset = open_dataset(folder)
+        if split_fingerprint(dataset) != stats.get("fingerprint"):
+            raise damaged(folder, "does not hash to the fingerprint recorded when it was built")
+    except DrafttrainError as why:
+        log.warning("tokenised data cache %s is unusable, rebuilding it: %s", folder, why)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    stats.update(cache_hit=True, cache_path=str(folder))
+    log.info("tokenised data: cache hit %s", folder)
+    return dataset, stats
 
 
 def format_tokenize_stats(stats: dict) -> str:

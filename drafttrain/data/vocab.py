@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from drafttrain import DrafttrainError
+from drafttrain.runfolder import damaged, read_safetensors
 from drafttrain.data.tokenize import iter_token_rows, split_fingerprint, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -204,25 +205,23 @@ def save_draft_vocab(vocab: DraftVocab, path: str | Path) -> Path:
 
 def load_draft_vocab(path: str | Path, expect_key: DraftVocabKey | None = None) -> DraftVocab:
     """Load and check a draft vocab; with ``expect_key``, a mapping built from other data/tokenizer raises."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise DrafttrainError(f"draft vocab not found: {path} (run `drafttrain prepare` with draft_vocab.enabled)")
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            found = metadata.get("format")
-            raise DrafttrainError(f"{path} is not a drafttrain draft vocab (metadata format {found!r})")
-        d2t, t2d = handle.get_tensor("d2t"), handle.get_tensor("t2d")
-    vocab = DraftVocab(
-        d2t=d2t,
-        t2d=t2d,
-        key=DraftVocabKey(data=metadata["data_hash"], tokenizer=metadata["tokenizer_hash"]),
-        coverage=float(metadata["coverage"]),
-        trainable_tokens=int(metadata["trainable_tokens"]),
-        distinct_tokens_seen=int(metadata["distinct_tokens_seen"]),
-    )
+    tensors, metadata = read_safetensors(path)
+    if metadata.get("format") != FORMAT:
+        raise damaged(path, f"is not a drafttrain draft vocab (metadata format {metadata.get('format')!r})")
+    try:
+        vocab = DraftVocab(
+            d2t=tensors["d2t"],
+            t2d=tensors["t2d"],
+            key=DraftVocabKey(data=metadata["data_hash"], tokenizer=metadata["tokenizer_hash"]),
+            coverage=float(metadata["coverage"]),
+            trainable_tokens=int(metadata["trainable_tokens"]),
+            distinct_tokens_seen=int(metadata["distinct_tokens_seen"]),
+        )
+    except (KeyError, ValueError) as err:
+        raise damaged(path, f"lacks or garbles its {err} entry") from None
     _check_consistent(vocab, path)
     if expect_key is not None:
         _check_key(vocab.key, expect_key, path)
@@ -243,21 +242,16 @@ def _check_mapping(d2t: torch.Tensor, t2d: torch.Tensor, path: Path) -> None:
         and torch.equal(torch.nonzero(t2d).flatten(), target_ids)
     )
     if not ok:
-        raise DrafttrainError(f"{path}: d2t and t2d do not describe the same draft vocabulary; the file is corrupt")
+        raise damaged(path, "holds d2t and t2d that do not describe the same draft vocabulary")
 
 
 def read_vocab_mapping(path: str | Path, target_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) from any safetensors file that holds them (ours, or another EAGLE-3 trainer's), checked against
     the target's vocabulary size and for consistency."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_file():
         raise DrafttrainError(f"draft vocab file not found: {path} (run `drafttrain prepare` first)")
-    try:
-        tensors = load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises several types for corrupt files
-        raise DrafttrainError(f"cannot read draft vocab {path}: {err}") from None
+    tensors, _ = read_safetensors(path)
     if "d2t" not in tensors or "t2d" not in tensors:
         raise DrafttrainError(f"draft vocab {path} lacks d2t/t2d tensors")
     d2t, t2d = tensors["d2t"], tensors["t2d"]

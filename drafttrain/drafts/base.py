@@ -22,12 +22,12 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DraftConfig
-from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder
+from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
@@ -134,28 +134,56 @@ class Drafter(nn.Module):
         save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "kind": self.kind})
         config = self.interchange_config()
         config["drafttrain"] = {"kind": self.kind, "version": __version__,
-                                "draft": self.config.model_dump(mode="json"), **meta}
+                                "draft": self.config.model_dump(mode="json"), "target": target_identity(self.target),
+                                **meta}
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         return directory
 
     def load_weights(self, directory: str | Path) -> None:
         path = Path(directory) / WEIGHTS_NAME
+        state, _ = read_safetensors(path)
         try:
-            state = load_file(str(path))
-        except Exception as err:  # noqa: BLE001 - safetensors raises several types for corrupt files
-            raise DrafttrainError(f"cannot read draft weights {path}: {err}") from None
-        missing, unexpected = self.load_state_dict(state, strict=False)
+            missing, unexpected = self.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # shapes that disagree with the config (an edited size, another draft)
+            raise damaged(path, f"does not fit the {self.kind} draft its config.json describes "
+                                f"({str(err).splitlines()[-1].strip()[:200]})") from None
         if missing or unexpected:
-            raise DrafttrainError(
-                f"draft weights {path} do not match a {self.kind} draft: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+            raise damaged(path, f"does not match a {self.kind} draft: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def check_finite(self, directory: str | Path) -> None:
+        """Refuse weights that hold NaN or inf (a damaged file, or training that diverged)."""
+        bad = [name for name, t in self.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise damaged(Path(directory) / WEIGHTS_NAME, f"holds non-finite weights (NaN or inf) in {bad[:5]}")
+
+
+def target_identity(target) -> dict[str, Any]:
+    """What a draft records of the target it was trained for, so it is never served by another."""
+    from drafttrain.data.tokenize import tokenizer_fingerprint
+
+    tokenizer = getattr(target, "tokenizer", None)
+    return {"name": target.name, "vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
+            "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None}
+
+
+def check_target(config: dict[str, Any], target, directory: Path) -> None:
+    """A draft trained for another tokenizer is refused, even at the same vocabulary size."""
+    recorded = (config["drafttrain"].get("target") or {}).get("tokenizer")
+    current = target_identity(target)["tokenizer"]
+    if recorded and current and recorded != current:
+        raise DrafttrainError(
+            f"the draft at {directory} was trained for a target with another tokenizer (fingerprint {recorded}; "
+            f"{target.name!r} has {current}): its token ids would mean other tokens. Serve it with the target it "
+            "was trained for"
+        )
 
 
 def read_draft_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise DrafttrainError(f"no draft checkpoint at {directory}: {CONFIG_NAME} is missing")
-    config = json.loads(path.read_text())
-    if "drafttrain" not in config:
-        raise DrafttrainError(f"{path} has no 'drafttrain' section: not a checkpoint written by drafttrain")
+    config = read_json(path)
+    if not isinstance(config, dict) or not isinstance(config.get("drafttrain"), dict) \
+            or "kind" not in config["drafttrain"]:
+        raise damaged(path, "has no 'drafttrain' section with the draft's kind: not a checkpoint written by drafttrain")
     return config

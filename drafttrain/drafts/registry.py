@@ -6,10 +6,10 @@ from pathlib import Path
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftConfig
-from drafttrain.drafts.base import Drafter, read_draft_config
+from drafttrain.drafts.base import Drafter, check_target, read_draft_config
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
-from drafttrain.runfolder import RunFolder, find_draft
+from drafttrain.runfolder import CONFIG_NAME, MANIFEST, RunFolder, damaged, find_draft, verify_manifest
 
 KINDS: dict[str, type[Drafter]] = {
     Eagle3Drafter.kind: Eagle3Drafter,
@@ -30,11 +30,30 @@ def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> 
 
 def saved_kind(path: str | Path) -> type[Drafter]:
     """The kind of the draft a checkpoint folder, ``checkpoints/`` folder or run folder holds."""
-    return drafter_class(read_draft_config(find_draft(path))["drafttrain"]["kind"])
+    directory = find_draft(path)
+    kind = read_draft_config(directory)["drafttrain"]["kind"]
+    if kind not in KINDS:
+        raise damaged(directory / CONFIG_NAME, f"names draft kind {kind!r}, which is not one of {', '.join(KINDS)}")
+    return KINDS[kind]
 
 
 def load_drafter(path: str | Path, target) -> Drafter:
-    """Load a saved draft of any kind and attach ``target`` (checked against what the draft was trained for).
-    ``path`` may also be a run's output_dir or checkpoints folder: its best checkpoint is loaded."""
+    """Load a saved draft of any kind and attach ``target``. ``path`` may also be a run's output_dir or
+    checkpoints folder: its best checkpoint is loaded.
+
+    Checked on the way: the files against the checkpoint's manifest (checksums), the draft's recorded target
+    tokenizer against this target's, its config against its weights, and the weights for NaN/inf."""
     directory = find_draft(path)
-    return saved_kind(directory).from_pretrained(directory, target)
+    if (directory / MANIFEST).is_file():
+        verify_manifest(directory)
+    kind = saved_kind(directory)
+    check_target(read_draft_config(directory), target, directory)
+    try:
+        drafter = kind.from_pretrained(directory, target)
+    except DrafttrainError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:  # a config edited or written by something else
+        raise damaged(directory / CONFIG_NAME, f"does not describe a loadable {kind.kind} draft "
+                                               f"({type(err).__name__}: {err})") from None
+    drafter.check_finite(directory)
+    return drafter

@@ -11,6 +11,7 @@ A target spec is one of:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -73,6 +74,36 @@ class Target:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Identity of the target's weights (16 hex), recorded by every artifact built from its outputs."""
+        if self.source_dir is not None:
+            return folder_fingerprint(self.source_dir)
+        return parameter_fingerprint(self.model)
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """A model folder's config plus, per weight file, its size and its first and last MiB: cheap for a 140 GB
+    checkpoint, and different for any other checkpoint in practice (a fine-tune changes the tensor bytes)."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes() if (folder / "config.json").is_file() else b"")
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def parameter_fingerprint(model: torch.nn.Module) -> str:
+    """For a model built in memory (no folder): names, shapes and the first values of every parameter."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}\0{tuple(param.shape)}\0{param.dtype}\0".encode())
+        digest.update(param.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def builtin_gguf_path(name: str) -> Path:

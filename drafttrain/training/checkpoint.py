@@ -21,12 +21,16 @@ from drafttrain.runfolder import (
     BEST,
     EVAL_FILE,
     LATEST,
+    MANIFEST,
     STATE_FILE,
     best_checkpoint_record,
     complete_checkpoints,
+    damaged,
     fsync_dir,
     fsync_tree,
+    read_json,
     step_dir_name,
+    verify_manifest,
     write_text_atomic,
 )
 
@@ -54,11 +58,11 @@ class TrainerState:
 
     @classmethod
     def read(cls, path: Path) -> "TrainerState":
+        raw = read_json(path)
         try:
-            raw = json.loads(path.read_text())
             return cls(**{f.name: int(raw[f.name]) for f in dataclasses.fields(cls)})
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise DrafttrainError(f"cannot read training state {path}: {err}") from None
+        except (ValueError, KeyError, TypeError) as err:
+            raise damaged(path, f"lacks or garbles a field ({type(err).__name__}: {err})") from None
 
     def resume_conflicts(self, now: "TrainerState", deepspeed: bool) -> list[str]:
         """Why this checkpoint cannot continue under the current setup (the data order would change)."""
@@ -130,8 +134,9 @@ class CheckpointManager:
         """Make the fully written ``.tmp`` folder the checkpoint for ``step`` (atomic rename), then point
         ``latest`` at it."""
         tmp, final = self.tmp_dir(step), self.root / step_dir_name(step)
-        if not (tmp / STATE_FILE).is_file():
-            raise DrafttrainError(f"checkpoint {tmp} is incomplete ({STATE_FILE} missing); not committing it")
+        missing = [name for name in (STATE_FILE, MANIFEST) if not (tmp / name).is_file()]
+        if missing:
+            raise DrafttrainError(f"checkpoint {tmp} is incomplete ({', '.join(missing)} missing); not committing it")
         fsync_tree(tmp)
         if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
             self._discard(final)
@@ -139,6 +144,29 @@ class CheckpointManager:
         fsync_dir(self.root)
         write_text_atomic(self.root / LATEST, final.name + "\n")
         return final
+
+    def resume_point(self, built_from: dict[str, Any]) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+        """The newest checkpoint that verifies (every file against its manifest checksum, a readable state), with
+        what it was built from, and why each newer one was skipped. A checkpoint built from other data, another
+        target or tokenizer is refused (that is another run, not damage)."""
+        skipped = []
+        for _, path in reversed(self.complete()):
+            try:
+                saved = verify_manifest(path)
+                TrainerState.read(path / STATE_FILE)
+            except DrafttrainError as why:
+                skipped.append(f"skipped {path.name}: {why}")
+                continue
+            other = [f"{what} {saved.get(what)} (now {now})" for what, now in built_from.items()
+                     if what != "recipe" and saved.get(what) != now]
+            if other:
+                raise DrafttrainError(f"cannot resume from {path}: it was trained with another " + ", ".join(other)
+                                      + "; use another output_dir for this run")
+            return path, saved, skipped
+        if skipped:
+            raise DrafttrainError(f"no checkpoint under {self.root} verifies: " + "; ".join(skipped)
+                                  + ". Delete them to start over, or use another output_dir")
+        return None, None, []
 
     def record_metrics(self, checkpoint: Path, step: int, metrics: dict[str, float]) -> bool:
         """Store a checkpoint's eval metrics; returns True when it became the best by ``best_metric``."""
@@ -167,3 +195,25 @@ class CheckpointManager:
         doomed = path.with_name(path.name + ".old")
         os.replace(path, doomed)  # atomic: a crash mid-delete leaves an orphan, never a half-deleted step-N
         shutil.rmtree(doomed)
+
+
+# Recipe sections a checkpoint cannot continue under if they changed: they define what its weights are.
+_FIXED_SECTIONS = ("draft", "target")
+_DEVICE_KEYS = ("device",)  # where the target runs may change between runs
+# Training settings a resumed run applies from its recipe (and says so): the schedule is rebuilt from them.
+APPLIED_ON_RESUME = ("learning_rate", "scheduler", "warmup_steps", "weight_decay", "max_steps", "epochs")
+
+
+def recipe_changes(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(changes that make resuming impossible, changed training settings the resumed run applies), by name."""
+    refused = [
+        f"{section}.{key} was {saved.get(section, {}).get(key)!r}, now {now[section].get(key)!r}"
+        for section in _FIXED_SECTIONS if now.get(section) is not None
+        for key in sorted(set(saved.get(section) or {}) | set(now[section]))
+        if key not in _DEVICE_KEYS and (saved.get(section) or {}).get(key) != now[section].get(key)
+    ]
+    applied = [
+        f"training.{key} {saved.get('training', {}).get(key)!r} -> {now['training'].get(key)!r}"
+        for key in APPLIED_ON_RESUME if saved.get("training", {}).get(key) != now["training"].get(key)
+    ]
+    return refused, applied

@@ -13,7 +13,6 @@ another target or other layers is refused instead of silently feeding the wrong 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,7 +23,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from drafttrain import DrafttrainError
-from drafttrain.runfolder import write_text_atomic
+from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
 from drafttrain.targets.hidden import HiddenStateTap
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, logits_from_final
 
@@ -36,14 +35,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def cache_dtype(name: str, target) -> torch.dtype:
     """``auto`` is the target's own dtype: nothing is lost by storing its hidden states as they came."""
     return target.model.dtype if name == "auto" else DTYPES[name]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @torch.no_grad()
@@ -64,7 +55,7 @@ def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path
         tmp = out_dir / (name + ".tmp")
         save_file(shard, str(tmp))
         os.replace(tmp, out_dir / name)
-        index["shards"].append({"file": name, "sha256": _sha256(out_dir / name), "rows": list(rows)})
+        index["shards"].append({"file": name, "sha256": file_sha256(out_dir / name), "rows": list(rows)})
         shard.clear()
         rows.clear()
 
@@ -92,9 +83,12 @@ class FeatureCache:
         if not path.is_file():
             raise DrafttrainError(f"no feature cache at {self.directory} ({INDEX} missing): run `drafttrain prepare` "
                                   "with training.hidden_states: offline")
-        self.index = json.loads(path.read_text())
-        self._check(split_fingerprint)
-        self._row_shard = {r: s["file"] for s in self.index["shards"] for r in s["rows"]}
+        self.index = read_json(path)
+        try:
+            self._check(split_fingerprint)
+            self._row_shard = {r: s["file"] for s in self.index["shards"] for r in s["rows"]}
+        except (KeyError, TypeError) as err:
+            raise damaged(path, f"lacks or garbles its {err} entry") from None
         self._verified: set[str] = set()
 
     def _check(self, split_fingerprint: str) -> None:
@@ -116,9 +110,8 @@ class FeatureCache:
         path = self.directory / name
         if name not in self._verified:
             expected = next(s["sha256"] for s in self.index["shards"] if s["file"] == name)
-            if not path.is_file() or _sha256(path) != expected:
-                raise DrafttrainError(f"feature cache shard {path} is missing or corrupt (sha256 mismatch): rerun "
-                                      "`drafttrain prepare` to rebuild the cache")
+            if not path.is_file() or file_sha256(path) != expected:
+                raise damaged(path, "is missing or does not match its sha256 in index.json")
             self._verified.add(name)
         return safe_open(str(path), framework="pt")
 

@@ -21,9 +21,9 @@ from torch import nn
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
-from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder
+from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged, write_manifest
 from drafttrain.targets.outputs import TargetOutputs, run_target
-from drafttrain.training.checkpoint import CheckpointManager, TrainerState
+from drafttrain.training.checkpoint import CheckpointManager, TrainerState, recipe_changes
 from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids
 from drafttrain.training.logging import MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator
@@ -95,6 +95,7 @@ class Trainer:
         from accelerate.utils import set_seed
 
         self.accelerator = acc = build_accelerator(self.training)
+        self.built_from = self._built_from()
         resume_from = self._start_folder(resume)
         set_seed(self.recipe.seed, device_specific=True)
         self.target.model.to(acc.device)
@@ -106,6 +107,7 @@ class Trainer:
         self.layout.check()
         steps = total_steps(self.training, self.layout)
         scheduler = build_scheduler(optimizer, self.training, steps)
+        self.recipe_hyperparameters = list(scheduler.base_lrs), [g["weight_decay"] for g in optimizer.param_groups]
         step_module = TrainStep(self.drafter, self.target, self.outputs_fn)
         self.module, self.optimizer, self.scheduler = acc.prepare(step_module, optimizer, scheduler)
         state = TrainerState(0, 0, 0, self.recipe.seed, len(self.dataset), self.training.batch_size,
@@ -128,8 +130,18 @@ class Trainer:
                 self.metrics.close()
         return self._result(state, losses, trainable, resume_from)
 
+    def _built_from(self) -> dict[str, Any]:
+        """What this run's checkpoints are built from: the data, the target, its tokenizer, and the recipe."""
+        from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
+
+        tokenizer = getattr(self.target, "tokenizer", None)
+        return {"data": split_fingerprint(self.dataset), "target": self.target.fingerprint,
+                "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
+                "recipe": self.recipe.model_dump(mode="json")}
+
     def _start_folder(self, resume: bool) -> Path | None:
-        """Clean up after a crashed run; pick the checkpoint to resume from (or refuse to overwrite one)."""
+        """Clean up after a crashed run; pick the checkpoint to resume from (the newest that verifies), or refuse
+        to overwrite a run."""
         acc = self.accelerator
         if acc.is_main_process:
             self.checkpoints.remove_orphans()
@@ -140,23 +152,43 @@ class Trainer:
                 f"{self.run.root} already holds checkpoints (newest: {latest.name}): pass --resume to continue "
                 "that run, or use another output_dir"
             )
-        if resume and latest is None:
+        if not resume:
+            return None
+        path, self.resumed_built_from, skipped = self.checkpoints.resume_point(self.built_from)
+        for line in skipped:
+            acc.print(f"--resume: {line}")
+        if path is None:
             acc.print(f"--resume: no checkpoint under {self.checkpoints.root}, starting from step 0")
-        return latest if resume else None
+        return path
 
     def _restore(self, path: Path, fresh: TrainerState) -> TrainerState:
         saved = TrainerState.read(path / STATE_FILE)
         deepspeed = self.accelerator.state.deepspeed_plugin is not None
         problems = saved.resume_conflicts(fresh, deepspeed=deepspeed)
-        if problems:
-            raise DrafttrainError(f"cannot resume from {path}: " + "; ".join(problems))
-        self.accelerator.load_state(str(path / ACCELERATE_DIR))
-        if saved.total_steps != fresh.total_steps:
-            log.warning("resuming with %d total steps instead of %d: the LR schedule changes from here on",
-                        fresh.total_steps, saved.total_steps)
+        refused, applied = recipe_changes(self.resumed_built_from["recipe"], self.built_from["recipe"])
+        if problems or refused:
+            raise DrafttrainError(f"cannot resume from {path}: " + "; ".join(problems + refused))
+        try:
+            self.accelerator.load_state(str(path / ACCELERATE_DIR))
+        except Exception as err:  # noqa: BLE001 - torch / DeepSpeed raise many types for a state that does not fit
+            raise damaged(path / ACCELERATE_DIR, f"cannot be loaded ({type(err).__name__}: {err})") from None
+        self._apply_recipe_hyperparameters()
+        if applied:
+            self.accelerator.print("--resume: applying the recipe's new " + ", ".join(applied)
+                                   + f"; the learning-rate schedule continues from step {saved.step} with them")
         saved.total_steps = fresh.total_steps
         self.accelerator.print(f"resumed from {path} at step {saved.step} (epoch {saved.epoch})")
         return saved
+
+    def _apply_recipe_hyperparameters(self) -> None:
+        """load_state restores the old run's learning rates and weight decay into the optimizer and schedule;
+        put the recipe's back, with the schedule (possibly a new length or warm-up) at the restored step."""
+        base_lrs, decays = self.recipe_hyperparameters
+        schedule = self.scheduler.scheduler  # the LambdaLR inside accelerate's wrapper
+        schedule.base_lrs = list(base_lrs)
+        for group, base, decay, factor in zip(self.optimizer.param_groups, base_lrs, decays, schedule.lr_lambdas):
+            group.update(initial_lr=base, lr=base * factor(schedule.last_epoch), weight_decay=decay)
+        schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # -- loop ----------------------------------------------------------------------------------------------
     def _loop(self, state: TrainerState) -> dict[int, float]:
@@ -273,23 +305,42 @@ class Trainer:
                                           "tok/s": summary["tokens_per_s"]})
 
     def _checkpoint(self, state: TrainerState) -> None:
-        """Write, commit, evaluate, prune. Callbacks run on the main process only, after the commit, so a failing
-        evaluation never costs the checkpoint."""
+        """Check, write, commit, evaluate, prune. Weights that are not finite are never saved. Callbacks run on the
+        main process only, after the commit, so a failing evaluation never costs the checkpoint."""
         acc = self.accelerator
+        self._check_weights_finite(state)
         if acc.is_main_process:
             self.checkpoints.begin(state.step)
         acc.wait_for_everyone()
         tmp = self.checkpoints.tmp_dir(state.step)
         acc.save_state(str(tmp / ACCELERATE_DIR))  # every rank: RNG states, and ZeRO shards under DeepSpeed
+        acc.wait_for_everyone()
         if acc.is_main_process:
             acc.unwrap_model(self.module).drafter.save_pretrained(tmp)
-            (tmp / STATE_FILE).write_text(state.to_json())  # written last: a folder without it is incomplete
+            (tmp / STATE_FILE).write_text(state.to_json())
+            write_manifest(tmp, self.built_from)  # last: checksums of every file, and what they were built from
         acc.wait_for_everyone()
         if acc.is_main_process:
             final = self.checkpoints.commit(state.step)
             self._evaluate(final, state.step)
             self.checkpoints.prune()
         acc.wait_for_everyone()
+
+    def _check_weights_finite(self, state: TrainerState) -> None:
+        """Refuse to save NaN/inf weights as a checkpoint (a loss can still be finite the step the weights blow up).
+        Collective, so every rank stops together."""
+        bad = any(not bool(torch.isfinite(p.detach()).all()) for p in self.module.parameters() if p.requires_grad)
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor(float(bad), device=self.accelerator.device)
+            bad = float(self.accelerator.reduce(flag, reduction="sum")) > 0
+        if bad:
+            latest = self.checkpoints.latest()
+            kept = f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved yet"
+            raise DrafttrainError(
+                f"the trained weights are not finite (NaN or inf) after step {state.step} (learning rate "
+                f"{self.scheduler.get_last_lr()[0]:.3g}): not saved, training stopped; {kept}. Lower "
+                "training.learning_rate or training.max_grad_norm"
+            )
 
     def _evaluate(self, checkpoint: Path, step: int) -> None:
         metrics: dict[str, float] = {}

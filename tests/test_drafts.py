@@ -267,3 +267,7 @@ def test_offline_cache_refuses_stale_corrupt_or_foreign_caches(tiny_target, tmp_
                   num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)), None)
     with pytest.raises(DrafttrainError, match="hidden size 32"):
         FeatureCache(cache_dir, wide, needs, "split-a")
+    torch.manual_seed(5)  # the same shape, other weights: another target
+    same_shape = Target("other", LlamaForCausalLM(tiny_target.model.config).eval(), None)
+    with pytest.raises(DrafttrainError, match="outputs of another target"):
+        FeatureCache(cache_dir, same_shape, needs, "split-a")

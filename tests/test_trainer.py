@@ -90,6 +90,16 @@ def test_nan_loss_stops_naming_step_batch_and_rows_and_keeps_last_checkpoint(tmp
     assert all(torch.isfinite(p).all() for p in reloaded.parameters())
 
 
+def test_weights_that_are_not_finite_are_never_saved(tmp_path):
+    """The weights can go bad while the loss stays finite: the checkpoint is refused, the good one before it kept."""
+    trainer = make_trainer(tmp_path, draft_kwargs={"nan_weights_at_call": 3}, max_steps=4, save_every=2)
+    with pytest.raises(DrafttrainError, match="not finite .* after step 4.*not saved.*last good checkpoint is .*step-000002"):
+        trainer.train()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert not (tmp_path / "checkpoints" / "step-000004").exists()
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
 class RegistersTargetHead(StandInDraft):
     def __init__(self, target, **kwargs):
         super().__init__(target, **kwargs)

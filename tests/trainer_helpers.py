@@ -65,7 +65,8 @@ class StandInDraft(Drafter):
 
     kind = "stand-in"
 
-    def __init__(self, target: Target, layers=(1, 2), dropout: float = 0.1, nan_on_poison: bool = False):
+    def __init__(self, target: Target, layers=(1, 2), dropout: float = 0.1, nan_on_poison: bool = False,
+                 nan_weights_at_call: int | None = None):
         super().__init__(DraftConfig(kind=self.kind))
         self.attach_target(target)  # referenced, not registered: not trained, not saved
         self.layers = list(layers)
@@ -76,6 +77,9 @@ class StandInDraft(Drafter):
         self.head = nn.Linear(hidden, target.vocab_size)
         self.dropout = nn.Dropout(dropout)
         self.dropout_p = dropout
+        # A weight the loss never reads: set to NaN on the given call, the weights go bad while the loss stays finite.
+        self.spare = nn.Parameter(torch.zeros(1))
+        self.nan_weights_at_call, self.calls = nan_weights_at_call, 0
 
     def needs(self) -> TargetNeeds:
         return TargetNeeds(layers=tuple(self.layers))
@@ -90,6 +94,10 @@ class StandInDraft(Drafter):
         loss = (per_token * weight.reshape(-1)).sum() / weight.sum().clamp(min=1)
         if self.nan_on_poison and bool((batch["input_ids"] == POISON_TOKEN).any()):
             loss = loss * float("nan")
+        self.calls += 1
+        if self.calls == self.nan_weights_at_call:
+            with torch.no_grad():
+                self.spare.fill_(float("nan"))
         with torch.no_grad():
             correct, counted = top1_hits(logits.argmax(-1), labels, weight)
         return StepOutput(loss=loss, metrics={"loss_0": float(loss.detach())},

@@ -175,14 +175,20 @@ def _check_proposer(args: argparse.Namespace) -> None:
 
 
 def _default_proposer(draft: str | None) -> str:
+    """The proposer that serves the --draft checkpoint's kind; a folder that is no drafttrain checkpoint (a plain
+    model, a built-in name) is served as a draft model. A damaged checkpoint fails here, naming its file."""
     from drafttrain.drafts import saved_kind
+    from drafttrain.runfolder import CONFIG_NAME, find_draft, read_json
 
     if not draft:
         raise DrafttrainError("give --proposer (e.g. prompt_lookup), or --draft with a checkpoint written by drafttrain")
     try:
-        return saved_kind(draft).proposer
-    except DrafttrainError:  # not a drafttrain checkpoint: a plain model used as the draft
+        directory = find_draft(draft)
+    except DrafttrainError:
         return "draft_model"
+    if "drafttrain" not in read_json(directory / CONFIG_NAME):
+        return "draft_model"
+    return saved_kind(directory).proposer
 
 
 def _proposer_options(name: str) -> set[str]:

@@ -7,8 +7,8 @@ the kind needs it or the logits), in the target's dtype unless the recipe choose
 hidden state through the target's own output path (drafttrain.targets.outputs.logits_from_final).
 
 Shards are safetensors written to a temporary name and renamed; ``index.json`` records the target, the layers,
-the dtype, a sha256 per shard and the fingerprint of the split the rows come from, so a cache built for other data,
-another target or other layers is refused instead of silently feeding the wrong rows.
+the dtype, a sha256 per shard, the target's fingerprint and the fingerprint of the split the rows come from, so a
+cache built for other data, another target or other layers is refused instead of silently feeding the wrong rows.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     layers = needs.stored_layers(target.num_layers)
-    index = {"format_version": FORMAT_VERSION, "target": target.name, "layers": layers,
+    index = {"format_version": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
+             "layers": layers,
              "hidden_size": target.hidden_size, "num_rows": len(dataset), "dtype": str(dtype).removeprefix("torch."),
              "split_fingerprint": split_fingerprint, "shards": []}
     shard: dict[str, torch.Tensor] = {}
@@ -99,6 +100,9 @@ class FeatureCache:
         if index["hidden_size"] != self.target.hidden_size:
             raise DrafttrainError(f"{where} has hidden size {index['hidden_size']}, the target has "
                                   f"{self.target.hidden_size}: it was written for another target; {rerun}")
+        if index["target_fingerprint"] != self.target.fingerprint:
+            raise DrafttrainError(f"{where} holds the outputs of another target ({index['target']}, fingerprint "
+                                  f"{index['target_fingerprint']}; this one is {self.target.fingerprint}); {rerun}")
         missing = [layer for layer in self.needs.stored_layers(self.target.num_layers) if layer not in index["layers"]]
         if missing:
             raise DrafttrainError(f"{where} holds layers {index['layers']}, the draft needs {missing} too; {rerun}")

@@ -67,11 +67,16 @@ class RegenerateConfig(Section):
     batch_size: int = Field(8, gt=0)
     # Keep the dataset's response when the target's answer is empty (counted), instead of dropping the row.
     keep_original_on_empty: bool = False
+    # Reuse answers the same target gave with the same settings in earlier runs (the answer store in the cache).
+    reuse_answers: bool = True
 
 
 class DraftVocabConfig(Section):
     enabled: bool = False
-    size: int = Field(32000, gt=0)
+    size: int = Field(32000, gt=0)  # the number of draft tokens (with coverage: the most)
+    # Size it by measurement instead: the fewest most-frequent tokens that cover this share of the trainable
+    # tokens of the train split (rounded up to a multiple of 64), at most ``size``.
+    coverage: float | None = Field(None, gt=0, le=1)
 
 
 class DraftConfig(Section):
@@ -92,6 +97,10 @@ class Eagle3Config(DraftConfig):
     ttt_steps: int = Field(7, ge=1)
     step_decay: float = Field(0.8, gt=0, le=1)  # loss weight of unrolled step i is step_decay**i
     intermediate_size: int | None = Field(None, gt=0)
+    # Start from the target instead of noise: "lm_head" (the target's lm_head rows of the draft vocabulary and its
+    # final norm), "layer" (the decoder layer from the target's last layer), "fc" (a pass-through of the last tap).
+    init_from_target: list[Literal["lm_head", "layer", "fc"]] = []
+    noise: float = Field(0.0, ge=0)  # width of uniform noise added to the target taps while training (0: none)
 
     @field_validator("layers")
     @classmethod
@@ -109,6 +118,9 @@ class EagleConfig(DraftConfig):
     ce_weight: float = Field(0.1, ge=0)
     noise: float = Field(0.2, ge=0)  # width of the uniform noise added to input features (EAGLE-1: 0.2)
     intermediate_size: int | None = Field(None, gt=0)
+    # Start from the target: "layer" (the decoder layer from its last layer), "fc" (a pass-through of the hidden
+    # state); EAGLE-1 uses the target's own lm_head already.
+    init_from_target: list[Literal["layer", "fc"]] = []
 
 
 # The draft section is one of the kinds' sections, chosen by its ``kind`` (a new kind adds its class here).
@@ -123,6 +135,9 @@ class TrainingConfig(Section):
     feature_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
+    # Train for this many minutes (training time: checkpoints and their evaluation not counted), the learning-rate
+    # schedule running over the budget; epochs / max_steps still cap the run.
+    time_budget_minutes: float | None = Field(None, gt=0)
     batch_size: int = Field(1, gt=0)  # per device
     gradient_accumulation: int = Field(1, gt=0)
     learning_rate: float = Field(1e-4, gt=0)
@@ -146,8 +161,11 @@ class EvalConfig(Section):
     num_prompts: int = Field(8, gt=0)
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(0.0, ge=0)
-    proposer: str | None = None  # default: the draft kind's own proposer
-    depth: int = Field(5, gt=0)  # chain length k / tree depth
+    # chain length / tree depth; "auto" chooses the chain depth and a confidence threshold from this machine's
+    # measured costs and the draft's acceptance on held-out prompts (drafttrain.decoding.autodepth)
+    depth: Annotated[int, Field(gt=0)] | Literal["auto"] = 5
+    max_depth: int = Field(8, gt=0)  # the deepest chain "auto" considers
+    min_confidence: float = Field(0.0, ge=0, lt=1)  # stop a chain once the draft is this unsure (0: never)
     tree: Literal["chain", "dynamic"] = "chain"
     every_checkpoint: bool = True
 

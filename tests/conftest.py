@@ -17,6 +17,19 @@ _BUSY = os.getloadavg()[0] >= (os.cpu_count() or 1)
 torch.set_num_threads(1 if _BUSY else max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_answer_store(tmp_path_factory):
+    """Regenerated answers never go to (or come from) the user's store: module- and session-scoped fixtures, set
+    up before any function-scoped one, use this store."""
+    os.environ["DRAFTTRAIN_ANSWER_STORE"] = str(tmp_path_factory.mktemp("answers-session"))
+
+
+@pytest.fixture(autouse=True)
+def own_answer_store(tmp_path_factory, monkeypatch):
+    """Each test its own answer store: regenerated answers are not shared between tests."""
+    monkeypatch.setenv("DRAFTTRAIN_ANSWER_STORE", str(tmp_path_factory.mktemp("answers")))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The bundled SmolLM2-135M-Instruct target (fp32, CPU)."""

@@ -14,7 +14,7 @@ import torch
 from scipy import stats as scipy_stats
 
 from drafttrain.decoding import verify
-from drafttrain.decoding.trees import children_lists
+from drafttrain.decoding.trees import Chain, children_lists
 from drafttrain.sampling import Sampling, probabilities, sample_without_replacement
 from drafttrain.decoding.verify import (
     expected_acceptance_rate,
@@ -319,11 +319,34 @@ def _tiny_llama(seed: int):
 
 
 @pytest.mark.parametrize("tree", [pytest.param([[0], [1], [0, 0], [0, 1], [1, 0]], id="static-tree"),
-                                  pytest.param("chain", id="chain")])
+                                  pytest.param("chain", id="chain"),
+                                  pytest.param(Chain(2, min_confidence=0.25), id="chain-stops-after-1-or-2"),
+                                  pytest.param(Chain(2, min_confidence=0.4), id="chain-stops-after-0-or-1")])
 def test_engine_end_to_end_samples_the_target(tree):
     """The whole engine (draft model with its own cache, tree masks, q rows, lazy warped p rows, KV compaction)
     on two random 1-layer Llamas: tokens 2 and 3 (both from speculative steps; token 1 is the prefill's) follow
     the target's warped joint distribution, computed exactly by enumeration."""
+    assert engine_pvalue(tree) > P_THRESHOLD
+
+
+def test_a_stop_rule_that_reads_the_drawn_token_fails_the_engine_test(monkeypatch):
+    """Guard for the confidence stop: proposing only the draws the draft is sure of (a rule that reads the drawn
+    token, not just the distribution) no longer proposes from q, and the same test must catch the bias."""
+    from drafttrain.decoding.expand import TreeDrafter
+
+    honest = TreeDrafter._draw
+
+    def only_confident_draws(self, logits, m, request):
+        tokens, q = honest(self, logits, m, request)
+        if q is not None and float(q[tokens[0]]) < 0.4:
+            tokens = [int(q.argmax())]  # an unsure draw is swapped for the sure token, but q is still reported
+        return tokens, q
+
+    monkeypatch.setattr(TreeDrafter, "_draw", only_confident_draws)
+    assert engine_pvalue("chain") < BROKEN_THRESHOLD
+
+
+def engine_pvalue(tree) -> float:
     from drafttrain.decoding import SpeculativeDecoder, build_proposer
 
     old_threads = torch.get_num_threads()
@@ -359,4 +382,4 @@ def test_engine_end_to_end_samples_the_target(tree):
     assert flat[probs == 0].sum() == 0
     pooled_counts = np.append(flat[~rare], flat[rare].sum())
     pooled_probs = np.append(probs[~rare], probs[rare].sum())
-    assert chi2_pvalue(pooled_counts, pooled_probs) > P_THRESHOLD
+    return chi2_pvalue(pooled_counts, pooled_probs)

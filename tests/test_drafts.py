@@ -271,3 +271,44 @@ def test_offline_cache_refuses_stale_corrupt_or_foreign_caches(tiny_target, tmp_
     same_shape = Target("other", LlamaForCausalLM(tiny_target.model.config).eval(), None)
     with pytest.raises(DrafttrainError, match="outputs of another target"):
         FeatureCache(cache_dir, same_shape, needs, "split-a")
+
+
+def test_a_passthrough_fc_reproduces_the_last_tap(tiny_target):
+    head = build_drafter(Eagle3Config(layers=[2, 4, 5], init_from_target=["fc"]), tiny_target)
+    taps = torch.randn(2, 6, 3 * 32)
+    assert torch.equal(head.fuse(taps), taps[..., -32:])
+    eagle1 = build_drafter(EagleConfig(init_from_target=["fc"]), tiny_target)
+    embeds, hidden = torch.randn(2, 6, 32), torch.randn(2, 6, 32)
+    assert torch.equal(eagle1.fc(torch.cat([embeds, hidden], -1)), hidden)
+
+
+def test_an_lm_head_from_the_target_gives_the_targets_logits_on_the_draft_vocab(tiny_target, tmp_path):
+    keep = list(range(3, 96, 2))
+    head = build_drafter(Eagle3Config(draft_vocab=str(vocab_file(tmp_path, 96, keep)), init_from_target=["lm_head"]),
+                         tiny_target)
+    hidden = torch.randn(2, 5, 32)
+    model = tiny_target.model
+    with torch.no_grad():
+        want = model.lm_head(model.model.norm(hidden))[..., keep]
+        assert torch.allclose(head.lm_head(head.norm(hidden)), want, atol=1e-6)
+
+
+def test_a_layer_from_the_target_computes_the_targets_last_layer(tiny_target):
+    """With the embedding half of its attention input at zero, EAGLE-3's layer is the target's last layer."""
+    from drafttrain.drafts.layers import LayerCache
+
+    head = build_drafter(Eagle3Config(layers=[2, 4, 5], init_from_target=["layer"]), tiny_target).eval()
+    last = tiny_target.model.model.layers[-1]
+    hidden, embeds = torch.randn(1, 7, 32), torch.randn(1, 7, 32)
+    positions = torch.arange(7).unsqueeze(0)
+    with torch.no_grad():
+        cos, sin = tiny_target.model.model.rotary_emb(hidden, positions)
+        want = last(hidden, position_embeddings=(cos, sin), position_ids=positions)
+        got = head.midlayer(hidden, embeds, cos, sin, LayerCache())
+    want = want[0] if isinstance(want, tuple) else want
+    assert torch.allclose(got, want, atol=1e-5)
+    fresh = build_drafter(Eagle3Config(layers=[2, 4, 5]), tiny_target).eval()
+    with torch.no_grad():
+        assert not torch.allclose(fresh.midlayer(hidden, embeds, cos, sin, LayerCache()), want, atol=1e-2)
+    with pytest.raises(DrafttrainError, match="set intermediate_size to the target's"):
+        build_drafter(Eagle3Config(init_from_target=["layer"], intermediate_size=16), tiny_target)

@@ -9,7 +9,7 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.decoding.engine import SpeculativeDecoder, plain_decode
 from drafttrain.decoding.proposers import build_proposer
-from drafttrain.decoding.trees import DynamicTree
+from drafttrain.decoding.trees import Chain, DynamicTree
 from drafttrain.config import DraftConfig, Eagle3Config, EagleConfig
 from drafttrain.drafts import Drafter, build_drafter
 from drafttrain.targets import run_target
@@ -61,8 +61,9 @@ def test_overfitting_lowers_the_loss(trained_head):
 
 @pytest.mark.parametrize(
     "tree",
-    ["chain", [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]], DynamicTree(total_tokens=12, depth=5, top_k=3)],
-    ids=["chain", "static", "dynamic"],
+    ["chain", Chain(4, min_confidence=0.6), [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]],
+     DynamicTree(total_tokens=12, depth=5, top_k=3)],
+    ids=["chain", "chain-confidence-stop", "static", "dynamic"],
 )
 def test_eagle_greedy_equals_target_greedy_with_acceptances(smollm2, prompt_and_greedy, trained_head, tree):
     ids, greedy = prompt_and_greedy

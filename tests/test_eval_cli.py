@@ -163,3 +163,15 @@ def test_tree_specs(tmp_path):
     paths = tmp_path / "tree.json"
     paths.write_text("[[0], [0, 0]]")
     assert parse_tree(f"static:{paths}", 5, 60, 10) == [[0], [0, 0]]
+
+
+@pytest.mark.slow
+def test_depth_auto_chooses_on_held_out_prompts_and_reports_its_choice(tmp_path, restore_threads):
+    code = _eval(tmp_path, "--proposer", "prompt_lookup", "--suite", "mt_bench", "--num-prompts", "1", "--turns", "1",
+                 "--max-new-tokens", "8", "--depth", "auto", "--max-depth", "3", "--threads", "1")
+    assert code == 0
+    config = json.loads((tmp_path / "out" / "report.json").read_text())["config"]
+    auto = config["depth_auto"]
+    assert set(auto) >= {"depth", "min_confidence", "predicted_speedup", "predicted_speedup_by_depth", "verify_ms"}
+    assert 0 <= auto["depth"] <= 3 and len(auto["verify_ms"]) == 4 and auto["calibration_steps"] > 0
+    assert "(auto: depth" in (tmp_path / "out" / "report.md").read_text()

@@ -322,3 +322,22 @@ def test_openai_keep_original_on_empty_and_http_errors(chat_server, tmp_path, mo
     with pytest.raises(DrafttrainError, match="HTTP 401"):
         regenerate_conversations(CONVERSATIONS[:1], openai_config(chat_server.url, served_model="forbidden"),
                                  tmp_path / "err.jsonl", seed=0, target_name=TARGET, progress=False)
+
+
+def test_answers_are_reused_across_runs_of_the_same_target_and_settings(reference, smollm2, tmp_path):
+    """A second run (another output, another recipe) gets the same answers from the answer store, generating
+    nothing; other settings, or reuse switched off, generate again."""
+    rows, _, _ = reference
+    first = regenerate_conversations(CONVERSATIONS, hf_config(), tmp_path / "first.jsonl", seed=0, target=smollm2,
+                                     progress=False)
+    assert (first.from_store, first.regenerated) == (0, len(CONVERSATIONS))  # this test's store starts empty
+    again = regenerate_conversations(CONVERSATIONS, hf_config(), tmp_path / "other.jsonl", seed=0, target=smollm2,
+                                     progress=False)
+    assert (again.from_store, again.regenerated, again.generated_tokens) == (len(CONVERSATIONS), 0, 0)
+    assert [c["messages"] for c in again.conversations] == [rows[c["id"]]["messages"] for c in CONVERSATIONS]
+    longer = regenerate_conversations(CONVERSATIONS[:1], hf_config(max_new_tokens=MAX_NEW + 1), tmp_path / "l.jsonl",
+                                      seed=0, target=smollm2, progress=False)
+    assert (longer.from_store, longer.regenerated) == (0, 1)
+    off = regenerate_conversations(CONVERSATIONS[:1], hf_config(reuse_answers=False), tmp_path / "off.jsonl", seed=0,
+                                   target=smollm2, progress=False)
+    assert (off.from_store, off.regenerated) == (0, 1)

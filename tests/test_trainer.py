@@ -234,3 +234,19 @@ def test_wandb_offline_run_is_written_under_output_dir(tmp_path, monkeypatch):
     trainer.train()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and (tmp_path / "wandb_run_id").read_text().strip() in runs[0].name
+
+
+def test_a_time_budget_stops_on_time_with_the_schedule_run_over_it(tmp_path):
+    """training.time_budget_minutes: the run stops once its training time reaches the budget, saves that step,
+    and the cosine schedule has decayed over the budget (whatever the speed), not over max_steps."""
+    from drafttrain.training.checkpoint import TrainerState
+
+    budget_s = 1.5
+    result = make_trainer(tmp_path, max_steps=100_000, time_budget_minutes=budget_s / 60, save_every=100_000,
+                          warmup_steps=0, log_every=1).train()
+    state = TrainerState.read(result.last_checkpoint / "trainer_state.json")
+    assert result.steps < 100_000 and result.last_checkpoint.name == f"step-{result.steps:06d}"
+    step_s = state.train_seconds / result.steps
+    assert budget_s <= state.train_seconds < budget_s + 3 * step_s
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[0] > 0.9e-2 and lrs[-1] < 0.02e-2  # from the full rate (1e-2) to ~0 at the budget's end

@@ -129,3 +129,20 @@ def test_real_data_coverage(tmp_path, shared_data):
     assert vocab.t2d[tokenizer.convert_tokens_to_ids("<|im_end|>")]  # the end of turn must be predictable
     assert 0.5 < vocab.coverage < 1.0
     assert 0.0 < dataset_coverage(validation, vocab) <= 1.0
+
+
+def test_a_draft_vocab_sized_by_coverage_is_the_fewest_tokens_reaching_it():
+    from drafttrain.data.vocab import size_for_coverage
+
+    counts = torch.zeros(1000, dtype=torch.int64)
+    counts[:10] = 100  # 1000 tokens in 10 ids
+    counts[10:110] = 1  # 100 more, spread over 100 ids
+    total = 1100
+    assert size_for_coverage(counts, 1000 / total, multiple=1) == 10
+    assert size_for_coverage(counts, 1001 / total, multiple=1) == 11
+    assert size_for_coverage(counts, 1.0, multiple=1) == 110
+    assert size_for_coverage(counts, 1.0, multiple=64) == 128
+    vocab = build_draft_vocab(SYNTHETIC, FakeTokenizer(12), vocab_size=12, size=12, coverage=7 / 9)
+    assert vocab.size == 12  # 2 ids reach 7/9, rounded up to 64, at most the vocabulary
+    vocab = build_draft_vocab(SYNTHETIC, FakeTokenizer(200), vocab_size=200, size=150, coverage=7 / 9)
+    assert vocab.size == 64 and vocab.coverage >= 7 / 9

@@ -39,7 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=_DEFAULTS.max_new_tokens, help="per turn")
     parser.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--depth", "-k", type=int, default=_DEFAULTS.depth, help="draft length k / tree depth")
+    parser.add_argument("--depth", "-k", type=_depth, default=_DEFAULTS.depth,
+                        help="draft length k / tree depth, or 'auto': the chain depth and confidence threshold chosen "
+                             "from this machine's measured costs and the draft's acceptance on --calibration prompts")
+    parser.add_argument("--max-depth", type=int, default=_DEFAULTS.max_depth, help="the deepest chain --depth auto tries")
+    parser.add_argument("--min-confidence", type=float, default=_DEFAULTS.min_confidence,
+                        help="stop a chain once the product of the draft's top probabilities falls below this")
+    parser.add_argument("--calibration", help="prompts for --depth auto (a suite name or FastChat .jsonl); default: "
+                                              "the draft run's held-out validation prompts, else another suite")
     parser.add_argument("--tree", default=_DEFAULTS.tree,
                         help="chain | dynamic | static:PATHS_JSON (inline JSON list of paths, or a .json file)")
     parser.add_argument("--total-tokens", type=int, default=60, help="dynamic tree: nodes verified per step")
@@ -68,13 +75,25 @@ def _num_prompts(text: str) -> int | None:
     return value  # sign checked in run(), with the other numbers, so the error goes through DrafttrainError
 
 
+def _depth(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from drafttrain.evaluation.suites import load_suite
 
     _check_numbers(args)
     suite = load_suite(args.questions or args.suite).select(args.num_prompts, turns=args.turns)
-    tree = parse_tree(args.tree, args.depth, args.total_tokens, args.top_k)
+    tree = parse_tree(args.tree, args.max_depth if args.depth == "auto" else args.depth, args.total_tokens, args.top_k)
+    if args.depth == "auto" and tree != "chain":
+        raise DrafttrainError("--depth auto chooses chain depths: use --tree chain (the default), or give a depth")
     _check_proposer(args)
+    calibration = _calibration(args, suite) if args.depth == "auto" else ()
     _prepare_out_dir(args.out)
     if args.threads is not None:
         import torch
@@ -88,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     report = evaluate(
         target, args.proposer, suite,
-        depth=args.depth, tree=tree, temperature=args.temperature, top_p=args.top_p,
+        depth=args.depth, tree=tree, min_confidence=args.min_confidence, max_depth=args.max_depth,
+        calibration=calibration, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
         progress=not args.no_progress, proposer_kwargs=_proposer_kwargs(args), compare=args.compare,
     )
@@ -102,14 +122,41 @@ def _check_numbers(args: argparse.Namespace) -> None:
     from drafttrain.sampling import check_sampling
 
     check_sampling(args.temperature, args.top_p)
-    if args.depth <= 0:
+    if args.depth != "auto" and args.depth <= 0:
         raise DrafttrainError(f"--depth (k) must be positive, got {args.depth}")
+    if args.max_depth <= 0:
+        raise DrafttrainError(f"--max-depth must be positive, got {args.max_depth}")
+    if not 0 <= args.min_confidence < 1:
+        raise DrafttrainError(f"--min-confidence must be in [0, 1), got {args.min_confidence}")
     if args.max_new_tokens <= 0:
         raise DrafttrainError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.num_prompts is not None and args.num_prompts <= 0:
         raise DrafttrainError(f"--num-prompts must be positive (or 'all'), got {args.num_prompts}")
     if args.threads is not None and args.threads <= 0:
         raise DrafttrainError(f"--threads must be positive, got {args.threads}")
+
+
+def _calibration(args: argparse.Namespace, suite) -> tuple:
+    """Held-out prompts for --depth auto: the given ones; else the draft run's validation prompts; else the first
+    prompts of a suite other than the one reported."""
+    from drafttrain.evaluation.suites import load_suite
+    from drafttrain.runfolder import RunFolder
+
+    if args.calibration:
+        chosen = load_suite(args.calibration)
+    else:
+        draft = Path(args.draft).expanduser() if args.draft else None
+        runs = [RunFolder.of(p) for p in ([draft, *list(draft.parents)[:2]] if draft else [])]  # run, or a checkpoint
+        held_out = next((run.validation_prompts for run in runs if run.validation_prompts.is_file()), None)
+        if held_out is not None:
+            chosen = load_suite(held_out)
+        else:
+            chosen = load_suite("gsm8k" if suite.name == "alpaca" else "alpaca")
+    reported = {q.turns[0] for q in suite.questions}
+    questions = tuple(q for q in chosen.select(turns="1").questions if q.turns[0] not in reported)
+    if not questions:
+        raise DrafttrainError(f"--calibration {chosen.name}: no prompt left that is not also reported")
+    return questions[:4]
 
 
 def _prepare_out_dir(out: str) -> None:

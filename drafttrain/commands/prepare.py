@@ -177,7 +177,7 @@ def save_dataset(dataset, path: Path) -> None:
 def _build_vocab(recipe: Recipe, train_ds, validation_ds, tokenizer, vocab_size: int, run: RunFolder) -> dict:
     from drafttrain.data.vocab import build_draft_vocab, dataset_coverage, save_draft_vocab
 
-    vocab = build_draft_vocab(train_ds, tokenizer, vocab_size, recipe.draft_vocab.size)
+    vocab = build_draft_vocab(train_ds, tokenizer, vocab_size, recipe.draft_vocab.size, recipe.draft_vocab.coverage)
     save_draft_vocab(vocab, run.draft_vocab)
     info = vocab.summary()
     info["path"] = str(run.draft_vocab)
@@ -300,7 +300,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         totals.add_row(f"{split} tokens (trainable)", f"{d['tokens']:,} ({d['trainable_tokens']:,})")
     regen = summary["regenerate"]
     if regen:
-        totals.add_row("regenerated now / reused", f"{regen['regenerated_now']} / {regen['reused_from_previous_run']}")
+        totals.add_row("regenerated now / reused (this run, answer store)",
+                       f"{regen['regenerated_now']} / {regen['reused_from_previous_run']}, {regen['reused_from_answer_store']}")
         totals.add_row("answers cut at max_new_tokens", str(regen["finish_reason"].get("length", 0)))
         speed = f"{regen['tokens_per_second']:.1f} tokens/s ({regen['generated_tokens']} tokens)"
         totals.add_row("generation speed", speed)

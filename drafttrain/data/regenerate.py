@@ -51,9 +51,14 @@ from typing import Any
 import torch
 
 from drafttrain import DrafttrainError
-from drafttrain.runfolder import write_text_atomic
 from drafttrain.config import RegenerateConfig
-from drafttrain.data.chat import chat_template_text, prompt_ids, stop_token_ids, tool_definitions
+from drafttrain.data.chat import (
+    chat_template_text,
+    prompt_ids,
+    stop_token_ids,
+    tool_definitions,
+)
+from drafttrain.runfolder import cache_root, write_text_atomic
 from drafttrain.sampling import Sampling, warp_logits
 
 log = logging.getLogger(__name__)
@@ -295,16 +300,51 @@ class ConversationJob:
             self.shift += 1
 
     def result(self, settings: RegenerationSettings) -> dict:
-        row = dict(self.conversation)
-        row["messages"] = self.messages
-        row["needs_response"] = False  # every user turn has its answer now
-        row["regenerated_by"] = settings.target
-        row["finish_reason"] = "length" if "length" in self.finish_reasons else "stop"
-        row["generated_tokens"] = self.generated_tokens
+        answer = {"messages": self.messages, "finish_reason": "length" if "length" in self.finish_reasons else "stop",
+                  "generated_tokens": self.generated_tokens}
         if self.kept_original:
-            row["kept_original_answers"] = self.kept_original
-        row["prompt_hash"] = prompt_hash(self.conversation)
-        return row
+            answer["kept_original_answers"] = self.kept_original
+        return answered_row(self.conversation, answer, settings)
+
+
+def answered_row(conversation: dict, answer: dict, settings: RegenerationSettings) -> dict:
+    """The output row of a conversation with the target's answers (``answer``: messages, finish_reason, ...)."""
+    row = {**conversation, **answer}
+    row["needs_response"] = False  # every user turn has its answer now
+    row["regenerated_by"] = settings.target
+    row["prompt_hash"] = prompt_hash(conversation)
+    return row
+
+
+ANSWER_FIELDS = ("messages", "finish_reason", "generated_tokens", "kept_original_answers")
+
+
+class AnswerStore:
+    """The target's answers kept across runs, in the user cache: a conversation the same target answered with the
+    same settings is not answered again, whichever run (or recipe) asks. One file per (settings, target weights);
+    entries keyed by the conversation's content, plus its id when sampling (its seed depends on the id).
+
+    Where: $DRAFTTRAIN_ANSWER_STORE, else <cache>/answers (drafttrain.runfolder.cache_root)."""
+
+    def __init__(self, settings: RegenerationSettings, target_fingerprint: str | None):
+        root = Path(os.environ.get("DRAFTTRAIN_ANSWER_STORE") or cache_root() / "answers")
+        identity = json.dumps({**settings.as_dict(), "weights": target_fingerprint}, sort_keys=True)
+        self.path = root / f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}.jsonl"
+        self.sampling = settings.temperature > 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.answers = {row["key"]: row for row in read_jsonl_resumable(self.path) if "key" in row}
+
+    def key(self, conversation: dict) -> str:
+        return prompt_hash(conversation) + (f"|{conversation['id']}" if self.sampling else "")
+
+    def get(self, conversation: dict) -> dict | None:
+        stored = self.answers.get(self.key(conversation))
+        return None if stored is None else {k: stored[k] for k in ANSWER_FIELDS if k in stored}
+
+    def put(self, handle, conversation: dict, row: dict) -> None:
+        entry = {"key": self.key(conversation), **{k: row[k] for k in ANSWER_FIELDS if k in row}}
+        append_jsonl(handle, entry)
+        self.answers[entry["key"]] = entry
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -585,6 +625,7 @@ class RegenerationResult:
     conversations: list[dict]  # in input order; dropped rows left out
     path: Path
     reused: int  # rows found already done in the output (resume)
+    from_store: int  # rows answered in an earlier run (of any recipe), taken from the answer store
     regenerated: int  # rows generated in this call
     dropped: dict[str, int]  # reason -> count, over all input rows (old and new)
     generated_tokens: int  # in this call
@@ -601,6 +642,7 @@ class RegenerationResult:
             "path": str(self.path),
             "conversations": len(self.conversations),
             "reused_from_previous_run": self.reused,
+            "reused_from_answer_store": self.from_store,
             "regenerated_now": self.regenerated,
             "dropped": dict(self.dropped),
             "finish_reason": dict(self.finish_reasons),
@@ -683,14 +725,28 @@ def regenerate_conversations(
     if reused:
         log.info("regenerate: %d of %d conversations already in %s, %d to go",
                  reused, len(conversations), paths.rows, len(todo))
+    store = AnswerStore(settings, target.fingerprint if target is not None else None) if cfg.reuse_answers else None
 
     counters = {"tokens": 0, "regenerated": 0}
     started = time.perf_counter()
     with (
         open(paths.rows, "a", encoding="utf-8") as rows_out,
         open(paths.dropped, "a", encoding="utf-8") as dropped_out,
-        tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress or not todo) as bar,
+        open(store.path if store else os.devnull, "a", encoding="utf-8") as store_out,
     ):
+        from_store = 0
+        if store is not None:
+            for job in list(todo):
+                answer = store.get(job.conversation)
+                if answer is not None:
+                    record = answered_row(job.conversation, answer, settings)
+                    append_jsonl(rows_out, record)
+                    done[str(job.conversation["id"])] = record
+                    todo.remove(job)
+                    from_store += 1
+            if from_store:
+                log.info("regenerate: %d conversations answered in earlier runs (%s)", from_store, store.path)
+        bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress or not todo)
 
         def on_done(job: ConversationJob) -> None:
             cid = str(job.conversation["id"])
@@ -704,6 +760,8 @@ def regenerate_conversations(
                 record = job.result(settings)
                 append_jsonl(rows_out, record)
                 done[cid] = record
+                if store is not None:
+                    store.put(store_out, job.conversation, record)
             bar.update(1)
             bar.set_postfix(tok_s=f"{counters['tokens'] / max(time.perf_counter() - started, 1e-9):.1f}")
             if on_row is not None:
@@ -718,6 +776,7 @@ def regenerate_conversations(
                 raise DrafttrainError("regenerate.backend is 'openai' but regenerate.base_url is not set")
             client = OpenAIChatClient(cfg.base_url, settings.target, settings, api_key_env=cfg.api_key_env)
             run_openai(todo, client, cfg, settings, on_done)
+        bar.close()
     seconds = time.perf_counter() - started
 
     kept = [done[cid] for cid in wanted if cid in done]
@@ -725,6 +784,7 @@ def regenerate_conversations(
         conversations=kept,
         path=paths.rows,
         reused=reused,
+        from_store=from_store,
         regenerated=counters["regenerated"],
         dropped=dict(Counter(dropped_ids[cid] for cid in wanted if cid in dropped_ids)),
         generated_tokens=counters["tokens"],

@@ -145,13 +145,24 @@ def coverage_of(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     return float(counts[t2d].sum()) / total if total else 1.0
 
 
-def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int) -> DraftVocab:
-    """Count the trainable tokens of ``dataset`` and keep the ``size`` most frequent as the draft vocabulary."""
+def size_for_coverage(counts: torch.Tensor, coverage: float, multiple: int = 64) -> int:
+    """The fewest most-frequent ids that cover ``coverage`` of the counted tokens, rounded up to ``multiple``."""
+    cumulative = torch.sort(counts.to(torch.float64), descending=True).values.cumsum(0) / counts.sum()
+    needed = int(torch.searchsorted(cumulative, torch.tensor([coverage], dtype=torch.float64) - 1e-12)[0]) + 1
+    return min(counts.numel(), -(-needed // multiple) * multiple)
+
+
+def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int, coverage: float | None = None) -> DraftVocab:
+    """Count the trainable tokens of ``dataset`` and keep the ``size`` most frequent as the draft vocabulary (with
+    ``coverage``: as few as reach that share of the tokens, at most ``size``)."""
     if size > vocab_size:
         select_draft_ids(torch.zeros(vocab_size, dtype=torch.int64), size)  # raises with both sizes
     counts = count_trainable_tokens(dataset, vocab_size)
     if counts.total == 0:
         raise DrafttrainError("the data has no trainable tokens (loss_mask is all zero): cannot build a draft vocab")
+    if coverage is not None:
+        size = min(size, size_for_coverage(counts.counts, coverage))
+        log.info("draft vocab: %d tokens cover %.1f%% of the trainable tokens", size, 100 * coverage)
     if counts.distinct < size:
         log.warning(
             "draft vocab: only %d distinct trainable tokens in the data for a size of %d; the other %d ids are "

@@ -76,7 +76,8 @@ def _timed(stats: DecodeStats, field: str):
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with ``proposer`` (a Proposer or a registered name).
 
-    tree: "chain" (``depth`` tokens), a list of Medusa-style paths (static tree) or a DynamicTree (EAGLE-2).
+    tree: "chain" (up to ``depth`` tokens; ``min_confidence`` stops a drafter early when unsure, see trees.Chain),
+    a list of Medusa-style paths (static tree) or a DynamicTree (EAGLE-2).
     temperature 0 is greedy (bit-identical to plain greedy decoding); otherwise exactly lossless sampling from
     the target's distribution warped by temperature / top_k / top_p, seeded by ``seed`` per generate call.
     """
@@ -88,6 +89,7 @@ class SpeculativeDecoder:
         *,
         depth: int = 5,
         tree="chain",
+        min_confidence: float = 0.0,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -97,7 +99,7 @@ class SpeculativeDecoder:
             raise DrafttrainError(f"depth (draft tokens per step) must be a positive integer, got {depth!r}")
         self.target, self.model = target, target.model
         self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
-        self.shape = as_shape(tree, depth)
+        self.shape = as_shape(tree, depth, min_confidence)
         self.sampling = Sampling(temperature, top_p, top_k)
         self.seed = seed
         if not isinstance(self.shape, self.proposer.shapes):

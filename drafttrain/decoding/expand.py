@@ -23,6 +23,8 @@ from drafttrain.sampling import probabilities, sample_without_replacement
 
 class TreeDrafter(Proposer):
     device: torch.device
+    record_confidences = False  # set to keep, per chain, the draft's top probability at each drafted position
+    last_confidences: list[float]
 
     # -- what a subclass provides --------------------------------------------------------------------------
     def _root_logits(self) -> torch.Tensor:
@@ -44,7 +46,7 @@ class TreeDrafter(Proposer):
         self.fed: list[int] = []  # tree nodes in the drafter's cache after the accepted text, in order
         shape = request.shape
         if isinstance(shape, Chain):
-            draft = self._chain(root, shape.depth, request)
+            draft = self._chain(root, shape, request)
         elif isinstance(shape, StaticTree):
             draft = self._static(root, shape, request)
         else:
@@ -59,18 +61,32 @@ class TreeDrafter(Proposer):
         q = probabilities(logits, request.sampling)
         return [t for t in sample_without_replacement(q, m, request.generator).tolist() if t >= 0], q
 
-    def _chain(self, logits: torch.Tensor, depth: int, request: DraftRequest) -> Draft:
+    def _chain(self, logits: torch.Tensor, shape: Chain, request: DraftRequest) -> Draft:
         tokens, parents, depths, qs = [], [], [], []
-        for i in range(depth):
+        confidence, self.last_confidences = 1.0, []
+        for i in range(shape.depth):
             if i:
                 logits = self._feed([i - 1], tokens, parents, depths)[0]
+            if shape.min_confidence > 0 or self.record_confidences:
+                top = float(self._top_probability(logits, request))
+                confidence *= top
+                if confidence < shape.min_confidence:
+                    break
+                self.last_confidences.append(top)
             (tok,), q = self._draw(logits, 1, request)
             tokens.append(tok)
             parents.append(i - 1)
             depths.append(i + 1)
             qs.append(q)
-        q = None if request.sampling.greedy else torch.stack(qs)[None]
-        return Draft.chain(torch.tensor([tokens], device=self.device), q)
+        q = None if request.sampling.greedy or not qs else torch.stack(qs)[None]
+        return Draft.chain(torch.tensor([tokens], dtype=torch.long, device=self.device).reshape(1, -1), q)
+
+    @staticmethod
+    def _top_probability(logits: torch.Tensor, request: DraftRequest) -> torch.Tensor:
+        """The draft's largest probability at this position (under the sampling warp when sampling)."""
+        if request.sampling.greedy:
+            return torch.softmax(logits.float(), dim=-1).max()
+        return probabilities(logits, request.sampling).max()
 
     def _static(self, root: torch.Tensor, shape: StaticTree, request: DraftRequest) -> Draft:
         kids = children_lists(tuple(shape.parents))

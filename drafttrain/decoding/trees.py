@@ -19,12 +19,19 @@ from drafttrain import DrafttrainError
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
-    """A single line of ``depth`` draft tokens (classic speculative decoding)."""
+    """A single line of up to ``depth`` draft tokens (classic speculative decoding).
+
+    ``min_confidence`` > 0 stops a drafter early when unsure: position i is drafted only while the product of the
+    draft's top probabilities at positions 1..i (EAGLE-2's estimate that the path is accepted) stays at or above it.
+    The rule reads the draft's distributions, never the token about to be drawn, so sampling stays lossless."""
 
     depth: int = 5
+    min_confidence: float = 0.0
 
     def __post_init__(self):
         _check_positive("depth (draft tokens per step)", self.depth)
+        if not isinstance(self.min_confidence, (int, float)) or not 0 <= self.min_confidence < 1:
+            raise DrafttrainError(f"min_confidence must be in [0, 1), got {self.min_confidence!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +84,12 @@ class StaticTree:
 TreeShape = Union[Chain, StaticTree, DynamicTree]
 
 
-def as_shape(tree, depth: int) -> TreeShape:
+def as_shape(tree, depth: int, min_confidence: float = 0.0) -> TreeShape:
     """The engine's ``tree=`` argument ("chain", a list of paths, a StaticTree or a DynamicTree) as a shape."""
     if isinstance(tree, (Chain, StaticTree, DynamicTree)):
         return tree
     if tree == "chain":
-        return Chain(depth)
+        return Chain(depth, min_confidence)
     if isinstance(tree, (list, tuple)):
         return StaticTree([list(p) for p in tree])
     raise DrafttrainError(

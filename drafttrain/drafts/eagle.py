@@ -37,7 +37,17 @@ class EagleDrafter(EagleHead):
     @classmethod
     def build(cls, config: EagleConfig, target, run=None) -> "EagleDrafter":
         layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size)
-        return cls(config, layer_config, target.num_layers).to(target.device).attach_target(target)
+        head = cls(config, layer_config, target.num_layers).to(target.device).attach_target(target)
+        return head.init_from_target(config.init_from_target)
+
+    def first_layer(self):
+        return self.layers["0"]
+
+    def init_fc_passthrough(self) -> None:
+        h = self.layer_config.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, h:] = torch.eye(h)  # input [embedding, hidden]: keep the hidden
+        self.fc.bias.zero_()
 
     @classmethod
     def from_pretrained(cls, directory, target) -> "EagleDrafter":

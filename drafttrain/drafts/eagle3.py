@@ -19,6 +19,7 @@ from drafttrain.drafts.base import StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import DraftDecoderLayer, llama_config_like, shift_left
 from drafttrain.runfolder import RunFolder
+from drafttrain.targets.hidden import final_norm
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
@@ -80,7 +81,24 @@ class Eagle3Drafter(EagleHead):
             d2t = torch.zeros(target.vocab_size, dtype=torch.long)
             t2d = torch.ones(target.vocab_size, dtype=torch.bool)
         layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size)
-        return cls(config, layer_config, layer_ids, d2t, t2d).to(target.device).attach_target(target)
+        head = cls(config, layer_config, layer_ids, d2t, t2d).to(target.device).attach_target(target)
+        return head.init_from_target(config.init_from_target)
+
+    @torch.no_grad()
+    def init_from_target(self, parts: list[str]) -> "Eagle3Drafter":
+        super().init_from_target(parts)
+        if "lm_head" in parts:  # the target's own output rows for the draft vocabulary, behind its final norm
+            self.lm_head.weight.copy_(self.target.model.get_output_embeddings().weight[self.draft_to_target])
+            self.norm.weight.copy_(final_norm(self.target.model).weight)
+        return self
+
+    def first_layer(self):
+        return self.midlayer
+
+    def init_fc_passthrough(self) -> None:
+        h = self.layer_config.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, -h:] = torch.eye(h)
 
     @classmethod
     def from_pretrained(cls, directory, target) -> "Eagle3Drafter":
@@ -137,7 +155,10 @@ class Eagle3Drafter(EagleHead):
             target_ids = outputs.logits.argmax(-1)
             in_vocab = self.t2d[target_ids].float()
             target_logits = outputs.logits.index_select(-1, self.draft_to_target)
-        hidden = self.fuse(outputs.hidden.to(self.fc.weight.dtype))
+        taps = outputs.hidden.to(self.fc.weight.dtype)
+        if self.training and self.config.noise > 0:
+            taps = taps + (torch.rand_like(taps) - 0.5) * self.config.noise
+        hidden = self.fuse(taps)
         blocks = [[] for _ in range(self.config.num_layers)]
         total, metrics, correct, counted = 0.0, {}, [], []
         for i in range(self.config.ttt_steps):

@@ -10,7 +10,8 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.drafts.base import Drafter, read_draft_config
-from drafttrain.drafts.layers import LayerCache
+from drafttrain.drafts.layers import LayerCache, copy_target_layer
+from drafttrain.targets.hidden import decoder_layers
 
 
 class EagleHead(Drafter):
@@ -27,6 +28,22 @@ class EagleHead(Drafter):
 
     def new_caches(self) -> list[LayerCache]:
         return [LayerCache() for _ in range(self.config.num_layers)]
+
+    @torch.no_grad()
+    def init_from_target(self, parts: list[str]) -> "EagleHead":
+        """Start from the target instead of noise (see the config's ``init_from_target``)."""
+        if "layer" in parts:
+            copy_target_layer(self.first_layer(), decoder_layers(self.target.model)[-1])
+        if "fc" in parts:
+            self.init_fc_passthrough()
+        return self
+
+    def first_layer(self):
+        raise NotImplementedError
+
+    def init_fc_passthrough(self) -> None:
+        """fc such that the fused feature is the (last) target tap it reads."""
+        raise NotImplementedError
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """Target taps -> the hidden input of the first draft step."""

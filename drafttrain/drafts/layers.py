@@ -17,6 +17,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
 
+from drafttrain import DrafttrainError
+
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     """x[:, n:] padded with zeros at the end back to x's length (dim 1): position t then holds t+n's value."""
@@ -149,6 +151,29 @@ class DraftDecoderLayer(nn.Module):
     def forward_ttt(self, hidden, embeds, cos, sin, blocks) -> torch.Tensor:
         hidden = hidden + self.self_attn.forward_ttt(self._attn_input(hidden, embeds), cos, sin, blocks)
         return self._mlp_block(hidden)
+
+
+@torch.no_grad()
+def copy_target_layer(draft: DraftDecoderLayer, source: nn.Module) -> None:
+    """Make a draft layer compute what a target decoder layer computes on its hidden input. For EAGLE-3's first
+    layer (attention over [embedding, hidden], 2H wide) the embedding half of q/k/v starts at zero, so at step 0
+    the token embedding is ignored and it learns to use it."""
+    own = dict(draft.named_parameters())
+    theirs = dict(source.named_parameters())
+    renamed = {"input_layernorm.weight": "hidden_norm.weight" if draft.fuse_embedding else "input_layernorm.weight"}
+    for name, value in theirs.items():
+        mine = own.get(renamed.get(name, name))
+        if mine is None:  # EAGLE-1's first layer has no input norm
+            continue
+        if mine.shape == value.shape:
+            mine.copy_(value)
+        elif draft.fuse_embedding and name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) \
+                and mine.shape == (value.shape[0], 2 * value.shape[1]):
+            mine.zero_()
+            mine[:, value.shape[1]:] = value
+        else:
+            raise DrafttrainError(f"draft.init_from_target 'layer': cannot start from the target's layer: {name} is {tuple(value.shape)} there, "
+                             f"{tuple(mine.shape)} in the draft (set intermediate_size to the target's)")
 
 
 def llama_config_like(target_config, **overrides) -> LlamaConfig:

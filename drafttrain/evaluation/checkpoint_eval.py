@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import add_positions, simulated_tau
@@ -30,15 +31,25 @@ from drafttrain.training.loader import ROW_INDEX, pad_collate
 
 log = logging.getLogger(__name__)
 
+CALIBRATION_PROMPTS = 4  # held-out prompts that depth auto measures acceptance on
 
-def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress: bool = True) -> EvalReport:
-    """The evaluator on ``questions`` with the recipe's eval settings, against plain decoding in the same run."""
+
+def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress: bool = True,
+                     calibration: Suite | None = None) -> EvalReport:
+    """The evaluator on ``questions`` with the recipe's eval settings, against plain decoding in the same run.
+    With ``eval.depth: auto`` the depth is chosen on ``calibration`` (default: the held-out validation prompts)."""
     from drafttrain.decoding import DynamicTree
 
     cfg = recipe.eval
+    if cfg.depth == "auto" and cfg.tree != "chain":
+        raise DrafttrainError("eval.depth auto chooses chain depths: set eval.tree to chain, or give a depth")
     tree = "chain" if cfg.tree == "chain" else DynamicTree(depth=cfg.depth)
-    return evaluate(target, drafter, questions, depth=cfg.depth, tree=tree, temperature=cfg.temperature,
-                    max_new_tokens=cfg.max_new_tokens, seed=recipe.seed, progress=progress)
+    if calibration is None:
+        calibration = selection_prompts(recipe)
+    return evaluate(target, drafter, questions, depth=cfg.depth, tree=tree, min_confidence=cfg.min_confidence,
+                    max_depth=cfg.max_depth, calibration=calibration.questions[:CALIBRATION_PROMPTS] if calibration
+                    else (), temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=recipe.seed,
+                    progress=progress)
 
 
 def selection_prompts(recipe: Recipe) -> Suite | None:
@@ -86,7 +97,8 @@ class CheckpointEvaluator:
             metrics["sim_tau"] = simulated_tau(accs)
             metrics.update({f"val_acc_{i}": a for i, a in enumerate(accs)})
         if self.questions is not None:
-            report = evaluate_drafter(self.recipe, self.target, drafter, self.questions, progress=False)
+            report = evaluate_drafter(self.recipe, self.target, drafter, self.questions, progress=False,
+                                      calibration=self.questions)
             write_report(report, checkpoint / EVAL_DIR)
             overall = report.overall
             metrics.update({k: float(overall[k]) for k in ("tau", "acceptance_rate", "speedup", "greedy_match")

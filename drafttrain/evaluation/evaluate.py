@@ -33,13 +33,14 @@ from drafttrain import DrafttrainError
 from drafttrain.evaluation import metrics
 from drafttrain.evaluation.suites import Question, Suite
 from drafttrain.data.chat import prompt_ids, stop_token_ids
-from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.decoding import NoDraft, SpeculativeDecoder, build_proposer, plain_decode
 from drafttrain.drafts import Drafter
-from drafttrain.sampling import check_sampling
+from drafttrain.sampling import Sampling, check_sampling
 
 log = logging.getLogger(__name__)
 
 WARMUP_NEW_TOKENS = 16
+CALIBRATION_NEW_TOKENS = 64  # per calibration prompt, for depth auto
 
 # generate function of one side: rendered prompt ids (1, L) -> (new tokens, DecodeStats; for HF a dict of counts)
 GenerateFn = Callable[[torch.Tensor], tuple[list[int], Any]]
@@ -90,8 +91,11 @@ def evaluate(
     proposer: str | Any,  # a registered proposer name, a Proposer, or a trained Drafter
     prompts: Suite | Sequence[Question | str],
     *,
-    depth: int = 5,
+    depth: int | str = 5,
     tree: Any = "chain",
+    min_confidence: float = 0.0,
+    max_depth: int = 8,
+    calibration: Sequence[Question] = (),
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -112,9 +116,13 @@ def evaluate(
     prompt lookup or assisted generation matching the proposer) to ``report.references``. ``compare`` names other
     registered proposers (that need no draft, e.g. ``prompt_lookup``) to run through the same engine settings on
     the same prompts, interleaved with the others, into ``report.comparisons``.
-    """
 
-    _check_settings(depth, temperature, top_p, top_k, max_new_tokens)
+    ``depth="auto"`` (chains) chooses the depth and confidence threshold from this machine's measured costs and
+    the draft's acceptance on the ``calibration`` questions (never the reported ones), up to ``max_depth``
+    (drafttrain.decoding.autodepth); depth 0 means plain decoding. The choice is in ``report.config``.
+    """
+    auto = depth == "auto"
+    _check_settings(max_depth if auto else depth, temperature, top_p, top_k, max_new_tokens)
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     suite_name, questions = _as_questions(prompts)
     proposer_kwargs = dict(proposer_kwargs or {})
@@ -122,9 +130,16 @@ def evaluate(
         proposer, proposer_kwargs = proposer.proposer, {**proposer_kwargs, "draft": proposer}
     proposer_name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
     proposer_obj = build_proposer(proposer, target, **proposer_kwargs) if isinstance(proposer, str) else proposer
-    decoder = SpeculativeDecoder(
-        target, proposer_obj, depth=depth, tree=tree, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-    )
+    depth_choice = None
+    if auto:
+        depth_choice = choose_depth(target, proposer_obj, calibration, max_depth, Sampling(temperature, top_p, top_k),
+                                    min(max_new_tokens, CALIBRATION_NEW_TOKENS), seed)
+        depth, min_confidence = depth_choice.depth, depth_choice.min_confidence
+        if depth == 0:  # drafting would cost more than it saves: plain decoding
+            proposer_obj, depth = NoDraft(), 1
+            proposer_name = f"{proposer_name} (depth auto: plain decoding)"
+    decoder = SpeculativeDecoder(target, proposer_obj, depth=depth, tree=tree, min_confidence=min_confidence,
+                                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     # The one stop rule (template end-of-turn + EOS), the same for every side, HF references included.
     stop_ids = stop_token_ids(target.tokenizer, target.model.generation_config)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -177,12 +192,34 @@ def evaluate(
         target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
         suite_name, questions, baseline, hf_reference, compare, started_at, stop_ids,
     )
+    config["min_confidence"] = min_confidence
+    config["depth_auto"] = depth_choice.summary() if depth_choice is not None else None
     references = {name: _reference_line(pairs, temperature) for name, pairs in extra_runs.items()
                   if name.startswith("hf_")}
     comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
                    for name, pairs in extra_runs.items() if name.startswith(COMPARE_PREFIX)}
     return EvalReport(config=config, overall=overall, categories=categories, prompts=records, references=references,
                       comparisons=comparisons)
+
+
+def choose_depth(target, proposer, calibration: Sequence[Question], max_depth: int, sampling: Sampling,
+                 max_new_tokens: int, seed: int):
+    """``depth="auto"``: measure costs on the first calibration prompt, acceptance on all of them, and choose."""
+    from drafttrain.decoding.autodepth import calibrate, choose, measure_costs
+
+    if not calibration:
+        raise DrafttrainError("depth auto needs calibration prompts (held out from the reported ones)")
+    prompts = [torch.tensor([prompt_ids(target.tokenizer, [{"role": "user", "content": q.turns[0]}])],
+                            device=target.device) for q in calibration]
+    stops = set(stop_token_ids(target.tokenizer, target.model.generation_config))
+    with torch.inference_mode():
+        costs = measure_costs(target, proposer, prompts[0], max_depth)
+    acceptance = calibrate(target, proposer, prompts, max_depth, max_new_tokens, stops, sampling, seed)
+    choice = choose(costs, acceptance, max_depth)
+    log.info("depth auto: depth %d, min_confidence %.1f, predicted speedup %.2fx (by depth: %s)", choice.depth,
+             choice.min_confidence, choice.predicted_speedup,
+             ", ".join(f"{d}: {s:.2f}" for d, s in choice.by_depth.items()))
+    return choice
 
 
 def _check_settings(depth: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int) -> None:

@@ -84,12 +84,23 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def _config_line(c: dict[str, Any]) -> str:
     tree = c["tree"] if isinstance(c["tree"], str) else c["tree"].get("kind", "tree")
     return (
-        f"target `{c['target']}` · proposer `{c['proposer']}` · depth {c['depth']} · tree {tree} · "
+        f"target `{c['target']}` · proposer `{c['proposer']}` · depth {_depth_text(c)} · tree {tree} · "
         f"T={c['temperature']} top_p={c['top_p']} · suite `{c['suite']}` ({c['num_prompts']} prompts, "
         f"{c['num_turns']} turns) · max_new_tokens {c['max_new_tokens']} · seed {c['seed']} · "
         f"{c['dtype']} on {c['device']}, {c['threads']} threads · torch {c['versions']['torch']}, "
         f"transformers {c['versions']['transformers']}, drafttrain {c['versions']['drafttrain']}"
     )
+
+
+def _depth_text(c: dict[str, Any]) -> str:
+    text = str(c["depth"])
+    if c.get("min_confidence"):
+        text += f", stop below confidence {c['min_confidence']:g}"
+    auto = c.get("depth_auto")
+    if auto:
+        text += (f" (auto: depth {auto['depth']} predicted {auto['predicted_speedup']:.2f}x on this machine from "
+                 f"{auto['calibration_steps']} held-out steps)")
+    return text
 
 
 def render_markdown(report: EvalReport) -> str:

@@ -52,6 +52,7 @@ class TrainerState:
     world_size: int
     grad_accum: int
     total_steps: int
+    train_seconds: float = 0.0  # training time so far (what a time budget counts)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -60,7 +61,9 @@ class TrainerState:
     def read(cls, path: Path) -> "TrainerState":
         raw = read_json(path)
         try:
-            return cls(**{f.name: int(raw[f.name]) for f in dataclasses.fields(cls)})
+            return cls(**{f.name: (float if f.type == "float" else int)(
+                raw[f.name] if f.default is dataclasses.MISSING else raw.get(f.name, f.default))
+                for f in dataclasses.fields(cls)})
         except (ValueError, KeyError, TypeError) as err:
             raise damaged(path, f"lacks or garbles a field ({type(err).__name__}: {err})") from None
 

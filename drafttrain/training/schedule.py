@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from drafttrain import DrafttrainError
 from drafttrain.config import TrainingConfig
 from drafttrain.training.loader import BatchLayout
 
-# Recipe name -> transformers.get_scheduler name. "constant" keeps the warmup, as the others do.
-_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
-
-
 def total_steps(training: TrainingConfig, layout: BatchLayout) -> int:
-    """Optimizer steps to run: max_steps when set, else the (possibly fractional) number of epochs."""
+    """Optimizer steps to run: max_steps when set, else the (possibly fractional) number of epochs (with a time
+    budget: the most it may run)."""
     if training.max_steps is not None:
         return training.max_steps
     return max(1, math.ceil(training.epochs * layout.steps_per_epoch))
@@ -59,15 +58,28 @@ def build_optimizer(params: list[nn.Parameter], training: TrainingConfig) -> tor
     return torch.optim.AdamW(groups, lr=training.learning_rate)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, num_steps: int):
-    from transformers import get_scheduler
+def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, num_steps: int,
+                    clock: Callable[[], float] | None = None) -> LambdaLR:
+    """Linear warm-up over ``warmup_steps``, then cosine or linear decay to 0, or constant (transformers'
+    formulas). The decay runs over ``num_steps``; with ``training.time_budget_minutes`` it runs over the budget
+    instead, read from ``clock()`` (training seconds so far), so a run of any speed ends its schedule on time."""
+    warmup = min(training.warmup_steps, num_steps)
+    budget_s = training.time_budget_minutes * 60 if training.time_budget_minutes else None
 
-    return get_scheduler(
-        _SCHEDULERS[training.scheduler],
-        optimizer=optimizer,
-        num_warmup_steps=min(training.warmup_steps, num_steps),
-        num_training_steps=num_steps,
-    )
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        if budget_s is not None and clock is not None:
+            progress = min(1.0, clock() / budget_s)
+        else:
+            progress = (step - warmup) / max(1, num_steps - warmup)
+        if training.scheduler == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        if training.scheduler == "linear":
+            return max(0.0, 1.0 - progress)
+        return 1.0
+
+    return LambdaLR(optimizer, factor)
 
 
 def _few(names: list[str], limit: int = 5) -> str:

@@ -106,14 +106,15 @@ class Trainer:
                                   self.training.gradient_accumulation)
         self.layout.check()
         steps = total_steps(self.training, self.layout)
-        scheduler = build_scheduler(optimizer, self.training, steps)
+        self.state = state = TrainerState(0, 0, 0, self.recipe.seed, len(self.dataset), self.training.batch_size,
+                                          acc.num_processes, self.training.gradient_accumulation, steps)
+        # the schedule reads the training clock of whatever state is current (a resumed run's, once restored)
+        scheduler = build_scheduler(optimizer, self.training, steps, clock=lambda: self.state.train_seconds)
         self.recipe_hyperparameters = list(scheduler.base_lrs), [g["weight_decay"] for g in optimizer.param_groups]
         step_module = TrainStep(self.drafter, self.target, self.outputs_fn)
         self.module, self.optimizer, self.scheduler = acc.prepare(step_module, optimizer, scheduler)
-        state = TrainerState(0, 0, 0, self.recipe.seed, len(self.dataset), self.training.batch_size,
-                             acc.num_processes, self.training.gradient_accumulation, steps)
         if resume_from is not None:
-            state = self._restore(resume_from, state)
+            self.state = state = self._restore(resume_from, state)
         acc.print(
             f"trainable parameters: {trainable:,}; target parameters: "
             f"{sum(p.numel() for p in self.target.model.parameters() if not p.requires_grad):,} frozen; "
@@ -196,24 +197,29 @@ class Trainer:
         self.meter = WindowMeter()
         self.started = time.perf_counter()
         self.grad_norm: float | None = None
-        while state.step < state.total_steps:
+        while state.step < state.total_steps and not self._time_is_up(state):
             epoch = state.epoch
             batches = iter(epoch_loader(
                 self.dataset, self.layout, state.data_seed, epoch, self.accelerator.process_index,
                 state.batch_in_epoch, self.training.num_workers, _pad_id(self.target),
             ))
-            while state.epoch == epoch and state.step < state.total_steps:
+            while state.epoch == epoch and state.step < state.total_steps and not self._time_is_up(state):
                 group = [next(batches) for _ in range(self.layout.grad_accum)]
                 loss = self._optimizer_step(group, state)
                 self._advance(state)
                 losses[state.step] = loss
                 self.meter.add_step(loss)
                 self._log_if_due(state)
-                if state.step % self.training.save_every == 0 or state.step == state.total_steps:
+                last = state.step == state.total_steps or self._time_is_up(state)
+                if state.step % self.training.save_every == 0 or last:
                     saving = time.perf_counter()
                     self._checkpoint(state)
                     self.meter.exclude(time.perf_counter() - saving)  # throughput counts training time only
         return losses
+
+    def _time_is_up(self, state: TrainerState) -> bool:
+        budget = self.training.time_budget_minutes
+        return budget is not None and state.train_seconds >= budget * 60
 
     def _advance(self, state: TrainerState) -> None:
         state.step += 1
@@ -224,7 +230,7 @@ class Trainer:
     def _optimizer_step(self, group: list[dict[str, torch.Tensor]], state: TrainerState) -> float:
         """One optimizer step over ``grad_accum`` micro-batches; returns their mean loss (mean over ranks too)."""
         acc = self.accelerator
-        total = 0.0
+        total, started = 0.0, time.perf_counter()
         for i, batch in enumerate(group):
             rows = batch[ROW_INDEX].tolist()
             batch = {k: v.to(acc.device) for k, v in batch.items()}
@@ -239,9 +245,10 @@ class Trainer:
             self.meter.add_micro_batch(
                 out.metrics, out.correct, out.counted, int(attention.sum()), int((batch["loss_mask"] * attention).sum())
             )
-        loss = total / len(group)
-        if acc.num_processes > 1:
-            loss = float(acc.reduce(torch.tensor(loss, device=acc.device), reduction="mean"))
+        loss, seconds = total / len(group), time.perf_counter() - started
+        if acc.num_processes > 1:  # one value on every rank: the loss logged, and the clock the schedule reads
+            loss, seconds = acc.reduce(torch.tensor([loss, seconds], device=acc.device), reduction="mean").tolist()
+        state.train_seconds += seconds
         return loss
 
     def _apply_gradients(self, state: TrainerState, micro: int, rows: list[int]) -> None:

@@ -1,0 +1,182 @@
+"""``--depth auto``: how far to draft, chosen from this machine's measured costs and the draft's measured acceptance.
+
+1. Costs (``measure_costs``): on a prompt, with the target's KV cache prefilled, the seconds of one plain decoding
+   step, of one verification forward of w tokens (w = 1 .. D+1), and of the proposer drafting d tokens
+   (d = 1 .. D) and consuming an accepted step. On a GPU verification is nearly free up to a few dozen tokens; on
+   a CPU an 8-token verification costs about two plain steps, so the best depth differs per machine.
+2. Acceptance (``calibrate``): speculative decoding at the maximum depth D on a few calibration prompts (never
+   the prompts being reported), recording per step how many tokens were accepted and, per drafted position, the
+   draft's top probability.
+3. Choice (``choose``): for every depth d <= D and confidence threshold t, replay the recorded steps (a chain of
+   depth d accepts min(accepted, d); the threshold cuts the chain where the product of top probabilities falls
+   below t, exactly as drafttrain.decoding.trees.Chain does), add up tokens and predicted time, and keep the best
+   expected speedup over plain decoding. Depth 0 (plain decoding, speedup 1) is always a candidate, so a draft
+   that costs more than it saves is not used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from drafttrain.decoding.engine import SpeculativeDecoder
+from drafttrain.decoding.proposers import DraftRequest, Proposer
+from drafttrain.decoding.trees import Chain, compact_cache, forward
+from drafttrain.sampling import Sampling
+
+THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+@dataclasses.dataclass
+class Costs:
+    plain_s: float  # one plain decoding step
+    verify_s: list[float]  # [w]: a verification forward of w tokens, w = 0 .. D+1 ([0] unused)
+    draft_s: list[float]  # [d]: the proposer drafting d tokens, d = 0 .. D
+    accept_s: float  # the proposer consuming one step's accepted tokens
+
+    def step_s(self, verify_width: int, drafted_positions: int) -> float:
+        return self.verify_s[verify_width] + self.draft_s[drafted_positions] + self.accept_s
+
+
+@dataclasses.dataclass
+class Calibration:
+    accepted: list[int]  # per step, at the maximum depth
+    confidences: list[list[float]]  # per step, the draft's top probability at each drafted position
+
+
+@dataclasses.dataclass
+class DepthChoice:
+    depth: int
+    min_confidence: float
+    predicted_speedup: float
+    by_depth: dict[int, float]  # predicted speedup of each depth without a threshold
+    costs: Costs
+    calibration_steps: int
+
+    def summary(self) -> dict:
+        return {"depth": self.depth, "min_confidence": self.min_confidence,
+                "predicted_speedup": round(self.predicted_speedup, 3),
+                "predicted_speedup_by_depth": {d: round(s, 3) for d, s in self.by_depth.items()},
+                "plain_step_ms": round(1e3 * self.costs.plain_s, 2),
+                "verify_ms": [round(1e3 * s, 2) for s in self.costs.verify_s[1:]],
+                "draft_ms": [round(1e3 * s, 2) for s in self.costs.draft_s],
+                "calibration_steps": self.calibration_steps}
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: int, repeats: int = 5) -> Costs:
+    """Seconds per plain step, per verification width and per drafted depth, on ``prompt`` (token ids [1, P])."""
+    from transformers import DynamicCache
+
+    from drafttrain.targets import HiddenStateTap
+
+    model, device = target.model, target.device
+    prompt = prompt.to(device)
+    cache = DynamicCache(config=model.config)
+    layers = proposer.hidden_layers
+    with HiddenStateTap(model, layers) if layers else contextlib.nullcontext() as tap:
+        logits = forward(model, cache, prompt)
+        hidden = tap.stacked() if layers else None
+    prefix = cache.get_seq_length()
+    next_token = logits[:, -1:].argmax(-1)
+
+    def verify(width: int) -> None:
+        forward(model, cache, next_token.expand(1, width).contiguous())
+        compact_cache(cache, prefix, [])
+
+    verify_s = [0.0] + [_median_time(lambda w=w: verify(w), repeats) for w in range(1, max_depth + 2)]
+    proposer.prefill(prompt, hidden, next_token)
+    request = DraftRequest(Chain(1), Sampling(), torch.Generator(device=device).manual_seed(0))
+    draft_s = [0.0]
+    for depth in range(1, max_depth + 1):
+        request.shape = Chain(depth)
+        draft_s.append(_median_time(lambda: proposer.propose(request), repeats))
+    two = torch.cat([next_token, next_token], dim=1)  # a typical step: one accepted token and the target's own
+    step_hidden = None if hidden is None else hidden[:, -2:]
+    accept_s = _median_time(lambda: proposer.accept(two, step_hidden), repeats)
+    return Costs(plain_s=verify_s[1], verify_s=verify_s, draft_s=draft_s, accept_s=accept_s)
+
+
+class _RecordingProposer(Proposer):
+    """Wraps a proposer to record the draft's top probability at each position it drafts (drafters built on
+    drafttrain.decoding.expand.TreeDrafter expose them as ``last_confidences``)."""
+
+    def __init__(self, inner: Proposer):
+        self.inner, self.name, self.hidden_layers, self.shapes = inner, inner.name, inner.hidden_layers, inner.shapes
+        self.confidences: list[list[float]] = []
+        inner.record_confidences = True
+
+    def prefill(self, input_ids, hidden, next_token) -> None:
+        self.inner.prefill(input_ids, hidden, next_token)
+
+    def propose(self, request):
+        draft = self.inner.propose(request)
+        self.confidences.append(list(getattr(self.inner, "last_confidences", [1.0] * len(draft))))
+        return draft
+
+    def accept(self, tokens, hidden) -> None:
+        self.inner.accept(tokens, hidden)
+
+
+def calibrate(target, proposer: Proposer, prompts: list[torch.Tensor], max_depth: int, max_new_tokens: int,
+              stop_token_ids: set[int], sampling: Sampling, seed: int = 0) -> Calibration:
+    """Speculative decoding at depth ``max_depth`` on ``prompts``: per step, accepted tokens and confidences."""
+    recorder = _RecordingProposer(proposer)
+    decoder = SpeculativeDecoder(target, recorder, depth=max_depth, temperature=sampling.temperature,
+                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
+    accepted: list[int] = []
+    for prompt in prompts:
+        accepted += decoder.generate(prompt, max_new_tokens, stop_token_ids).stats.accepted_per_step
+    return Calibration(accepted=accepted, confidences=recorder.confidences[: len(accepted)])
+
+
+def drafted_length(confidences: list[float], depth: int, threshold: float) -> int:
+    """How many positions a chain of ``depth`` drafts under ``threshold`` (trees.Chain's rule)."""
+    product, length = 1.0, 0
+    for top in confidences[:depth]:
+        product *= top
+        if threshold > 0 and product < threshold:
+            break
+        length += 1
+    return length
+
+
+def predicted_speedup(costs: Costs, calibration: Calibration, depth: int, threshold: float = 0.0) -> float:
+    """Expected throughput of drafting ``depth`` tokens (with ``threshold``) over plain decoding."""
+    if depth == 0 or not calibration.accepted:
+        return 1.0
+    tokens, seconds = 0, 0.0
+    for accepted, confidences in zip(calibration.accepted, calibration.confidences):
+        length = drafted_length(confidences, depth, threshold)
+        tokens += min(accepted, length) + 1
+        stopped_early = threshold > 0 and length < depth  # it still paid for the draft forward that revealed it
+        seconds += costs.step_s(length + 1, length + 1 if stopped_early else length)
+    return (tokens / seconds) * costs.plain_s
+
+
+def choose(costs: Costs, calibration: Calibration, max_depth: int,
+           thresholds: tuple[float, ...] = THRESHOLDS) -> DepthChoice:
+    """The depth and threshold with the best predicted speedup; plain decoding (depth 0) when none beats it."""
+    by_depth = {d: predicted_speedup(costs, calibration, d) for d in range(max_depth + 1)}
+    best = (1.0, 0, 0.0)
+    for depth in range(1, max_depth + 1):
+        for threshold in thresholds:
+            candidate = (predicted_speedup(costs, calibration, depth, threshold), depth, threshold)
+            if candidate[0] > best[0] * 1.005:  # a real gain, not rounding: prefer the simpler choice
+                best = candidate
+    speedup, depth, threshold = best
+    return DepthChoice(depth, threshold, speedup, by_depth, costs, len(calibration.accepted))

@@ -1,0 +1,89 @@
+"""``--depth auto``: the choice follows the measured costs and acceptance; a draft that is never accepted gets depth
+0 or 1, one that always is gets the full depth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafttrain.data.chat import prompt_ids
+from drafttrain.decoding import Draft, Proposer, plain_decode
+from drafttrain.decoding.autodepth import Calibration, Costs, calibrate, choose, drafted_length, measure_costs
+from drafttrain.decoding.trees import Chain
+from drafttrain.sampling import Sampling
+
+D = 6
+# a CPU-like machine: a w-token verification costs 1 + 0.15 (w - 1) plain steps, a draft token 5% of one
+CPU = Costs(plain_s=1.0, verify_s=[0.0] + [1 + 0.15 * (w - 1) for w in range(1, D + 2)],
+            draft_s=[0.05 * d for d in range(D + 1)], accept_s=0.02)
+
+
+def test_never_accepted_drafts_get_depth_zero_and_always_accepted_the_full_depth():
+    never = Calibration(accepted=[0] * 50, confidences=[[0.05] * D] * 50)
+    always = Calibration(accepted=[D] * 50, confidences=[[0.99] * D] * 50)
+    assert choose(CPU, never, D).depth == 0 and choose(CPU, never, D).predicted_speedup == 1.0
+    choice = choose(CPU, always, D)
+    assert choice.depth == D and choice.min_confidence == 0.0
+    assert choice.predicted_speedup == pytest.approx((D + 1) / (1 + 0.15 * D + 0.05 * D + 0.02))
+
+
+def test_a_weak_draft_gets_a_short_chain_and_a_threshold_cuts_unsure_steps():
+    # the first token is accepted half the time, deeper ones rarely: a short chain wins on a CPU
+    steps = [1, 0] * 25
+    weak = Calibration(accepted=steps, confidences=[[0.6, 0.1, 0.1, 0.1, 0.1, 0.1] if a else [0.2] * D
+                                                     for a in steps])
+    choice = choose(CPU, weak, D)
+    assert choice.depth in (1, 2) and choice.by_depth[1] > choice.by_depth[D]
+    # the confidence tells the accepted first tokens (0.6) from the rejected ones (0.2): a threshold keeps only those
+    assert choice.min_confidence > 0.2 and choice.predicted_speedup > choice.by_depth[1]
+    assert drafted_length([0.6, 0.1, 0.9], 3, 0.3) == 1 and drafted_length([0.6, 0.9, 0.9], 3, 0.3) == 3
+
+
+class Scripted(Proposer):
+    """A proposer for the test: drafts the target's own greedy continuation (always accepted) or a token it never
+    produces (never accepted), at no cost."""
+
+    name = "scripted"
+
+    def __init__(self, continuation: list[int], right: bool):
+        self.continuation, self.right = continuation, right
+
+    def prefill(self, input_ids, hidden, next_token):
+        self.device, self.at = input_ids.device, 1  # the first token came from the prefill
+
+    def propose(self, request):
+        k = request.shape.depth
+        wanted = self.continuation[self.at : self.at + k]
+        tokens = wanted if self.right else [(t + 1) % 49152 for t in wanted]
+        self.last_confidences = [0.99 if self.right else 0.01] * len(tokens)
+        return Draft.chain(torch.tensor([tokens], dtype=torch.long).reshape(1, -1))
+
+    def accept(self, tokens, hidden):
+        self.at += tokens.shape[1]
+
+
+@pytest.mark.slow
+def test_auto_depth_on_the_real_target(smollm2, restore_threads):
+    torch.set_num_threads(1)
+    prompt = torch.tensor([prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Name the planets."}])])
+    greedy = plain_decode(smollm2, prompt, 100).tokens
+    # always accepted: the full depth, or one less where this CPU's wider verification costs a step more (a
+    # 7-token forward was measured at 106 ms against 89 ms for 6); never accepted: plain decoding or one token
+    for right, depths in ((True, {D - 1, D}), (False, {0, 1})):
+        proposer = Scripted(greedy, right)
+        costs = measure_costs(smollm2, proposer, prompt, D, repeats=5)
+        assert costs.plain_s > 0 and all(s > 0 for s in costs.verify_s[1:])
+        calibration = calibrate(smollm2, proposer, [prompt], D, 90, set(), Sampling())
+        if right:  # every step accepts the whole chain (a step cut by the token budget may accept fewer)
+            assert calibration.accepted[:-1] == [D] * (len(calibration.accepted) - 1)
+        else:
+            assert sum(calibration.accepted) == 0
+        choice = choose(costs, calibration, D)
+        assert choice.depth in depths, choice.summary()
+        assert choice.predicted_speedup > 2.5 if right else choice.predicted_speedup <= 1.0
+
+
+def test_a_chain_never_drafts_past_its_threshold():
+    assert Chain(4, min_confidence=0.5).min_confidence == 0.5
+    with pytest.raises(Exception, match="min_confidence"):
+        Chain(4, min_confidence=1.0)

@@ -84,6 +84,11 @@ class DraftConfig(Section):
 
     kind: str
 
+    @property
+    def trains_target(self) -> bool:
+        """Whether this draft trains part of the target (then the target must run online, inside the step)."""
+        return False
+
 
 class Eagle3Config(DraftConfig):
     kind: Literal["eagle3"] = "eagle3"
@@ -123,8 +128,42 @@ class EagleConfig(DraftConfig):
     init_from_target: list[Literal["layer", "fc"]] = []
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the target (through peft), trained jointly with the draft (Medusa-2)."""
+
+    target_modules: list[str] = Field(min_length=1)  # module names in the target, e.g. [q_proj, v_proj]
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    learning_rate: float = Field(1e-4, gt=0)  # the adapters' (the heads use training.learning_rate, higher)
+    heads_only_steps: int = Field(0, ge=0)  # stage 1: only the heads train for this many steps
+    # The target's own loss: KL(original target || adapted target) on the training tokens, so its answers stay
+    # close to the original; the heads' loss is added to it.
+    kl_weight: float = Field(1.0, ge=0)
+    save_merged: bool = False  # also save the adapted target merged into its weights, in every checkpoint
+
+
+class MedusaConfig(DraftConfig):
+    """Medusa heads on the target's final hidden state; with ``lora``, Medusa-2 (the target trains with them)."""
+
+    kind: Literal["medusa"] = "medusa"
+    num_heads: int = Field(4, ge=1)  # head i predicts the token i+2 positions ahead (the target itself: +1)
+    num_layers: int = Field(1, ge=1)  # residual blocks (Linear + SiLU, with a skip) per head
+    loss_weight: float = Field(0.2, gt=0)  # head i's loss weight is loss_weight * decay**i
+    decay: float = Field(0.8, gt=0, le=1)
+    self_distill: bool = False  # soft targets: the target's own distribution instead of the data's token
+    draft_vocab: str | None = None  # as for eagle3: default the run's draft_vocab.safetensors when it exists
+    init_lm_head_from_target: bool = True  # each head's lm_head starts as the target's (its rows of the vocab)
+    top_k: int = Field(5, ge=1)  # the k of the logged top-k accuracy per head (what tree candidates need)
+    lora: LoraConfig | None = None
+
+    @property
+    def trains_target(self) -> bool:
+        return self.lora is not None
+
+
 # The draft section is one of the kinds' sections, chosen by its ``kind`` (a new kind adds its class here).
-DRAFT_SECTIONS = (Eagle3Config, EagleConfig)
+DRAFT_SECTIONS = (Eagle3Config, EagleConfig, MedusaConfig)
 DRAFT_KINDS = tuple(section.model_fields["kind"].default for section in DRAFT_SECTIONS)
 DraftSection = Annotated[Union[DRAFT_SECTIONS], Field(discriminator="kind")]
 
@@ -166,7 +205,8 @@ class EvalConfig(Section):
     depth: Annotated[int, Field(gt=0)] | Literal["auto"] = 5
     max_depth: int = Field(8, gt=0)  # the deepest chain "auto" considers
     min_confidence: float = Field(0.0, ge=0, lt=1)  # stop a chain once the draft is this unsure (0: never)
-    tree: Literal["chain", "dynamic"] = "chain"
+    # chain | dynamic (EAGLE-2) | a named static tree (medusa-16, ...) | a .json file of paths (Medusa's format)
+    tree: str = "chain"
     every_checkpoint: bool = True
 
 
@@ -188,6 +228,13 @@ class Recipe(Section):
     training: TrainingConfig = TrainingConfig()
     eval: EvalConfig = EvalConfig()
     wandb: WandbConfig = WandbConfig()
+
+    @model_validator(mode="after")
+    def _trained_target_runs_online(self) -> "Recipe":
+        if self.draft is not None and self.draft.trains_target and self.training.hidden_states == "offline":
+            raise ValueError("training.hidden_states offline: this draft trains the target (draft.lora), so the "
+                             "target's outputs change every step and cannot be cached; use online")
+        return self
 
     @model_validator(mode="after")
     def _vocab_needs_data(self) -> "Recipe":

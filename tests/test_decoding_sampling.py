@@ -346,7 +346,9 @@ def test_a_stop_rule_that_reads_the_drawn_token_fails_the_engine_test(monkeypatc
     assert engine_pvalue("chain") < BROKEN_THRESHOLD
 
 
-def engine_pvalue(tree) -> float:
+def engine_pvalue(tree, proposer=None) -> float:
+    """p-value of the engine's tokens 2 and 3 against the target's exact joint distribution. ``proposer``:
+    fn(target) -> Proposer (default: a second tiny model as draft model)."""
     from drafttrain.decoding import SpeculativeDecoder, build_proposer
 
     old_threads = torch.get_num_threads()
@@ -367,8 +369,8 @@ def engine_pvalue(tree) -> float:
                     for b in range(V):
                         if p2[b] > 0:
                             exact[b] += p1[a] * p2[b] * dist(prompt + [a, b])
-        decoder = SpeculativeDecoder(target, build_proposer("draft_model", target, draft=draft), depth=2, tree=tree,
-                                     temperature=1.0, top_p=0.9)
+        chosen = proposer(target) if proposer else build_proposer("draft_model", target, draft=draft)
+        decoder = SpeculativeDecoder(target, chosen, depth=2, tree=tree, temperature=1.0, top_p=0.9)
         counts = np.zeros((V, V), dtype=np.int64)
         for seed in range(800):
             decoder.seed = seed

@@ -99,8 +99,9 @@ def test_a_compared_proposer_runs_on_the_same_prompts_against_the_same_baseline(
         (["--proposer", "draft_model"], "needs --draft"),
         (["--proposer", "prompt_lookup", "--draft", "smollm2-135m-instruct"], "--draft is not used by proposer"),
         (["--proposer", "draft_model", "--draft", "/nonexistent/draft"], "draft not found: /nonexistent/draft"),
-        (["--proposer", "prompt_lookup", "--tree", "static:[[0], [0, 0"], "--tree static"),
-        (["--proposer", "prompt_lookup", "--tree", "bushy"], "unknown --tree 'bushy'"),
+        (["--proposer", "prompt_lookup", "--tree", "static:[[0], [0, 0"], "neither a JSON list of paths"),
+        (["--proposer", "prompt_lookup", "--tree", "bushy"], "unknown tree 'bushy'"),
+        (["--proposer", "prompt_lookup", "--tree", "static:[[0], [2]]"], "skips a sibling"),
         (["--proposer", "prompt_lookup", "--compare", "magic"], "--compare: unknown proposer 'magic'"),
         (["--proposer", "prompt_lookup", "--compare", "draft_model"], "only proposers that need no draft"),
     ],
@@ -159,10 +160,12 @@ def test_tree_specs(tmp_path):
 
     assert parse_tree("chain", 5, 60, 10) == "chain"
     assert parse_tree("dynamic", 6, 50, 8) == DynamicTree(total_tokens=50, depth=6, top_k=8)
-    assert parse_tree("static:[[0], [1], [0, 0]]", 5, 60, 10) == [[0], [1], [0, 0]]
+    assert parse_tree("static:[[0], [1], [0, 0]]", 5, 60, 10).paths == [[0], [1], [0, 0]]
     paths = tmp_path / "tree.json"
     paths.write_text("[[0], [0, 0]]")
-    assert parse_tree(f"static:{paths}", 5, 60, 10) == [[0], [0, 0]]
+    assert parse_tree(f"static:{paths}", 5, 60, 10).paths == [[0], [0, 0]]
+    assert parse_tree(str(paths), 5, 60, 10).paths == [[0], [0, 0]]  # a file of paths, named as it is
+    assert len(parse_tree("medusa-16", 5, 60, 10)) == 16
 
 
 @pytest.mark.slow

@@ -341,3 +341,16 @@ def test_answers_are_reused_across_runs_of_the_same_target_and_settings(referenc
     off = regenerate_conversations(CONVERSATIONS[:1], hf_config(reuse_answers=False), tmp_path / "off.jsonl", seed=0,
                                    target=smollm2, progress=False)
     assert (off.from_store, off.regenerated) == (0, 1)
+
+
+def test_answers_a_run_already_had_join_the_store(reference, smollm2, tmp_path):
+    """A run folder written before the store existed (or with the store off) still fills it when resumed."""
+    rows, _, _ = reference
+    first = regenerate_conversations(CONVERSATIONS, hf_config(reuse_answers=False), tmp_path / "old.jsonl", seed=0,
+                                     target=smollm2, progress=False)
+    assert first.regenerated == len(CONVERSATIONS)
+    regenerate_conversations(CONVERSATIONS, hf_config(), tmp_path / "old.jsonl", seed=0, target=smollm2,
+                             progress=False)  # resumed: nothing to generate, but the store learns its answers
+    other = regenerate_conversations(CONVERSATIONS, hf_config(), tmp_path / "new.jsonl", seed=0, target=smollm2,
+                                     progress=False)
+    assert (other.from_store, other.regenerated) == (len(CONVERSATIONS), 0)

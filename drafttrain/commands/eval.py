@@ -8,7 +8,6 @@ greedy output differs from the baseline at T=0.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -48,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", help="prompts for --depth auto (a suite name or FastChat .jsonl); default: "
                                               "the draft run's held-out validation prompts, else another suite")
     parser.add_argument("--tree", default=_DEFAULTS.tree,
-                        help="chain | dynamic | static:PATHS_JSON (inline JSON list of paths, or a .json file)")
+                        help="chain | dynamic | a named static tree (medusa-16, ...) | a .json file of paths | "
+                             "static:PATHS_JSON (inline, Medusa's format: [[0], [1], [0, 0]])")
     parser.add_argument("--total-tokens", type=int, default=60, help="dynamic tree: nodes verified per step")
     parser.add_argument("--top-k", type=int, default=10, help="dynamic tree: children expanded per node")
     parser.add_argument("--seed", type=int, default=0)
@@ -168,33 +168,11 @@ def _prepare_out_dir(out: str) -> None:
 
 
 def parse_tree(spec: str, depth: int, total_tokens: int, top_k: int) -> Any:
-    """``chain`` -> "chain"; ``dynamic`` -> DynamicTree; ``static:JSON`` -> list of paths (inline JSON or a file)."""
-    if spec == "chain":
-        return "chain"
-    if spec == "dynamic":
-        if total_tokens <= 0 or top_k <= 0:
-            raise DrafttrainError(f"--total-tokens and --top-k must be positive, got {total_tokens} and {top_k}")
-        from drafttrain.decoding import DynamicTree
+    from drafttrain.decoding.trees import tree_from_spec
 
-        return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k)
-    if spec.startswith("static:"):
-        return _static_paths(spec.removeprefix("static:"))
-    raise DrafttrainError(f"unknown --tree {spec!r}: use chain, dynamic or static:PATHS_JSON")
-
-
-def _static_paths(text: str) -> list[list[int]]:
-    source = Path(text)
-    try:
-        raw = json.loads(source.read_text() if source.suffix == ".json" and source.is_file() else text)
-    except (json.JSONDecodeError, OSError) as err:
-        raise DrafttrainError(f"--tree static: {text!r} is neither a JSON list of paths nor a readable .json file "
-                              f"({err})") from None
-    valid = isinstance(raw, list) and raw and all(
-        isinstance(p, list) and p and all(isinstance(i, int) and i >= 0 for i in p) for p in raw
-    )
-    if not valid:
-        raise DrafttrainError("--tree static: expected a non-empty list of paths like [[0], [1], [0, 0]]")
-    return raw
+    if spec == "dynamic" and (total_tokens <= 0 or top_k <= 0):
+        raise DrafttrainError(f"--total-tokens and --top-k must be positive, got {total_tokens} and {top_k}")
+    return tree_from_spec(spec, depth, total_tokens=total_tokens, top_k=top_k)
 
 
 def _check_proposer(args: argparse.Namespace) -> None:

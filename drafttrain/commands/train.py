@@ -46,6 +46,10 @@ def check_trainable(recipe: Recipe) -> None:
             "data.packing: drafts are trained on unpacked rows (their attention is not document-aware yet); "
             "set data.packing: false"
         )
+    if recipe.eval.every_checkpoint:
+        from drafttrain.evaluation.checkpoint_eval import eval_tree
+
+        eval_tree(recipe)
     run = RunFolder.of(recipe.output_dir)
     if not run.train_split.is_dir():
         raise DrafttrainError(

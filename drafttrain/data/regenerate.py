@@ -736,6 +736,9 @@ def regenerate_conversations(
     ):
         from_store = 0
         if store is not None:
+            for cid, row in done.items():  # answers this run already had join the store, for other runs
+                if cid in wanted and store.get(wanted[cid]) is None:
+                    store.put(store_out, wanted[cid], row)
             for job in list(todo):
                 answer = store.get(job.conversation)
                 if answer is not None:

@@ -11,6 +11,7 @@ proposers (prompt lookup, draft model, EAGLE heads), registered by name.
 from drafttrain.decoding.draft_model import DraftModelProposer
 from drafttrain.decoding.eagle import EagleProposer
 from drafttrain.decoding.engine import DecodeOutput, DecodeStats, SpeculativeDecoder, plain_decode
+from drafttrain.decoding.medusa import MedusaProposer
 from drafttrain.decoding.proposers import (
     PROPOSERS,
     DraftRequest,
@@ -34,6 +35,7 @@ __all__ = [
     "DraftRequest",
     "DynamicTree",
     "EagleProposer",
+    "MedusaProposer",
     "NoDraft",
     "PromptLookupProposer",
     "Proposer",

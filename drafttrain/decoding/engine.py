@@ -107,6 +107,10 @@ class SpeculativeDecoder:
                 f"proposer {self.proposer.name!r} cannot fill a {type(self.shape).__name__} draft "
                 f"(it supports: {', '.join(s.__name__ for s in self.proposer.shapes)})"
             )
+        limit = self.proposer.max_depth
+        if limit is not None and self.shape.depth > limit:
+            raise DrafttrainError(f"a draft of depth {self.shape.depth} is deeper than proposer "
+                                  f"{self.proposer.name!r} can fill ({limit}: one per Medusa head)")
         self.cache = None  # the target's KV cache after the last generate (for inspection)
         self.tap = None
 

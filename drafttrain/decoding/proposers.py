@@ -52,6 +52,7 @@ class Proposer(abc.ABC):
     name: ClassVar[str] = "?"
     hidden_layers: list[int] | None = None
     shapes: ClassVar[tuple[type, ...]] = (Chain, StaticTree, DynamicTree)
+    max_depth: int | None = None  # the deepest draft it can fill (Medusa: its number of heads), None: any
 
     @abc.abstractmethod
     def prefill(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, next_token: torch.Tensor) -> None: ...

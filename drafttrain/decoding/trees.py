@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 from typing import Union
 
 import torch
@@ -82,6 +83,80 @@ class StaticTree:
 
 
 TreeShape = Union[Chain, StaticTree, DynamicTree]
+
+
+def build_static_tree(accuracies: list[list[float]], size: int) -> list[list[int]]:
+    """Medusa's tree tool: the ``size`` paths most likely to be accepted, given ``accuracies[d][r]`` = how often the
+    rank-r candidate at depth d+1 is the right token (per head for Medusa). A path is accepted with the product of
+    its ranks' accuracies, so a tree's expected accepted length is the sum over its nodes; the best ``size``
+    nodes are taken greedily (ancestor- and sibling-closed: accuracies are made non-increasing in rank)."""
+    if size <= 0 or not accuracies or not accuracies[0]:
+        raise DrafttrainError(f"a static tree needs a positive size and accuracies, got size {size}")
+    acc = []
+    for row in accuracies:  # non-increasing in rank, so a chosen rank r always has ranks 0..r-1 beside it
+        floor, clean = 1.0, []
+        for a in row:
+            floor = min(floor, max(float(a), 1e-9))
+            clean.append(floor)
+        acc.append(clean)
+    heap = [(-acc[0][r], (r,)) for r in range(len(acc[0]))]
+    heapq.heapify(heap)
+    chosen: list[list[int]] = []
+    while heap and len(chosen) < size:
+        negative, path = heapq.heappop(heap)
+        chosen.append(list(path))
+        if len(path) < len(acc):
+            for r, a in enumerate(acc[len(path)]):
+                heapq.heappush(heap, (negative * a, path + (r,)))
+    return chosen
+
+
+def expected_tree_tokens(paths: list[list[int]], accuracies: list[list[float]]) -> float:
+    """Expected tokens per step of a static tree: 1 (the target's own) + the sum of its paths' acceptance."""
+    total = 1.0
+    for path in paths:
+        product = 1.0
+        for depth, rank in enumerate(path):
+            product *= accuracies[depth][rank] if rank < len(accuracies[depth]) else 0.0
+        total += product
+    return total
+
+
+def tree_from_spec(spec: str, depth: int, total_tokens: int = 60, top_k: int = 10):
+    """A tree as recipes and the CLI name it: ``chain``; ``dynamic`` (EAGLE-2, ``depth`` levels); a named static
+    tree (NAMED_TREES); a .json file holding a list of paths; or ``static:`` followed by the JSON list."""
+    import json
+    from pathlib import Path
+
+    if spec == "chain":
+        return "chain"
+    if spec == "dynamic":
+        return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k)
+    if spec in NAMED_TREES:
+        return StaticTree(NAMED_TREES[spec])
+    text = spec.removeprefix("static:")
+    source = Path(text)
+    try:
+        raw = json.loads(source.read_text() if source.suffix == ".json" and source.is_file() else text)
+    except (json.JSONDecodeError, OSError):
+        if not spec.startswith("static:") and not source.suffix == ".json":
+            raise DrafttrainError(f"unknown tree {spec!r}: use chain, dynamic, one of {', '.join(NAMED_TREES)}, a "
+                                  ".json file of paths, or static:PATHS_JSON") from None
+        raise DrafttrainError(f"tree {spec!r}: neither a JSON list of paths nor a readable .json file") from None
+    valid = isinstance(raw, list) and raw and all(
+        isinstance(p, list) and p and all(isinstance(i, int) and i >= 0 for i in p) for p in raw)
+    if not valid:
+        raise DrafttrainError(f"tree {spec!r}: expected a non-empty list of paths like [[0], [1], [0, 0]]")
+    return StaticTree(raw)
+
+
+# Named static trees, built from a typical Medusa profile (per head: top-1 accuracy, each next rank 0.35x the
+# previous). `drafttrain eval --tree medusa-16` etc.; a tree built from a draft's own measured accuracies is better.
+TYPICAL_HEAD_TOP1 = (0.6, 0.4, 0.3, 0.25)
+NAMED_TREES = {
+    f"medusa-{size}": build_static_tree([[top1 * 0.35**r for r in range(8)] for top1 in TYPICAL_HEAD_TOP1], size)
+    for size in (4, 8, 16, 32, 64)
+}
 
 
 def as_shape(tree, depth: int, min_confidence: float = 0.0) -> TreeShape:

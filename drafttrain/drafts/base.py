@@ -112,12 +112,30 @@ class Drafter(nn.Module):
         """What it trains on, known from the recipe and the target alone (prepare asks before any draft exists)."""
         raise NotImplementedError
 
+    @classmethod
+    def max_draft_depth(cls, config: DraftConfig) -> int | None:
+        """The deepest draft it can propose (None: any)."""
+        return None
+
     def needs(self) -> TargetNeeds:
         return self.target_needs(self.config, self.target)
+
+    adapts_target = False  # True when loading the draft changed the target (adapters): see original_target()
+
+    def original_target(self):
+        """A context in which the target computes as the original (for drafts that adapt it)."""
+        import contextlib
+
+        return contextlib.nullcontext()
 
     def trainable_target_parameters(self) -> list[str]:
         """Names (in ``target.model``) of the target parameters this draft trains; none by default."""
         return []
+
+    def target_learning(self) -> tuple[float | None, int]:
+        """(learning rate of the target parameters it trains, None: training.learning_rate; the optimizer step
+        from which they train: before it only the draft's own parameters learn)."""
+        return None, 0
 
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
         raise NotImplementedError

@@ -9,11 +9,13 @@ from drafttrain.config import DraftConfig
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
+from drafttrain.drafts.medusa import MedusaDrafter
 from drafttrain.runfolder import CONFIG_NAME, MANIFEST, RunFolder, damaged, find_draft, verify_manifest
 
 KINDS: dict[str, type[Drafter]] = {
     Eagle3Drafter.kind: Eagle3Drafter,
     EagleDrafter.kind: EagleDrafter,
+    MedusaDrafter.kind: MedusaDrafter,
 }
 
 

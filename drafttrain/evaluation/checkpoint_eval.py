@@ -38,18 +38,32 @@ def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress
                      calibration: Suite | None = None) -> EvalReport:
     """The evaluator on ``questions`` with the recipe's eval settings, against plain decoding in the same run.
     With ``eval.depth: auto`` the depth is chosen on ``calibration`` (default: the held-out validation prompts)."""
-    from drafttrain.decoding import DynamicTree
-
     cfg = recipe.eval
-    if cfg.depth == "auto" and cfg.tree != "chain":
-        raise DrafttrainError("eval.depth auto chooses chain depths: set eval.tree to chain, or give a depth")
-    tree = "chain" if cfg.tree == "chain" else DynamicTree(depth=cfg.depth)
+    tree = eval_tree(recipe)
     if calibration is None:
         calibration = selection_prompts(recipe)
     return evaluate(target, drafter, questions, depth=cfg.depth, tree=tree, min_confidence=cfg.min_confidence,
                     max_depth=cfg.max_depth, calibration=calibration.questions[:CALIBRATION_PROMPTS] if calibration
                     else (), temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=recipe.seed,
                     progress=progress)
+
+
+def eval_tree(recipe: Recipe):
+    """The recipe's eval tree, checked against its draft (depth auto needs a chain; a Medusa draft fills trees no
+    deeper than its heads). Called before training starts, so a mistake costs nothing."""
+    from drafttrain.decoding.trees import tree_from_spec
+    from drafttrain.drafts import drafter_class
+
+    cfg = recipe.eval
+    if cfg.depth == "auto" and cfg.tree != "chain":
+        raise DrafttrainError("eval.depth auto chooses chain depths: set eval.tree to chain, or give a depth")
+    tree = tree_from_spec(cfg.tree, cfg.max_depth if cfg.depth == "auto" else cfg.depth)
+    deepest = cfg.max_depth if cfg.depth == "auto" else getattr(tree, "depth", cfg.depth)
+    limit = drafter_class(recipe.draft.kind).max_draft_depth(recipe.draft) if recipe.draft is not None else None
+    if limit is not None and deepest > limit:
+        raise DrafttrainError(f"eval: a draft of depth {deepest} (eval.tree {cfg.tree}, eval.depth {cfg.depth}) is "
+                              f"deeper than this {recipe.draft.kind} draft can fill ({limit})")
+    return tree
 
 
 def selection_prompts(recipe: Recipe) -> Suite | None:
@@ -89,6 +103,40 @@ class CheckpointEvaluator:
             correct, counted = add_positions(correct, out.correct), add_positions(counted, out.counted)
         return [c / n if n else 0.0 for c, n in zip(correct, counted)]
 
+    @torch.no_grad()
+    def target_drift(self, drafter) -> dict[str, float]:
+        """How far a draft that adapts its target (Medusa-2) moved it from the original: perplexity on the
+        held-out rows with and without the adapters, and how many held-out prompts get the same greedy answer."""
+        from drafttrain.data.chat import prompt_ids, stop_token_ids
+        from drafttrain.decoding import plain_decode
+        from drafttrain.drafts.losses import cross_entropy
+        from drafttrain.drafts.layers import shift_left
+        from drafttrain.targets import TargetNeeds
+
+        def perplexity() -> float:
+            total, weight = 0.0, 0.0
+            for row in range(len(self.validation or [])):
+                batch = pad_collate([{**self.validation[row], ROW_INDEX: row}])
+                logits = run_target(self.target, batch, TargetNeeds(logits=True)).logits
+                mask = shift_left(batch["loss_mask"].float(), 1)
+                total += float(cross_entropy(logits, shift_left(batch["input_ids"], 1), mask)) * float(mask.sum())
+                weight += float(mask.sum())
+            return float(torch.exp(torch.tensor(total / max(weight, 1.0))))
+
+        def answers() -> list[list[int]]:
+            stops = set(stop_token_ids(self.target.tokenizer, self.target.model.generation_config))
+            return [plain_decode(self.target, [prompt_ids(self.target.tokenizer, [{"role": "user", "content": q.turns[0]}])],
+                                 self.recipe.eval.max_new_tokens, stop_token_ids=stops).tokens
+                    for q in (self.questions.questions if self.questions else ())]
+
+        adapted_ppl, adapted = perplexity(), answers()
+        with drafter.original_target():
+            original_ppl, original = perplexity(), answers()
+        drift = {"target_perplexity": adapted_ppl, "original_perplexity": original_ppl}
+        if adapted:
+            drift["greedy_match_vs_original"] = sum(a == b for a, b in zip(adapted, original)) / len(adapted)
+        return drift
+
     def __call__(self, step: int, checkpoint: Path) -> dict[str, float]:
         drafter = load_drafter(checkpoint, self.target).eval()
         metrics: dict[str, float] = {}
@@ -96,6 +144,8 @@ class CheckpointEvaluator:
             accs = self.held_out_accuracies(drafter)
             metrics["sim_tau"] = simulated_tau(accs)
             metrics.update({f"val_acc_{i}": a for i, a in enumerate(accs)})
+        if drafter.adapts_target:
+            metrics.update(self.target_drift(drafter))
         if self.questions is not None:
             report = evaluate_drafter(self.recipe, self.target, drafter, self.questions, progress=False,
                                       calibration=self.questions)

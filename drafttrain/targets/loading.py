@@ -98,11 +98,13 @@ def folder_fingerprint(folder: Path) -> str:
 
 
 def parameter_fingerprint(model: torch.nn.Module) -> str:
-    """For a model built in memory (no folder): names, shapes and the first values of every parameter."""
+    """For a model built in memory (no folder): shapes and first values of its frozen parameters, in order (names
+    and trained adapters left out, so wrapping the model in adapters keeps its identity)."""
     digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(f"{name}\0{tuple(param.shape)}\0{param.dtype}\0".encode())
-        digest.update(param.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    for param in model.parameters():
+        if not param.requires_grad:
+            digest.update(f"{tuple(param.shape)}\0{param.dtype}\0".encode())
+            digest.update(param.detach().flatten()[:64].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

@@ -21,12 +21,12 @@ def total_steps(training: TrainingConfig, layout: BatchLayout) -> int:
     return max(1, math.ceil(training.epochs * layout.steps_per_epoch))
 
 
-def select_trainable(target_model: nn.Module, drafter) -> list[nn.Parameter]:
+def select_trainable(target_model: nn.Module, drafter) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """The one place that decides what trains: the drafter's own parameters, plus the target parameters its kind
     declares (``trainable_target_parameters``, e.g. LoRA adapters); every other target parameter is frozen here.
 
     Refuses a drafter that *registers* target weights as its own (checked by identity): they would be trained
-    and saved with the draft although they belong to the target.
+    and saved with the draft although they belong to the target. Returns (draft parameters, target parameters).
     """
     target_params = dict(target_model.named_parameters())
     declared = set(drafter.trainable_target_parameters())
@@ -42,19 +42,25 @@ def select_trainable(target_model: nn.Module, drafter) -> list[nn.Parameter]:
             f"{type(drafter).__name__} registers target weights as its own parameters ({_few(registered)}): "
             "reference the target's modules without registering them, so they are neither trained nor saved"
         )
-    params = [p for p in drafter.parameters() if p.requires_grad] + [target_params[n] for n in sorted(declared)]
-    if not params:
+    own = [p for p in drafter.parameters() if p.requires_grad]
+    trained = [target_params[n] for n in sorted(declared)]
+    if not own and not trained:
         raise DrafttrainError(f"{type(drafter).__name__} has no trainable parameters")
-    return params
+    return own, trained
 
 
-def build_optimizer(params: list[nn.Parameter], training: TrainingConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay on biases and norm gains (1-D tensors)."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": training.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+def build_optimizer(draft_params: list[nn.Parameter], target_params: list[nn.Parameter], training: TrainingConfig,
+                    target_lr: float | None = None, target_start: int = 0) -> torch.optim.AdamW:
+    """AdamW; no weight decay on biases and norm gains (1-D tensors). Trained target parameters get their own
+    learning rate and the step they start at (each group carries ``start_step`` for the schedule)."""
+    groups = []
+    for params, lr, start in ((draft_params, training.learning_rate, 0),
+                              (target_params, target_lr or training.learning_rate, target_start)):
+        for decays in (True, False):
+            chosen = [p for p in params if (p.ndim >= 2) == decays]
+            if chosen:
+                groups.append({"params": chosen, "lr": lr, "start_step": start,
+                               "weight_decay": training.weight_decay if decays else 0.0})
     return torch.optim.AdamW(groups, lr=training.learning_rate)
 
 
@@ -79,7 +85,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, 
             return max(0.0, 1.0 - progress)
         return 1.0
 
-    return LambdaLR(optimizer, factor)
+    def group_factor(start: int):
+        return lambda step: factor(step) if step >= start else 0.0
+
+    return LambdaLR(optimizer, [group_factor(g.get("start_step", 0)) for g in optimizer.param_groups])
 
 
 def _few(names: list[str], limit: int = 5) -> str:

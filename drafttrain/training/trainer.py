@@ -8,6 +8,7 @@ shard weights that never change. The trainer never names a draft kind: it asks t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -57,11 +58,21 @@ class TrainStep(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.__dict__["outputs_fn"] = outputs_fn  # not a submodule
-        if drafter.trainable_target_parameters():
-            self.target_model = target.model  # its trainable part is the engine's to track, shard and save
+        # The modules that own the target parameters the kind trains (LoRA adapters) are registered here, so the
+        # engine tracks, shards and saves them; the frozen rest of the target is not (checkpoints hold no copy).
+        self.trained_target = nn.ModuleList(owners(target.model, drafter.trainable_target_parameters()))
 
     def forward(self, batch: dict[str, torch.Tensor]):
         return self.drafter.training_step(batch, self.outputs_fn(batch))
+
+
+def owners(model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The modules that own the named parameters, each once, in order."""
+    found: dict[int, nn.Module] = {}
+    for name in names:
+        module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        found.setdefault(id(module), module)
+    return list(found.values())
 
 
 def online_outputs(target, drafter) -> OutputsFn:
@@ -99,9 +110,9 @@ class Trainer:
         resume_from = self._start_folder(resume)
         set_seed(self.recipe.seed, device_specific=True)
         self.target.model.to(acc.device)
-        params = select_trainable(self.target.model, self.drafter)
-        optimizer = build_optimizer(params, self.training)
-        trainable = sum(p.numel() for p in params)
+        draft_params, target_params = select_trainable(self.target.model, self.drafter)
+        optimizer = build_optimizer(draft_params, target_params, self.training, *self.drafter.target_learning())
+        trainable = sum(p.numel() for p in draft_params + target_params)
         self.layout = BatchLayout(len(self.dataset), self.training.batch_size, acc.num_processes,
                                   self.training.gradient_accumulation)
         self.layout.check()
@@ -351,8 +362,9 @@ class Trainer:
 
     def _evaluate(self, checkpoint: Path, step: int) -> None:
         metrics: dict[str, float] = {}
-        for callback in self.on_checkpoint:
-            metrics.update(callback(step, checkpoint) or {})
+        with evaluation_mode(self.module, self.target.model):  # no dropout while measuring; training resumes as it was
+            for callback in self.on_checkpoint:
+                metrics.update(callback(step, checkpoint) or {})
         if not metrics:
             return
         self.checkpoints.record_metrics(checkpoint, step, metrics)
@@ -372,6 +384,18 @@ class Trainer:
             resumed_from=resumed,
             metrics_path=self.run.metrics,
         )
+
+
+@contextlib.contextmanager
+def evaluation_mode(*models: nn.Module):
+    modes = [(m, m.training) for model in models for m in model.modules()]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _pad_id(target) -> int:

@@ -1,0 +1,100 @@
+"""The ``medusa`` proposer: a trained Medusa draft's heads, read off the target's final hidden state, fill a static
+tree (Medusa's format: each path lists the rank of the candidate at each depth) or a chain (the top-1 path).
+
+All candidates come from one forward of the heads on the last accepted position's hidden state: the node at depth
+d with rank r is head d-1's r-th most likely token. Candidates are a deterministic function of the context (top-k,
+also when sampling), so verification treats them as one-hot drafts and sampling stays exactly lossless.
+
+``measure_rank_accuracies`` measures how often each head's rank-r candidate is right while the target decodes, the
+input of trees.build_static_tree (Medusa's tree tool), so a tree can be sized for this draft and machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafttrain import DrafttrainError
+from drafttrain.decoding.engine import plain_decode
+from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer
+from drafttrain.decoding.trees import Chain, Draft, StaticTree
+from drafttrain.drafts import Drafter, load_drafter
+from drafttrain.sampling import probabilities
+
+
+@register_proposer("medusa")
+class MedusaProposer(Proposer):
+    """``draft``: a checkpoint (or run) folder written by drafttrain, or an in-memory Medusa drafter."""
+
+    shapes = (Chain, StaticTree)
+
+    def __init__(self, target, *, draft=None):
+        if draft is None or draft == "":
+            raise DrafttrainError("the 'medusa' proposer needs draft=<a checkpoint or run folder written by drafttrain>")
+        self.head = draft if isinstance(draft, Drafter) else load_drafter(draft, target)
+        if self.head.proposer != self.name:
+            raise DrafttrainError(f"the 'medusa' proposer serves Medusa drafts; {draft} is a {self.head.kind} draft, "
+                                  f"served by the {self.head.proposer!r} proposer")
+        self.head.eval()
+        self.hidden_layers = [target.num_layers]  # the final (normed) hidden state the heads read
+        self.max_depth = self.head.config.num_heads
+
+    def prefill(self, input_ids, hidden, next_token) -> None:
+        self.device = input_ids.device
+        self.last = hidden[:, -1]
+
+    def accept(self, tokens, hidden) -> None:
+        self.last = hidden[:, -1]  # the state whose output is the last emitted token (the next root)
+
+    @torch.no_grad()
+    def propose(self, request: DraftRequest) -> Draft:
+        shape = request.shape
+        if shape.depth > self.max_depth:
+            raise DrafttrainError(f"a draft of depth {shape.depth} needs {shape.depth} Medusa heads; this draft has "
+                                  f"{self.max_depth}")
+        logits = self.head.head_logits(self.last.to(self.head.lm_heads[0].weight.dtype))[0]  # [K, V]
+        if isinstance(shape, Chain):
+            return self._chain(logits, shape, request)
+        widest = max(shape.ranks) + 1
+        candidates = torch.topk(logits[: shape.depth], widest, dim=-1).indices.tolist()
+        tokens = [candidates[d - 1][r] for d, r in zip(shape.depths, shape.ranks)]
+        return Draft(torch.tensor([tokens], dtype=torch.long, device=self.device), shape.parents)
+
+    def _chain(self, logits: torch.Tensor, shape: Chain, request: DraftRequest) -> Draft:
+        """The top-1 of each head, stopping once the product of their top probabilities falls below
+        ``min_confidence`` (which reads the distributions only: still lossless)."""
+        tokens, confidence, self.last_confidences = [], 1.0, []
+        for row in logits[: shape.depth]:
+            warped = torch.softmax(row.float(), -1) if request.sampling.greedy else probabilities(row, request.sampling)
+            top = float(warped.max())
+            confidence *= top
+            if confidence < shape.min_confidence:
+                break
+            self.last_confidences.append(top)
+            tokens.append(int(row.argmax()))
+        return Draft.chain(torch.tensor([tokens], dtype=torch.long, device=self.device).reshape(1, -1))
+
+
+@torch.no_grad()
+def measure_rank_accuracies(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, k: int = 8,
+                            stop_token_ids: set[int] | None = None) -> list[list[float]]:
+    """``[head][rank]``: how often head h's rank-r candidate is the token the target then produces (greedy), over
+    every position of the target's own answers to ``prompts``."""
+    from drafttrain.targets import HiddenStateTap
+
+    heads = drafter.config.num_heads
+    hits, counted = torch.zeros(heads, k), torch.zeros(heads, 1)
+    for prompt in prompts:
+        tokens = plain_decode(target, prompt, max_new_tokens, stop_token_ids=stop_token_ids).tokens
+        ids = torch.cat([prompt, torch.tensor([tokens], device=prompt.device)], dim=1)
+        with HiddenStateTap(target.model, [target.num_layers]) as tap:
+            target.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            hidden = tap.get()[0][0]  # [T, H]
+        start = prompt.shape[1] - 1  # the position whose output is the first answer token
+        ranked = drafter.head_logits(hidden.to(drafter.lm_heads[0].weight.dtype)).topk(k, dim=-1).indices  # [T,K,k]
+        for t in range(start, ids.shape[1]):
+            for h in range(heads):
+                future = t + 2 + h
+                if future < ids.shape[1]:
+                    hits[h] += (ranked[t, h] == ids[0, future]).float()
+                    counted[h] += 1
+    return (hits / counted.clamp(min=1)).tolist()

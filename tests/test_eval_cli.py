@@ -80,7 +80,7 @@ def test_a_compared_proposer_runs_on_the_same_prompts_against_the_same_baseline(
     # The same deterministic proposer through the same engine: the same tokens, steps and acceptance.
     assert line["tau"] == report.overall["tau"] and line["acceptance_rate"] == report.overall["acceptance_rate"]
     assert line["greedy_match_vs_baseline"] == 1.0 and line["new_tokens"] == report.overall["new_tokens"]
-    assert line["speed_vs_baseline"] > 0 and report.config["compare"] == ["prompt_lookup"]
+    assert line["speed_vs_baseline"] > 0 and [c["label"] for c in report.config["compare"]] == ["prompt_lookup"]
     assert "same prompts, same run" in render_markdown(report)
 
 
@@ -102,8 +102,9 @@ def test_a_compared_proposer_runs_on_the_same_prompts_against_the_same_baseline(
         (["--proposer", "prompt_lookup", "--tree", "static:[[0], [0, 0"], "neither a JSON list of paths"),
         (["--proposer", "prompt_lookup", "--tree", "bushy"], "unknown tree 'bushy'"),
         (["--proposer", "prompt_lookup", "--tree", "static:[[0], [2]]"], "skips a sibling"),
-        (["--proposer", "prompt_lookup", "--compare", "magic"], "--compare: unknown proposer 'magic'"),
-        (["--proposer", "prompt_lookup", "--compare", "draft_model"], "only proposers that need no draft"),
+        (["--proposer", "prompt_lookup", "--compare", "magic"], "--compare magic: 'magic' is neither a draft-free"),
+        (["--proposer", "prompt_lookup", "--compare", "draft_model"], "give the draft's checkpoint or run folder"),
+        (["--proposer", "prompt_lookup", "--compare", "prompt_lookup@deep"], "neither a depth"),
     ],
 )
 def test_bad_input_exits_2_naming_the_cause(tmp_path, capsys, args, cause):

@@ -264,3 +264,40 @@ def test_medusa2_trains_and_every_checkpoint_reports_its_drift_from_the_original
     assert metrics["greedy_match"] == 1.0  # lossless against the adapted target
     report = json.loads((checkpoint / "eval" / "report.json").read_text())
     assert report["config"]["proposer"] == "medusa" and report["config"]["tree"]["kind"] == "static"
+
+
+@pytest.mark.slow
+def test_tree_auto_sizes_a_tree_from_the_drafts_measured_accuracies(smollm2, restore_threads):
+    from drafttrain.decoding.autodepth import TREE_SIZES
+    from drafttrain.evaluation import evaluate, load_suite
+
+    torch.set_num_threads(1)
+    drafter = build_drafter(MedusaConfig(num_heads=3), smollm2)
+    reported = load_suite("mt_bench").select(1, turns="1")
+    calibration = load_suite("alpaca").select(2).questions
+    report = evaluate(smollm2, drafter, reported, tree="auto", calibration=calibration, max_new_tokens=8,
+                      progress=False, warmup=False)
+    auto = report.config["tree_auto"]
+    assert auto["size"] in TREE_SIZES and set(auto["predicted_speedup_by_size"]) == set(TREE_SIZES)
+    assert len(auto["top1_accuracy_by_depth"]) == 3 and report.greedy_match == 1.0
+    assert report.config["tree"]["kind"] == "static" and len(report.config["tree"]["paths"]) == auto["size"]
+
+
+@pytest.mark.slow
+def test_trained_drafts_share_a_run_with_their_own_shapes_but_a_target_adapter_cannot(smollm2, restore_threads):
+    from drafttrain.evaluation import evaluate, load_suite
+    from drafttrain.evaluation.evaluate import Compared
+
+    torch.set_num_threads(1)
+    medusa = build_drafter(MedusaConfig(num_heads=2), smollm2)
+    report = evaluate(smollm2, "prompt_lookup", load_suite("gsm8k").select(1), depth=3, max_new_tokens=8,
+                      progress=False, warmup=False, compare=[Compared(medusa, tree=NAMED_TREES["medusa-4"],
+                                                                      label="medusa-untrained")])
+    line = report.comparisons["medusa-untrained"]
+    assert line["greedy_match_vs_baseline"] == 1.0 and line["tau"] >= 1.0
+    described = report.config["compare"][0]
+    assert described["proposer"] == "medusa" and described["tree"]["kind"] == "static"
+    adapted = tiny_target(vocab=64)
+    adapter = build_drafter(MedusaConfig(num_heads=2, lora=LORA), adapted)
+    with pytest.raises(DrafttrainError, match="adapts its target cannot share a run"):
+        Compared(adapter).decoder(adapted, 2, "chain", 0.0, 4, (), dict(temperature=0.0, top_p=1.0, top_k=0), 0, 8)

@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                               "the draft run's held-out validation prompts, else another suite")
     parser.add_argument("--tree", default=_DEFAULTS.tree,
                         help="chain | dynamic | a named static tree (medusa-16, ...) | a .json file of paths | "
-                             "static:PATHS_JSON (inline, Medusa's format: [[0], [1], [0, 0]])")
+                             "static:PATHS_JSON (inline, Medusa's format: [[0], [1], [0, 0]]) | auto (a static tree "
+                             "built from the draft's measured accuracies, sized for this machine)")
     parser.add_argument("--total-tokens", type=int, default=60, help="dynamic tree: nodes verified per step")
     parser.add_argument("--top-k", type=int, default=10, help="dynamic tree: children expanded per node")
     parser.add_argument("--seed", type=int, default=0)
@@ -56,9 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--hf-reference", action="store_true",
                         help="also time HF model.generate (plain, and prompt lookup / assisted to match the proposer)")
-    parser.add_argument("--compare", action="append", default=[], metavar="PROPOSER",
-                        help="also run this draft-free proposer (e.g. prompt_lookup) on the same prompts in the same "
-                             "run, against the same baseline; repeatable")
+    parser.add_argument("--compare", action="append", default=[], metavar="PROPOSER_OR_DRAFT[@SHAPE]",
+                        help="also run another side on the same prompts in the same run, against the same baseline: "
+                             "a draft-free proposer (prompt_lookup) or a trained draft's checkpoint/run folder; @SHAPE "
+                             "gives it its own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); "
+                             "repeatable")
     parser.add_argument("--strict", action="store_true", help="exit 1 if greedy output differs from the baseline")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is far steadier on a busy shared CPU)")
@@ -89,11 +92,12 @@ def run(args: argparse.Namespace) -> int:
 
     _check_numbers(args)
     suite = load_suite(args.questions or args.suite).select(args.num_prompts, turns=args.turns)
-    tree = parse_tree(args.tree, args.max_depth if args.depth == "auto" else args.depth, args.total_tokens, args.top_k)
+    tree = "auto" if args.tree == "auto" else parse_tree(
+        args.tree, args.max_depth if args.depth == "auto" else args.depth, args.total_tokens, args.top_k)
     if args.depth == "auto" and tree != "chain":
         raise DrafttrainError("--depth auto chooses chain depths: use --tree chain (the default), or give a depth")
     _check_proposer(args)
-    calibration = _calibration(args, suite) if args.depth == "auto" else ()
+    calibration = _calibration(args, suite) if "auto" in (args.depth, tree) else ()
     _prepare_out_dir(args.out)
     if args.threads is not None:
         import torch
@@ -110,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         depth=args.depth, tree=tree, min_confidence=args.min_confidence, max_depth=args.max_depth,
         calibration=calibration, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
-        progress=not args.no_progress, proposer_kwargs=_proposer_kwargs(args), compare=args.compare,
+        progress=not args.no_progress, proposer_kwargs=_proposer_kwargs(args),
+        compare=[_load_compared(side, target) for side in args.compared],
     )
     paths = write_report(report, args.out)
     print_report(report)
@@ -191,12 +196,44 @@ def _check_proposer(args: argparse.Namespace) -> None:
         raise DrafttrainError(f"--draft is not used by proposer {args.proposer!r} (it needs no draft model)")
     if args.proposer == "draft_model" and not args.draft:
         raise DrafttrainError("proposer draft_model needs --draft (a draft model: built-in name, folder or .gguf)")
-    for name in args.compare:
-        if name not in known:
-            raise DrafttrainError(f"--compare: unknown proposer {name!r}: choose one of {', '.join(sorted(known))}")
-        if "draft" in _proposer_options(name):
-            raise DrafttrainError(f"--compare {name}: only proposers that need no draft can be compared "
-                                  "(run a second eval for a drafted one)")
+    args.compared = [_compared_side(item, known) for item in args.compare]
+
+
+def _compared_side(item: str, known: set[str]) -> tuple[str, bool, int | str | None, Any]:
+    """``PROPOSER_OR_DRAFT[@SHAPE]`` -> (proposer name or draft path, is a draft, depth, tree), checked now."""
+    from drafttrain.drafts import saved_kind
+
+    spec, _, shape = item.partition("@")
+    depth = tree = None
+    if shape.startswith("tree:"):
+        tree = shape.removeprefix("tree:")
+        if tree != "auto":
+            parse_tree(tree, 1, 60, 10)
+    elif shape:
+        depth = _depth(shape) if shape == "auto" or shape.isdigit() else None
+        if depth is None or depth == 0:
+            raise DrafttrainError(f"--compare {item}: @{shape} is neither a depth (@3, @auto) nor a tree (@tree:...)")
+    if spec in known:
+        if "draft" in _proposer_options(spec):
+            raise DrafttrainError(f"--compare {spec}: give the draft's checkpoint or run folder instead of the "
+                                  "proposer name (its kind names its proposer)")
+        return spec, False, depth, tree
+    if not Path(spec).expanduser().exists():
+        raise DrafttrainError(f"--compare {item}: {spec!r} is neither a draft-free proposer "
+                              f"({', '.join(sorted(p for p in known if 'draft' not in _proposer_options(p)))}) nor a "
+                              "draft folder")
+    saved_kind(spec)  # a drafttrain checkpoint (damage named now, not after the target loads)
+    return spec, True, depth, tree
+
+
+def _load_compared(side: tuple, target):
+    from drafttrain.drafts import load_drafter
+    from drafttrain.evaluation.evaluate import Compared
+
+    spec, is_draft, depth, tree = side
+    if not is_draft:
+        return Compared(spec, depth=depth, tree=tree)
+    return Compared(load_drafter(spec, target), depth=depth, tree=tree, label=Path(spec).name)
 
 
 def _default_proposer(draft: str | None) -> str:

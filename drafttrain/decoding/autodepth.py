@@ -1,4 +1,5 @@
-"""``--depth auto``: how far to draft, chosen from this machine's measured costs and the draft's measured acceptance.
+"""``--depth auto`` / ``--tree auto``: how far to draft, chosen from this machine's measured costs and the draft's
+measured acceptance.
 
 1. Costs (``measure_costs``): on a prompt, with the target's KV cache prefilled, the seconds of one plain decoding
    step, of one verification forward of w tokens (w = 1 .. D+1), and of the proposer drafting d tokens
@@ -25,7 +26,16 @@ import torch
 
 from drafttrain.decoding.engine import SpeculativeDecoder
 from drafttrain.decoding.proposers import DraftRequest, Proposer
-from drafttrain.decoding.trees import Chain, compact_cache, forward
+from drafttrain.decoding.trees import (
+    Chain,
+    StaticTree,
+    ancestor_matrix,
+    build_static_tree,
+    compact_cache,
+    expected_tree_tokens,
+    forward,
+    tree_position_ids,
+)
 from drafttrain.sampling import Sampling
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
@@ -180,3 +190,72 @@ def choose(costs: Costs, calibration: Calibration, max_depth: int,
                 best = candidate
     speedup, depth, threshold = best
     return DepthChoice(depth, threshold, speedup, by_depth, costs, len(calibration.accepted))
+
+
+# ------------------------------------------------------------------------------------------------ static trees
+
+TREE_SIZES = (2, 4, 8, 16, 24, 32, 48, 64)
+
+
+@dataclasses.dataclass
+class TreeChoice:
+    paths: list[list[int]]
+    predicted_speedup: float
+    by_size: dict[int, float]
+    verify_ms: dict[int, float]
+    accuracies: list[list[float]]
+
+    def summary(self) -> dict:
+        return {"size": len(self.paths), "predicted_speedup": round(self.predicted_speedup, 3),
+                "predicted_speedup_by_size": {n: round(s, 3) for n, s in self.by_size.items()},
+                "verify_ms": {n: round(ms, 2) for n, ms in self.verify_ms.items()},
+                "top1_accuracy_by_depth": [round(row[0], 3) for row in self.accuracies]}
+
+
+@torch.inference_mode()
+def choose_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int,
+                stop_token_ids: set[int], sizes: tuple[int, ...] = TREE_SIZES, repeats: int = 5) -> TreeChoice:
+    """The static tree size with the best predicted speedup: trees built from the proposer's measured rank
+    accuracies (Medusa's tree tool), each costed by timing its verification forward and its proposal here."""
+    from transformers import DynamicCache
+
+    from drafttrain.targets import HiddenStateTap
+
+    accuracies = proposer.rank_accuracies(target, prompts, max_new_tokens, stop_token_ids)
+    if accuracies is None:
+        from drafttrain import DrafttrainError
+
+        raise DrafttrainError(f"tree auto needs a proposer that fills static trees from ranked candidates (medusa); "
+                              f"{proposer.name!r} does not")
+    model, prompt = target.model, prompts[0]
+    cache = DynamicCache(config=model.config)
+    layers = proposer.hidden_layers
+    with HiddenStateTap(model, layers) if layers else contextlib.nullcontext() as tap:
+        logits = forward(model, cache, prompt)
+        hidden = tap.stacked() if layers else None
+    prefix, root = cache.get_seq_length(), logits[:, -1:].argmax(-1)
+    proposer.prefill(prompt, hidden, root)
+    plain = _median_time(lambda: _verify(model, cache, prefix, root, None), repeats)
+    request = DraftRequest(Chain(1), Sampling(), None)
+    by_size, verify_ms, trees = {}, {}, {}
+    for size in sizes:
+        tree = StaticTree(build_static_tree(accuracies, size))
+        request.shape = tree
+        draft_s = _median_time(lambda: proposer.propose(request), repeats)
+        verify_s = _median_time(lambda: _verify(model, cache, prefix, root, tree), repeats)
+        verify_ms[size] = 1e3 * verify_s
+        by_size[size] = expected_tree_tokens(tree.paths, accuracies) * plain / (verify_s + draft_s)
+        trees[size] = tree.paths
+    best = max(by_size, key=lambda n: (by_size[n], -n))
+    return TreeChoice(trees[best], by_size[best], by_size, verify_ms, accuracies)
+
+
+def _verify(model, cache, prefix: int, root: torch.Tensor, tree) -> None:
+    """One verification forward of the root and ``tree``'s nodes (or the root alone), then back to ``prefix``."""
+    if tree is None:
+        forward(model, cache, root)
+    else:
+        ids = root.expand(1, len(tree) + 1).contiguous()
+        forward(model, cache, ids, position_ids=tree_position_ids(tree.parents, prefix, root.device),
+                allowed=ancestor_matrix(tuple(tree.parents)))
+    compact_cache(cache, prefix, [])

@@ -38,6 +38,9 @@ class MedusaProposer(Proposer):
         self.hidden_layers = [target.num_layers]  # the final (normed) hidden state the heads read
         self.max_depth = self.head.config.num_heads
 
+    def rank_accuracies(self, target, prompts, max_new_tokens, stop_token_ids):
+        return measure_rank_accuracies(target, self.head, prompts, max_new_tokens, stop_token_ids=stop_token_ids)
+
     def prefill(self, input_ids, hidden, next_token) -> None:
         self.device = input_ids.device
         self.last = hidden[:, -1]

@@ -63,6 +63,12 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None: ...
 
+    def rank_accuracies(self, target, prompts: list[torch.Tensor], max_new_tokens: int,
+                        stop_token_ids: set[int]) -> list[list[float]] | None:
+        """``[depth][rank]``: how often its rank-r candidate at each depth is the target's token, for proposers
+        that fill static trees from ranked candidates (the input of trees.build_static_tree); None otherwise."""
+        return None
+
     def hf_equivalent(self, depth: int) -> tuple[str, dict] | None:
         """HF ``generate``'s own version of this proposer, as (reference name, generate kwargs), for the
         evaluator's reference lines; None when HF has none."""

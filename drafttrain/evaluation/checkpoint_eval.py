@@ -57,6 +57,8 @@ def eval_tree(recipe: Recipe):
     cfg = recipe.eval
     if cfg.depth == "auto" and cfg.tree != "chain":
         raise DrafttrainError("eval.depth auto chooses chain depths: set eval.tree to chain, or give a depth")
+    if cfg.tree == "auto":
+        return "auto"  # built from the draft's measured accuracies, no deeper than it can fill
     tree = tree_from_spec(cfg.tree, cfg.max_depth if cfg.depth == "auto" else cfg.depth)
     deepest = cfg.max_depth if cfg.depth == "auto" else getattr(tree, "depth", cfg.depth)
     limit = drafter_class(recipe.draft.kind).max_draft_depth(recipe.draft) if recipe.draft is not None else None

@@ -33,7 +33,7 @@ from drafttrain import DrafttrainError
 from drafttrain.evaluation import metrics
 from drafttrain.evaluation.suites import Question, Suite
 from drafttrain.data.chat import prompt_ids, stop_token_ids
-from drafttrain.decoding import NoDraft, SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.decoding import NoDraft, SpeculativeDecoder, StaticTree, build_proposer, plain_decode
 from drafttrain.drafts import Drafter
 from drafttrain.sampling import Sampling, check_sampling
 
@@ -106,7 +106,7 @@ def evaluate(
     progress: bool = True,
     proposer_kwargs: dict[str, Any] | None = None,
     warmup: bool = True,
-    compare: Sequence[str] = (),
+    compare: Sequence[str | Compared] = (),
 ) -> EvalReport:
     """Run ``proposer`` (a registered name, or a proposer object) through :class:`SpeculativeDecoder` on every
     prompt, with ``plain_decode`` as the baseline, and return the metrics (see :mod:`metrics` for definitions).
@@ -130,7 +130,10 @@ def evaluate(
         proposer, proposer_kwargs = proposer.proposer, {**proposer_kwargs, "draft": proposer}
     proposer_name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
     proposer_obj = build_proposer(proposer, target, **proposer_kwargs) if isinstance(proposer, str) else proposer
-    depth_choice = None
+    depth_choice = tree_choice = None
+    if tree == "auto":  # a static tree sized for this draft and machine (proposers that fill static trees)
+        tree_choice = choose_tree(target, proposer_obj, calibration, min(max_new_tokens, CALIBRATION_NEW_TOKENS))
+        tree = StaticTree(tree_choice.paths)
     if auto:
         depth_choice = choose_depth(target, proposer_obj, calibration, max_depth, Sampling(temperature, top_p, top_k),
                                     min(max_new_tokens, CALIBRATION_NEW_TOKENS), seed)
@@ -165,9 +168,13 @@ def evaluate(
         sides["baseline"] = baseline_fn
     if hf_reference:
         sides.update(_hf_sides(target, proposer_obj, depth, stop_ids, **sampling))
-    for name in compare:
-        other = SpeculativeDecoder(target, build_proposer(name, target), depth=depth, tree=tree, seed=seed, **sampling)
-        sides[COMPARE_PREFIX + name] = speculative_fn(other)
+    compared_config = []
+    for item in compare:
+        other = item if isinstance(item, Compared) else Compared(item)
+        decoder_other, described = other.decoder(target, depth, tree, min_confidence, max_depth, calibration,
+                                                 sampling, seed, max_new_tokens)
+        sides[COMPARE_PREFIX + described["label"]] = speculative_fn(decoder_other)
+        compared_config.append(described)
 
     if warmup:
         _warm_up(target.tokenizer, questions[0], sides, min(WARMUP_NEW_TOKENS, max_new_tokens), target.device)
@@ -190,10 +197,11 @@ def evaluate(
     }
     config = _config(
         target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
-        suite_name, questions, baseline, hf_reference, compare, started_at, stop_ids,
+        suite_name, questions, baseline, hf_reference, compared_config, started_at, stop_ids,
     )
     config["min_confidence"] = min_confidence
     config["depth_auto"] = depth_choice.summary() if depth_choice is not None else None
+    config["tree_auto"] = tree_choice.summary() if tree_choice is not None else None
     references = {name: _reference_line(pairs, temperature) for name, pairs in extra_runs.items()
                   if name.startswith("hf_")}
     comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
@@ -202,16 +210,48 @@ def evaluate(
                       comparisons=comparisons)
 
 
+@dataclasses.dataclass
+class Compared:
+    """Another side of the same run: a registered proposer name, a Proposer, or a trained Drafter, with its own
+    depth and tree (None: the method's; "auto": chosen like the method's)."""
+
+    proposer: str | Any
+    depth: int | str | None = None
+    tree: Any = None
+    label: str | None = None
+
+    def decoder(self, target, depth, tree, min_confidence, max_depth, calibration, sampling: dict, seed: int,
+                max_new_tokens: int) -> tuple[SpeculativeDecoder, dict[str, Any]]:
+        proposer, kwargs = self.proposer, {}
+        if isinstance(proposer, Drafter):
+            if proposer.adapts_target:
+                raise DrafttrainError(f"a {proposer.kind} draft that adapts its target cannot share a run with "
+                                      "other drafts (it changes the target they are measured on): evaluate it alone")
+            proposer, kwargs = proposer.proposer, {"draft": proposer}
+        built = build_proposer(proposer, target, **kwargs) if isinstance(proposer, str) else proposer
+        depth = depth if self.depth is None else self.depth
+        tree = tree if self.tree is None else self.tree
+        described = {"label": self.label or built.name, "proposer": built.name}
+        if tree == "auto":
+            choice = choose_tree(target, built, calibration, min(max_new_tokens, CALIBRATION_NEW_TOKENS))
+            tree, described["tree_auto"] = StaticTree(choice.paths), choice.summary()
+        if depth == "auto":
+            choice = choose_depth(target, built, calibration, max_depth, Sampling(**sampling),
+                                  min(max_new_tokens, CALIBRATION_NEW_TOKENS), seed)
+            depth, min_confidence, described["depth_auto"] = choice.depth, choice.min_confidence, choice.summary()
+            if depth == 0:
+                built, depth = NoDraft(), 1
+        described.update(depth=depth, tree=describe_tree(tree), min_confidence=min_confidence)
+        return SpeculativeDecoder(target, built, depth=depth, tree=tree, min_confidence=min_confidence, seed=seed,
+                                  **sampling), described
+
+
 def choose_depth(target, proposer, calibration: Sequence[Question], max_depth: int, sampling: Sampling,
                  max_new_tokens: int, seed: int):
     """``depth="auto"``: measure costs on the first calibration prompt, acceptance on all of them, and choose."""
     from drafttrain.decoding.autodepth import calibrate, choose, measure_costs
 
-    if not calibration:
-        raise DrafttrainError("depth auto needs calibration prompts (held out from the reported ones)")
-    prompts = [torch.tensor([prompt_ids(target.tokenizer, [{"role": "user", "content": q.turns[0]}])],
-                            device=target.device) for q in calibration]
-    stops = set(stop_token_ids(target.tokenizer, target.model.generation_config))
+    prompts, stops = _calibration_prompts(target, calibration)
     with torch.inference_mode():
         costs = measure_costs(target, proposer, prompts[0], max_depth)
     acceptance = calibrate(target, proposer, prompts, max_depth, max_new_tokens, stops, sampling, seed)
@@ -220,6 +260,25 @@ def choose_depth(target, proposer, calibration: Sequence[Question], max_depth: i
              choice.min_confidence, choice.predicted_speedup,
              ", ".join(f"{d}: {s:.2f}" for d, s in choice.by_depth.items()))
     return choice
+
+
+def choose_tree(target, proposer, calibration: Sequence[Question], max_new_tokens: int):
+    """``tree="auto"``: trees built from the proposer's rank accuracies on the calibration prompts, costed here."""
+    from drafttrain.decoding.autodepth import choose_tree as choose
+
+    prompts, stops = _calibration_prompts(target, calibration)
+    choice = choose(target, proposer, prompts, max_new_tokens, stops)
+    log.info("tree auto: %d nodes, predicted speedup %.2fx (by size: %s)", len(choice.paths), choice.predicted_speedup,
+             ", ".join(f"{n}: {s:.2f}" for n, s in choice.by_size.items()))
+    return choice
+
+
+def _calibration_prompts(target, calibration: Sequence[Question]) -> tuple[list[torch.Tensor], set[int]]:
+    if not calibration:
+        raise DrafttrainError("depth or tree auto needs calibration prompts (held out from the reported ones)")
+    prompts = [torch.tensor([prompt_ids(target.tokenizer, [{"role": "user", "content": q.turns[0]}])],
+                            device=target.device) for q in calibration]
+    return prompts, set(stop_token_ids(target.tokenizer, target.model.generation_config))
 
 
 def _check_settings(depth: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int) -> None:
@@ -549,7 +608,7 @@ def _config(target, proposer_name, proposer_kwargs, depth, tree, temperature, to
         "num_turns": sum(len(q.turns) for q in questions),
         "baseline": "plain_decode" if baseline else None,
         "hf_reference": hf_reference,
-        "compare": list(compare),
+        "compare": list(compare),  # one description per compared side (label, proposer, draft, depth, tree)
         "dtype": str(param.dtype).removeprefix("torch."),
         "device": str(param.device),
         "threads": torch.get_num_threads(),

@@ -83,6 +83,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def _config_line(c: dict[str, Any]) -> str:
     tree = c["tree"] if isinstance(c["tree"], str) else c["tree"].get("kind", "tree")
+    if c.get("tree_auto"):
+        auto = c["tree_auto"]
+        tree = f"static, {auto['size']} nodes (auto: predicted {auto['predicted_speedup']:.2f}x on this machine)"
     return (
         f"target `{c['target']}` · proposer `{c['proposer']}` · depth {_depth_text(c)} · tree {tree} · "
         f"T={c['temperature']} top_p={c['top_p']} · suite `{c['suite']}` ({c['num_prompts']} prompts, "

@@ -6,6 +6,7 @@ dotted path of the offending field. ``key.sub=value`` overrides from the CLI are
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -162,8 +163,53 @@ class MedusaConfig(DraftConfig):
         return self.lora is not None
 
 
+class StudentLoraConfig(Section):
+    """LoRA adapters on a draft model (through peft) instead of training all its weights."""
+
+    target_modules: list[str] = Field(min_length=1)
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+
+
+class DraftModelConfig(DraftConfig):
+    """A separate small causal LM trained to agree with the target (DistillSpec): a named model sharing the
+    target's tokenizer (``student``), or one cut from the target's own layers (``cut``)."""
+
+    kind: Literal["draft_model"] = "draft_model"
+    student: str | None = None  # a built-in name, model folder or Hub id with the target's tokenizer
+    # ... or cut from the target, starting from its weights: "every:N" (layers 0, N, 2N, ...), "first:K", or a list
+    # of layer indices (0-based)
+    cut: str | list[int] | None = None
+    # fkl / rkl / jsd / tvd: against the target's distribution; sft: cross-entropy on the data's tokens (the target's
+    # answers, when regenerated)
+    divergence: Literal["fkl", "rkl", "jsd", "tvd", "sft"] = "fkl"
+    beta: float = Field(0.5, gt=0, lt=1)  # JSD(β): the mixture β·target + (1-β)·draft, as TRL's GKD defines it
+    temperature: float = Field(1.0, gt=0)
+    # λ of DistillSpec / GKD: this share of batches is answered by the current draft (sampled), scored by the target
+    on_policy: float = Field(0.0, ge=0, le=1)
+    on_policy_max_new_tokens: int = Field(128, gt=0)
+    on_policy_temperature: float = Field(1.0, ge=0)
+    # AdaSPEC-style selective distillation: leave out this share of each batch's tokens, those the draft finds
+    # hardest (largest divergence), so its capacity goes to the tokens it can learn
+    token_filter: float = Field(0.0, ge=0, lt=1)
+    teacher_top_k: int = Field(64, gt=0)  # an offline teacher cache keeps this many logits per position
+    lora: StudentLoraConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_student(self) -> "DraftModelConfig":
+        if (self.student is None) == (self.cut is None):
+            raise ValueError("give the draft model as either student (a model) or cut (layers of the target)")
+        if isinstance(self.cut, str) and not re.fullmatch(r"(every|first):[1-9][0-9]*", self.cut):
+            raise ValueError(f"cut {self.cut!r}: use every:N, first:K or a list of layer indices")
+        if isinstance(self.cut, list) and (not self.cut or any(i < 0 for i in self.cut)
+                                           or self.cut != sorted(set(self.cut))):
+            raise ValueError(f"cut {self.cut}: layer indices must be ascending, unique and >= 0")
+        return self
+
+
 # The draft section is one of the kinds' sections, chosen by its ``kind`` (a new kind adds its class here).
-DRAFT_SECTIONS = (Eagle3Config, EagleConfig, MedusaConfig)
+DRAFT_SECTIONS = (Eagle3Config, EagleConfig, MedusaConfig, DraftModelConfig)
 DRAFT_KINDS = tuple(section.model_fields["kind"].default for section in DRAFT_SECTIONS)
 DraftSection = Annotated[Union[DRAFT_SECTIONS], Field(discriminator="kind")]
 

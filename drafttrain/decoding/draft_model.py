@@ -19,14 +19,20 @@ from drafttrain.decoding.trees import compact_cache, feed_mask, forward
 @register_proposer("draft_model")
 class DraftModelProposer(TreeDrafter):
     def __init__(self, target, *, draft=None):
+        from drafttrain.drafts import Drafter
         from drafttrain.targets import Target, check_same_tokenizer, load_target
 
         if draft is None or draft == "":
             raise DrafttrainError(
                 "the 'draft_model' proposer needs draft=<a built-in name, model folder, .gguf file or Hub id>"
             )
-        self.draft = draft if isinstance(draft, Target) else load_target(str(draft))
-        check_same_tokenizer(target, self.draft)
+        if isinstance(draft, Drafter):  # a distilled draft being trained or evaluated: it speaks the target's tokens
+            if draft.proposer != self.name:
+                raise DrafttrainError(f"the 'draft_model' proposer serves draft models; this is a {draft.kind} draft")
+            self.draft = Target(draft.kind, draft.student.eval(), target.tokenizer)
+        else:
+            self.draft = draft if isinstance(draft, Target) else load_target(str(draft))
+            check_same_tokenizer(target, self.draft)
         self.model = self.draft.model
         self.vocab_size = target.vocab_size
 

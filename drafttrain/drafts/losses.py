@@ -18,6 +18,8 @@ mask, 0/1 or fractional) weighs the positions; every loss is the weighted mean o
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -27,20 +29,14 @@ def masked_mean(per_position: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return (per_position * weight).sum() / weight.sum().clamp(min=1e-12)  # 0 when nothing has weight
 
 
-def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
                   temperature: float = 1.0) -> torch.Tensor:
-    per = -_log_probs(logits, temperature).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    per = -log_probs(logits, temperature).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return masked_mean(per, weight)
-
-
-def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor, weight: torch.Tensor,
-                       temperature: float = 1.0) -> torch.Tensor:
-    p = _log_probs(target_logits, temperature).exp()
-    return masked_mean(-(p * _log_probs(logits, temperature)).sum(-1), weight)
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
@@ -49,30 +45,56 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
 
 
-def forward_kl(logits: torch.Tensor, target_logits: torch.Tensor, weight: torch.Tensor,
-               temperature: float = 1.0) -> torch.Tensor:
-    return masked_mean(_kl(_log_probs(target_logits, temperature), _log_probs(logits, temperature)), weight)
+def per_position(name: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """Divergence ``name`` at every position, from the draft's (q) and the target's (p) log-probabilities."""
+    if name == "fkl":
+        return _kl(log_p, log_q)
+    if name == "rkl":
+        return _kl(log_q, log_p)
+    if name == "jsd":
+        if not 0 < beta < 1:
+            raise ValueError(f"jsd: beta must be in (0, 1), got {beta}")
+        log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+        return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+    if name == "tvd":
+        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    if name == "soft_ce":
+        return -(log_p.exp() * log_q).sum(-1)
+    raise ValueError(f"unknown divergence {name!r}: one of {', '.join(DIVERGENCES)}")
 
 
-def reverse_kl(logits: torch.Tensor, target_logits: torch.Tensor, weight: torch.Tensor,
-               temperature: float = 1.0) -> torch.Tensor:
-    return masked_mean(_kl(_log_probs(logits, temperature), _log_probs(target_logits, temperature)), weight)
+def divergence(name: str, logits: torch.Tensor, target_logits: torch.Tensor, weight: torch.Tensor,
+               temperature: float = 1.0, beta: float = 0.5) -> torch.Tensor:
+    return masked_mean(per_position(name, log_probs(logits, temperature), log_probs(target_logits, temperature),
+                                    beta), weight)
 
 
-def jsd(logits: torch.Tensor, target_logits: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0,
-        beta: float = 0.5) -> torch.Tensor:
-    if not 0 < beta < 1:
-        raise ValueError(f"jsd: beta must be in (0, 1), got {beta}")
-    log_p, log_q = _log_probs(target_logits, temperature), _log_probs(logits, temperature)
-    log_m = torch.logsumexp(torch.stack([log_p + torch.log(torch.tensor(beta)),
-                                         log_q + torch.log(torch.tensor(1 - beta))]), dim=0)
-    return masked_mean(beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m), weight)
+def soft_cross_entropy(logits, target_logits, weight, temperature: float = 1.0) -> torch.Tensor:
+    return divergence("soft_ce", logits, target_logits, weight, temperature)
 
 
-def total_variation(logits: torch.Tensor, target_logits: torch.Tensor, weight: torch.Tensor,
-                    temperature: float = 1.0) -> torch.Tensor:
-    p, q = _log_probs(target_logits, temperature).exp(), _log_probs(logits, temperature).exp()
-    return masked_mean(0.5 * (p - q).abs().sum(-1), weight)
+def forward_kl(logits, target_logits, weight, temperature: float = 1.0) -> torch.Tensor:
+    return divergence("fkl", logits, target_logits, weight, temperature)
+
+
+def reverse_kl(logits, target_logits, weight, temperature: float = 1.0) -> torch.Tensor:
+    return divergence("rkl", logits, target_logits, weight, temperature)
+
+
+def jsd(logits, target_logits, weight, temperature: float = 1.0, beta: float = 0.5) -> torch.Tensor:
+    return divergence("jsd", logits, target_logits, weight, temperature, beta)
+
+
+def total_variation(logits, target_logits, weight, temperature: float = 1.0) -> torch.Tensor:
+    return divergence("tvd", logits, target_logits, weight, temperature)
+
+
+def top_k_buckets(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities of the k candidates ``ids`` [..., k] and of everything else (one more bucket): how a
+    full distribution meets a teacher stored as its top-k (an offline teacher cache)."""
+    chosen = log_probs(logits, temperature).gather(-1, ids)
+    rest = torch.log1p(-chosen.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-6))
+    return torch.cat([chosen, rest], dim=-1)
 
 
 def smooth_l1(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

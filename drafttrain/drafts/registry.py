@@ -7,6 +7,7 @@ from pathlib import Path
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftConfig
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config
+from drafttrain.drafts.draft_model import DistilledDrafter
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.medusa import MedusaDrafter
@@ -16,6 +17,7 @@ KINDS: dict[str, type[Drafter]] = {
     Eagle3Drafter.kind: Eagle3Drafter,
     EagleDrafter.kind: EagleDrafter,
     MedusaDrafter.kind: MedusaDrafter,
+    DistilledDrafter.kind: DistilledDrafter,
 }
 
 

@@ -223,9 +223,12 @@ def check_same_tokenizer(target, draft) -> None:
     tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if tv != dv:
         changed = sum(1 for t in tv.keys() & dv.keys() if tv[t] != dv[t])
+        by_id_t, by_id_d = {i: t for t, i in tv.items()}, {i: t for t, i in dv.items()}
+        first = min(i for i in by_id_t.keys() | by_id_d.keys() if by_id_t.get(i) != by_id_d.get(i))
         problems.append(
             f"vocabularies differ ({len(tv)} vs {len(dv)} tokens; {len(tv.keys() - dv.keys())} only in the target, "
-            f"{len(dv.keys() - tv.keys())} only in the draft, {changed} with different ids)"
+            f"{len(dv.keys() - tv.keys())} only in the draft, {changed} with different ids); the first id that "
+            f"differs is {first}: {by_id_t.get(first)!r} in the target, {by_id_d.get(first)!r} in the draft"
         )
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
         a, b = getattr(target.tokenizer, attr, None), getattr(draft.tokenizer, attr, None)

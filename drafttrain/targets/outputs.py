@@ -27,6 +27,10 @@ class TargetNeeds:
     layers: tuple[int, ...] = ()  # HF hidden_states indices (i = input of layer i, L = final), concatenated
     final_hidden: bool = False
     logits: bool = False
+    # An offline cache keeps the logits as their top-k (with the log-probability of everything else), at this
+    # temperature, instead of recomputing them: a teacher cache (a 70B teacher runs once). None: recompute.
+    logits_top_k: int | None = None
+    logits_temperature: float = 1.0
 
     @property
     def runs_target(self) -> bool:
@@ -34,18 +38,40 @@ class TargetNeeds:
 
     def stored_layers(self, num_layers: int) -> list[int]:
         """The distinct hidden states an offline cache keeps: the taps, and the final one when the final hidden
-        state or the logits are needed (each layer once, ascending)."""
+        state or the logits (recomputed, not cached as top-k) are needed (each layer once, ascending)."""
         wanted = set(self.layers)
-        if self.final_hidden or self.logits:
+        if self.final_hidden or (self.logits and self.logits_top_k is None):
             wanted.add(num_layers)
         return sorted(wanted)
+
+
+@dataclasses.dataclass
+class TopK:
+    """A distribution kept as its k likeliest tokens: ``ids`` and ``log_probs`` (B, T, k) and ``rest`` (B, T, 1),
+    the log-probability of all other tokens (drafttrain.drafts.losses.top_k_buckets meets it)."""
+
+    ids: torch.Tensor
+    log_probs: torch.Tensor
+    rest: torch.Tensor
+
+    @property
+    def buckets(self) -> torch.Tensor:
+        return torch.cat([self.log_probs, self.rest], dim=-1)
+
+
+def top_k_of(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopK:
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    values, ids = log_probs.topk(k, dim=-1)
+    rest = torch.log1p(-values.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-6))
+    return TopK(ids=ids, log_probs=values, rest=rest)
 
 
 @dataclasses.dataclass
 class TargetOutputs:
     hidden: torch.Tensor | None = None  # (B, T, len(layers) * H): the taps in the order declared
     final: torch.Tensor | None = None  # (B, T, H)
-    logits: torch.Tensor | None = None  # (B, T, V)
+    logits: torch.Tensor | None = None  # (B, T, V); None when they come from a teacher cache as ``top_k``
+    top_k: TopK | None = None
 
 
 def run_target(target, batch: dict[str, torch.Tensor], needs: TargetNeeds) -> TargetOutputs:

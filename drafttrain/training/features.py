@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 from drafttrain import DrafttrainError
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
 from drafttrain.targets.hidden import HiddenStateTap
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, logits_from_final
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, logits_from_final, top_k_of
 
 INDEX = "index.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,9 +44,11 @@ def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     layers = needs.stored_layers(target.num_layers)
+    top_k = needs.logits_top_k if needs.logits else None
     index = {"format_version": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
-             "layers": layers,
-             "hidden_size": target.hidden_size, "num_rows": len(dataset), "dtype": str(dtype).removeprefix("torch."),
+             "layers": layers, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+             "logits_top_k": top_k, "logits_temperature": needs.logits_temperature if top_k else None,
+             "num_rows": len(dataset), "dtype": str(dtype).removeprefix("torch."),
              "split_fingerprint": split_fingerprint, "shards": []}
     shard: dict[str, torch.Tensor] = {}
     rows: list[int] = []
@@ -63,9 +65,15 @@ def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path
     for row in tqdm(range(len(dataset)), desc="target features", unit="row"):
         ids = torch.tensor(dataset[row]["input_ids"]).unsqueeze(0)
         with HiddenStateTap(target.model, layers) as tap:
-            target.model(input_ids=ids.to(target.device), use_cache=False, logits_to_keep=1)
+            logits = target.model(input_ids=ids.to(target.device), use_cache=False,
+                                  logits_to_keep=0 if top_k else 1).logits
             for layer, hidden in zip(layers, tap.get()):
                 shard[f"row{row}.layer{layer}"] = hidden[0].to(dtype).cpu().contiguous()
+        if top_k:  # the teacher's distribution as its top-k (float32: log-probabilities lose little, cost k values)
+            kept = top_k_of(logits[0], top_k, needs.logits_temperature)
+            shard[f"row{row}.topk_ids"] = kept.ids.to(torch.int32).cpu().contiguous()
+            shard[f"row{row}.topk_log_probs"] = kept.log_probs.cpu().contiguous()
+            shard[f"row{row}.topk_rest"] = kept.rest.cpu().contiguous()
         rows.append(row)
         if len(rows) >= rows_per_shard:
             flush()
@@ -103,6 +111,13 @@ class FeatureCache:
         if index["target_fingerprint"] != self.target.fingerprint:
             raise DrafttrainError(f"{where} holds the outputs of another target ({index['target']}, fingerprint "
                                   f"{index['target_fingerprint']}; this one is {self.target.fingerprint}); {rerun}")
+        if self.needs.logits and self.needs.logits_top_k is not None:
+            wanted = (self.needs.logits_top_k, self.needs.logits_temperature, self.target.vocab_size)
+            found = (index.get("logits_top_k"), index.get("logits_temperature"), index.get("vocab_size"))
+            if wanted != found:
+                raise DrafttrainError(f"{where} holds the teacher's top-{found[0]} at temperature {found[1]} over a "
+                                      f"vocabulary of {found[2]}; the recipe asks top-{wanted[0]} at {wanted[1]} over "
+                                      f"{wanted[2]}; {rerun}")
         missing = [layer for layer in self.needs.stored_layers(self.target.num_layers) if layer not in index["layers"]]
         if missing:
             raise DrafttrainError(f"{where} holds layers {index['layers']}, the draft needs {missing} too; {rerun}")
@@ -119,31 +134,37 @@ class FeatureCache:
             self._verified.add(name)
         return safe_open(str(path), framework="pt")
 
-    def _row(self, row: int, layers: list[int]) -> list[torch.Tensor]:
+    def _row(self, row: int, names: list[str]) -> list[torch.Tensor]:
         if row not in self._row_shard:
             raise DrafttrainError(f"feature cache {self.directory} has no row {row}")
         with self._open(self._row_shard[row]) as f:
-            return [f.get_tensor(f"row{row}.layer{layer}") for layer in layers]
+            return [f.get_tensor(f"row{row}.{name}") for name in names]
 
     @torch.no_grad()
     def outputs(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:
         """Right-padded outputs for the batch's rows (``row_index``), in the target's dtype, on its device."""
         needs, final_layer = self.needs, self.target.num_layers
-        layers = needs.stored_layers(final_layer)
-        per_row = [self._row(int(r), layers) for r in batch["row_index"].tolist()]
+        top_k = needs.logits_top_k if needs.logits else None
+        names = [f"layer{layer}" for layer in needs.stored_layers(final_layer)]
+        if top_k:
+            names += ["topk_ids", "topk_log_probs", "topk_rest"]
+        per_row = [dict(zip(names, self._row(int(r), names))) for r in batch["row_index"].tolist()]
         seq_len, dtype = batch["input_ids"].shape[1], self.target.model.dtype
 
-        def padded(layer: int) -> torch.Tensor:
-            at = layers.index(layer)
-            out = torch.zeros(len(per_row), seq_len, self.target.hidden_size, dtype=dtype)
+        def padded(name: str, out_dtype=dtype) -> torch.Tensor:
+            width = per_row[0][name].shape[-1]
+            out = torch.zeros(len(per_row), seq_len, width, dtype=out_dtype)
             for i, tensors in enumerate(per_row):
-                x = tensors[at][:seq_len]
-                out[i, : x.shape[0]] = x.to(dtype)
+                x = tensors[name][:seq_len]
+                out[i, : x.shape[0]] = x.to(out_dtype)
             return out.to(self.target.device)
 
-        final = padded(final_layer) if needs.final_hidden or needs.logits else None
+        final = padded(f"layer{final_layer}") if f"layer{final_layer}" in names else None
+        kept = TopK(ids=padded("topk_ids", torch.long), log_probs=padded("topk_log_probs", torch.float32),
+                    rest=padded("topk_rest", torch.float32)) if top_k else None
         return TargetOutputs(
-            hidden=torch.cat([padded(layer) for layer in needs.layers], dim=-1) if needs.layers else None,
+            hidden=torch.cat([padded(f"layer{layer}") for layer in needs.layers], dim=-1) if needs.layers else None,
             final=final if needs.final_hidden else None,
-            logits=logits_from_final(self.target, final) if needs.logits else None,
+            logits=logits_from_final(self.target, final) if needs.logits and not top_k else None,
+            top_k=kept,
         )

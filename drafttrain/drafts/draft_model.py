@@ -1,0 +1,260 @@
+"""Distilled draft models: a small causal LM trained so that its next-token distribution agrees with the target's
+(DistillSpec), served by the ``draft_model`` proposer and saved as a plain HF model folder any engine can load.
+
+The student is a named model sharing the target's tokenizer, or one cut from the target: chosen decoder layers
+(``every:N``, ``first:K`` or a list) with the target's embeddings, norm and lm_head, starting from its weights.
+Full-weight training by default, LoRA adapters (peft) as an option (merged into the saved folder).
+
+Loss: a divergence from drafttrain.drafts.losses between the target's distribution p and the draft's q at every
+trainable position, at a temperature: fkl, rkl, jsd (β as in TRL's GKD), tvd; or sft, cross-entropy on the data's
+tokens. The target's distribution comes online, or from an offline teacher cache as its top-k (the divergence is
+then taken over the k tokens and one bucket for the rest). Options:
+
+* on-policy data (DistillSpec / GKD's λ): a share of batches is answered by the current draft, sampled in one
+  batched ``generate``, and scored by the target; the time it costs is logged (``on_policy_s``);
+* AdaSPEC-style selective distillation: each batch's hardest tokens for the draft are left out.
+
+Logged per step: the exact per-token acceptance under speculative sampling at T=1, 1 - TVD(p, q) (``acceptance``),
+and the top-1 agreement with the target (what greedy drafting is paid for).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from drafttrain import DrafttrainError
+from drafttrain.config import DraftModelConfig
+from drafttrain.drafts import losses
+from drafttrain.drafts.base import Drafter, StepOutput, target_identity, top1_hits
+from drafttrain.drafts.layers import shift_left
+from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
+from drafttrain.targets.hidden import decoder_layers
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, run_target
+
+log = logging.getLogger(__name__)
+
+
+class DistilledDrafter(Drafter):
+    kind = "draft_model"
+    config_class = DraftModelConfig
+    proposer = "draft_model"
+
+    def __init__(self, config: DraftModelConfig, student: torch.nn.Module):
+        super().__init__(config)
+        self.student = student
+
+    # -- construction ------------------------------------------------------------------------------------
+    @classmethod
+    def target_needs(cls, config: DraftModelConfig, target) -> TargetNeeds:
+        if config.divergence == "sft":
+            return TargetNeeds()  # the data's tokens alone
+        return TargetNeeds(logits=True, logits_top_k=config.teacher_top_k, logits_temperature=config.temperature)
+
+    @classmethod
+    def build(cls, config: DraftModelConfig, target, run: RunFolder | None = None) -> "DistilledDrafter":
+        if config.cut is not None:
+            student = cut_from_target(target, config.cut)
+        else:
+            from drafttrain.targets import check_same_tokenizer, load_target
+
+            named = load_target(config.student, dtype=str(target.model.dtype).removeprefix("torch."),
+                                device=str(target.device))
+            if getattr(target, "tokenizer", None) is not None:
+                check_same_tokenizer(target, named)
+            student = named.model
+        warn_if_larger(student, target)
+        student.requires_grad_(True)
+        if config.lora is not None:
+            student = add_student_lora(student, config)
+        return cls(config, student.train()).attach_target(target)
+
+    @classmethod
+    def from_pretrained(cls, directory, target) -> "DistilledDrafter":
+        from transformers import AutoModelForCausalLM
+
+        directory = Path(directory)
+        config = DraftModelConfig.model_validate(read_json(directory / CONFIG_NAME)["drafttrain"]["draft"])
+        student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
+        return cls(config, student.to(target.device).eval()).attach_target(target)
+
+    def save_pretrained(self, directory, **meta) -> Path:
+        """A plain HF model folder (weights, config, the target's tokenizer) with a ``drafttrain`` section in its
+        config: what vLLM, SGLang or HF assisted generation take as a draft model."""
+        directory = Path(directory)
+        model = _merged_copy(self.student) if self.config.lora is not None else self.student
+        model.save_pretrained(str(directory), safe_serialization=True)
+        tokenizer = getattr(self.target, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory))
+        from drafttrain import __version__
+
+        config = json.loads((directory / CONFIG_NAME).read_text())
+        config["drafttrain"] = {"kind": self.kind, "version": __version__, "draft": self.config.model_dump(mode="json"),
+                                "target": target_identity(self.target), **meta}
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+        return directory
+
+    # -- training ------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
+        cfg, metrics = self.config, {}
+        if cfg.on_policy > 0 and self.training and float(torch.rand(())) < cfg.on_policy:
+            started = time.perf_counter()
+            batch = self.on_policy_batch(batch)
+            metrics["on_policy_s"] = time.perf_counter() - started
+            with torch.no_grad():
+                outputs = run_target(self.target, batch, TargetNeeds(logits=True))
+        logits = self.aligned(self.student(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                                           use_cache=False).logits)
+        weight = shift_left(batch["loss_mask"].float(), 1)  # position t predicts token t+1
+        labels = shift_left(batch["input_ids"], 1)
+        if cfg.divergence == "sft":
+            per = -losses.log_probs(logits, cfg.temperature).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            teacher_top1 = labels
+        elif outputs.top_k is not None:
+            per = losses.per_position(cfg.divergence, losses.top_k_buckets(logits, outputs.top_k.ids, cfg.temperature),
+                                      outputs.top_k.buckets, cfg.beta)
+            teacher_top1 = outputs.top_k.ids[..., 0]
+        else:
+            teacher = outputs.logits.detach()
+            per = losses.per_position(cfg.divergence, losses.log_probs(logits, cfg.temperature),
+                                      losses.log_probs(teacher, cfg.temperature), cfg.beta)
+            teacher_top1 = teacher.argmax(-1)
+            with torch.no_grad():
+                metrics["acceptance"] = float(losses.masked_mean(
+                    1 - losses.per_position("tvd", losses.log_probs(logits), losses.log_probs(teacher)), weight))
+        if cfg.token_filter > 0:
+            weight = weight * keep_learnable(per.detach(), weight, cfg.token_filter)
+        loss = losses.masked_mean(per, weight)
+        with torch.no_grad():
+            correct, counted = top1_hits(logits.argmax(-1), teacher_top1, weight)
+        metrics["loss_" + cfg.divergence] = float(loss.detach())
+        return StepOutput(loss=loss, metrics=metrics, correct=[correct], counted=[counted])
+
+    def aligned(self, logits: torch.Tensor) -> torch.Tensor:
+        """The student's logits over the target's vocabulary size (same tokenizer, differently padded heads)."""
+        v, target_v = logits.shape[-1], self.target.vocab_size
+        if v > target_v:
+            return logits[..., :target_v]
+        if v < target_v:
+            return torch.nn.functional.pad(logits, (0, target_v - v), value=float("-inf"))
+        return logits
+
+    @torch.no_grad()
+    def on_policy_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch's prompts (each row up to its first trained token) answered by the current draft, sampled in
+        one batched generate; the answers are the trained tokens."""
+        from drafttrain.data.chat import stop_token_ids
+
+        cfg, device = self.config, batch["input_ids"].device
+        prompts = []
+        for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
+            trained = mask.nonzero()
+            start = int(trained[0]) if len(trained) else int(batch["attention_mask"].sum())
+            prompts.append(ids[: max(start, 1)])
+        stops = stop_token_ids(self.target.tokenizer, self.target.model.generation_config)
+        width = max(len(p) for p in prompts)
+        pad = stops[0]
+        left = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+        attention = torch.zeros_like(left)
+        for i, p in enumerate(prompts):
+            left[i, width - len(p):], attention[i, width - len(p):] = p, 1
+        was_training = self.student.training
+        self.student.eval()
+        try:
+            generated = self.student.generate(
+                input_ids=left, attention_mask=attention, max_new_tokens=cfg.on_policy_max_new_tokens,
+                do_sample=cfg.on_policy_temperature > 0, temperature=cfg.on_policy_temperature or None, top_p=None,
+                top_k=None, eos_token_id=stops, pad_token_id=pad)[:, width:]
+        finally:
+            self.student.train(was_training)
+        rows = []
+        for p, answer in zip(prompts, generated.tolist()):
+            end = next((i + 1 for i, t in enumerate(answer) if t in stops), len(answer))
+            rows.append((p.tolist(), answer[:end]))
+        longest = max(len(p) + len(a) for p, a in rows)
+        out = {k: torch.zeros(len(rows), longest, dtype=torch.long, device=device)
+               for k in ("input_ids", "loss_mask", "attention_mask")}
+        out["input_ids"].fill_(pad)
+        for i, (p, a) in enumerate(rows):
+            out["input_ids"][i, : len(p) + len(a)] = torch.tensor(p + a, device=device)
+            out["attention_mask"][i, : len(p) + len(a)] = 1
+            out["loss_mask"][i, len(p): len(p) + len(a)] = 1
+        return out
+
+
+def keep_learnable(per_token: torch.Tensor, weight: torch.Tensor, share: float) -> torch.Tensor:
+    """1 for the tokens kept, 0 for the ``share`` of the weighted tokens with the largest divergence."""
+    trained = weight > 0
+    count = int(trained.sum())
+    drop = int(share * count)
+    if drop == 0:
+        return torch.ones_like(weight)
+    threshold = per_token[trained].topk(drop).values[-1]
+    return torch.where(trained, (per_token < threshold).float(), torch.ones_like(weight))
+
+
+# ------------------------------------------------------------------------------------------------ students
+
+
+def cut_from_target(target, cut: str | list[int]) -> torch.nn.Module:
+    """A copy of the target that keeps only the chosen decoder layers (and its embeddings, final norm and lm_head),
+    with the target's weights: its forward is the target's computation through those layers."""
+    model = target.model
+    total = target.num_layers
+    if isinstance(cut, str):
+        how, n = cut.split(":")
+        keep = list(range(0, total, int(n))) if how == "every" else list(range(min(int(n), total)))
+    else:
+        keep = list(cut)
+    if not keep or keep[-1] >= total:
+        raise DrafttrainError(f"draft.cut {cut!r}: the target has layers 0..{total - 1}")
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.num_hidden_layers = len(keep)
+    for name in ("layer_types",):  # per-layer settings (sliding windows ...) follow their layers
+        values = getattr(config, name, None)
+        if isinstance(values, list) and len(values) == total:
+            setattr(config, name, [values[i] for i in keep])
+    student = type(model)(config).to(dtype=model.dtype, device=target.device)
+    prefix = next(name for name, module in model.named_modules() if module is decoder_layers(model)) + "."
+    source = model.state_dict()
+    state = {}
+    for key in student.state_dict():
+        if key.startswith(prefix):
+            index, rest = key[len(prefix):].split(".", 1)
+            state[key] = source[f"{prefix}{keep[int(index)]}.{rest}"]
+        else:
+            state[key] = source[key]
+    student.load_state_dict(state)
+    student.generation_config = model.generation_config
+    return student
+
+
+def warn_if_larger(student: torch.nn.Module, target) -> None:
+    ours, theirs = sum(p.numel() for p in student.parameters()), sum(p.numel() for p in target.model.parameters())
+    if ours >= theirs:
+        log.warning("the draft model has %s parameters, the target %s: a draft as large as its target cannot make "
+                    "decoding faster", f"{ours:,}", f"{theirs:,}")
+
+
+def add_student_lora(student: torch.nn.Module, config: DraftModelConfig) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = config.lora
+    present = {name.rpartition(".")[2] for name, _ in student.named_modules()}
+    missing = [m for m in lora.target_modules if m not in present]
+    if missing:
+        raise DrafttrainError(f"draft.lora.target_modules {missing} are not modules of the draft model")
+    return get_peft_model(student, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                              target_modules=list(lora.target_modules), bias="none"))
+
+
+def _merged_copy(peft_model: torch.nn.Module) -> torch.nn.Module:
+    """The student with its adapters merged, leaving the training model untouched."""
+    import copy
+
+    return copy.deepcopy(peft_model).merge_and_unload()

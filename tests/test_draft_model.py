@@ -1,0 +1,260 @@
+"""Distilled draft models: students cut from the target, divergences and their acceptance, the teacher cache,
+on-policy data, selective distillation, save/load as a plain HF folder, resume, recipes and bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from conftest import REPO
+from drafttrain import DrafttrainError
+from drafttrain.config import DraftModelConfig, load_recipe
+from drafttrain.decoding.verify import expected_acceptance_rate
+from drafttrain.drafts import build_drafter, load_drafter
+from drafttrain.drafts.draft_model import cut_from_target, keep_learnable
+from drafttrain.targets import Target, TargetNeeds, run_target
+from drafttrain.training.features import FeatureCache, write_feature_cache
+
+
+def tiny_target(seed=0, layers=4, vocab=64) -> Target:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return Target("tiny", LlamaForCausalLM(config).eval().requires_grad_(False), None)
+
+
+def batch_of(vocab=64, rows=2, seq=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
+    mask = torch.ones(rows, seq)
+    mask[:, :5] = 0
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
+
+
+def test_a_cut_student_computes_the_target_through_its_kept_layers():
+    target = tiny_target(layers=6)
+    student = cut_from_target(target, [0, 2, 5])
+    ids = torch.randint(0, 64, (1, 10))
+    model = target.model.model
+    with torch.no_grad():
+        h = model.embed_tokens(ids)
+        positions = torch.arange(10).unsqueeze(0)
+        cos_sin = model.rotary_emb(h, positions)
+        for index in (0, 2, 5):
+            out = model.layers[index](h, position_embeddings=cos_sin, position_ids=positions)
+            h = out[0] if isinstance(out, tuple) else out
+        want = target.model.lm_head(model.norm(h))
+        assert torch.allclose(student(ids).logits, want, atol=1e-5)
+    assert student.config.num_hidden_layers == 3
+    assert [len(cut_from_target(target, c).model.layers) for c in ("every:2", "first:4")] == [3, 4]
+
+
+@pytest.mark.parametrize("divergence", ["fkl", "rkl", "jsd", "tvd"])
+def test_a_draft_equal_to_its_target_has_zero_divergence_and_full_acceptance(divergence):
+    target = tiny_target()
+    drafter = build_drafter(DraftModelConfig(cut="every:1", divergence=divergence), target)
+    batch = batch_of()
+    out = drafter.training_step(batch, run_target(target, batch, drafter.needs()))
+    assert float(out.loss) == pytest.approx(0.0, abs=1e-5)
+    assert out.metrics["acceptance"] == pytest.approx(1.0, abs=1e-5) and out.correct == out.counted
+
+
+def test_the_logged_acceptance_is_the_exact_acceptance_of_a_one_token_chain():
+    """β = 1 - TVD(p, q) is what speculative sampling accepts: the sum over draft tokens x of q(x)·min(1, p/q),
+    computed exactly here (no sampling) from the verification rule, on a toy target and draft."""
+    target = tiny_target(seed=0)
+    drafter = build_drafter(DraftModelConfig(cut="first:2"), target)
+    with torch.no_grad():
+        for p in drafter.student.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # a draft that disagrees
+    ids = torch.randint(0, 64, (1, 6))
+    batch = {"input_ids": ids, "loss_mask": torch.tensor([[0, 0, 0, 0, 0, 1]]), "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        out = drafter.training_step(batch, run_target(target, batch, drafter.needs()))
+        p = torch.softmax(target.model(ids).logits[0, 4], -1).double()
+        q = torch.softmax(drafter.student(ids).logits[0, 4], -1).double()
+    exact = float(sum(q[x] * min(1.0, float(p[x] / q[x])) for x in range(64)))
+    assert out.metrics["acceptance"] == pytest.approx(exact, abs=1e-5)
+    assert float(expected_acceptance_rate(p, q)) == pytest.approx(exact, abs=1e-9)
+    assert exact < 0.95  # a real disagreement is measured
+
+
+def test_gradients_reach_only_the_student():
+    target = tiny_target()
+    drafter = build_drafter(DraftModelConfig(cut="first:2", divergence="jsd"), target)
+    batch = batch_of()
+    drafter.training_step(batch, run_target(target, batch, drafter.needs())).loss.backward()
+    assert all(p.grad is None for p in target.model.parameters())
+    assert all(p.grad is not None for p in drafter.student.parameters() if p.requires_grad)
+    target_ids = {id(p) for p in target.model.parameters()}
+    assert not any(id(p) in target_ids for p in drafter.parameters())
+
+
+def test_a_teacher_cache_keeps_the_top_k_and_gives_the_same_loss_when_k_is_the_vocab(tmp_path):
+    import datasets
+
+    target = tiny_target()
+    drafter = build_drafter(DraftModelConfig(cut="first:2", teacher_top_k=64), target)
+    batch = batch_of(rows=1)
+    rows = datasets.Dataset.from_list([{"input_ids": batch["input_ids"][0].tolist()}])
+    for k in (64, 8):
+        needs = TargetNeeds(logits=True, logits_top_k=k)
+        cache = write_feature_cache(target, rows, needs, tmp_path / f"top{k}", split_fingerprint="s", dtype=torch.float32)
+        cached = FeatureCache(cache, target, needs, "s").outputs({**batch, "row_index": torch.tensor([0])})
+        assert cached.logits is None and cached.top_k.ids.shape == (1, 16, k)
+        drafter.config = drafter.config.model_copy(update={"teacher_top_k": k})
+        online = drafter.training_step(batch, run_target(target, batch, TargetNeeds(logits=True)))
+        offline = drafter.training_step(batch, cached)
+        if k == 64:  # the whole vocabulary: the same loss
+            assert float(offline.loss) == pytest.approx(float(online.loss), rel=1e-4)
+        else:  # k tokens and a bucket for the rest: a coarser view, so never a larger KL (data processing)
+            assert 0 < float(offline.loss) <= float(online.loss) + 1e-7
+    with pytest.raises(DrafttrainError, match="holds the teacher's top-8 .* the recipe asks top-64"):
+        FeatureCache(tmp_path / "top8", target, TargetNeeds(logits=True, logits_top_k=64), "s")
+
+
+def test_the_on_policy_sampler_uses_the_students_current_weights():
+    """The answers are the current student's own (greedy here): they equal its generate from each prompt, and
+    change with its weights."""
+    from drafttrain.targets import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    target = Target("tiny", tiny_target(vocab=len(tokenizer)).model, tokenizer)
+    drafter = build_drafter(DraftModelConfig(cut="first:2", on_policy=1.0, on_policy_max_new_tokens=6,
+                                             on_policy_temperature=0.0), target)
+    batch = batch_of(vocab=len(tokenizer), rows=2)
+
+    def answers(new):
+        return [ids[mask.bool()].tolist() for ids, mask in zip(new["input_ids"], new["loss_mask"])]
+
+    def own_generate():
+        out = []
+        for row in batch["input_ids"]:
+            generated = drafter.student.generate(input_ids=row[:5][None], max_new_tokens=6, do_sample=False,
+                                                 pad_token_id=0, eos_token_id=[-1])
+            out.append(generated[0, 5:].tolist())
+        return out
+
+    first = drafter.on_policy_batch(batch)
+    assert [int(m.nonzero()[0]) for m in first["loss_mask"]] == [5, 5]  # prompt: up to the first trained token
+    assert all(ids[:5].tolist() == row[:5].tolist() for ids, row in zip(first["input_ids"], batch["input_ids"]))
+    assert answers(first) == own_generate()
+    with torch.no_grad():
+        for p in drafter.student.parameters():
+            p.add_(torch.randn_like(p))
+    second = drafter.on_policy_batch(batch)
+    assert answers(second) == own_generate() and answers(second) != answers(first)
+
+
+def test_token_filter_leaves_out_the_hardest_share():
+    per = torch.tensor([[0.1, 5.0, 0.2, 3.0, 0.3]])
+    weight = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    keep = keep_learnable(per, weight, 0.5)  # 4 trained tokens, the 2 hardest (5.0, 3.0) left out
+    assert keep.tolist() == [[1.0, 0.0, 1.0, 0.0, 1.0]]
+
+
+def test_a_saved_draft_is_a_plain_hf_model_folder(tmp_path):
+    target = tiny_target()
+    drafter = build_drafter(DraftModelConfig(cut="first:2"), target)
+    drafter.save_pretrained(tmp_path / "draft")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, drafter.student(ids).logits, atol=1e-6)
+    loaded = load_drafter(tmp_path / "draft", target)
+    assert loaded.kind == "draft_model" and loaded.config.cut == "first:2"
+
+
+def test_a_student_with_another_tokenizer_is_refused_naming_the_first_differing_id():
+    import copy
+
+    from drafttrain.targets import check_same_tokenizer, load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<|extra|>"], special_tokens=True)
+    with pytest.raises(DrafttrainError, match=r"the first id that differs is 49152: None in the target, '<\|extra\|>'"):
+        check_same_tokenizer(Target("t", None, tokenizer), Target("d", None, other))
+
+
+def test_a_student_as_large_as_its_target_is_warned_about(caplog):
+    target = tiny_target()
+    with caplog.at_level(logging.WARNING):
+        build_drafter(DraftModelConfig(cut="every:1"), target)
+    assert "the draft model has" in caplog.text and "cannot make decoding faster" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["smollm2_distill.yaml", "distill_llama3.1_8b_to_1b.yaml", "distill_llama70b_to_1b.yaml"])
+def test_distill_recipes_validate(name, monkeypatch):
+    monkeypatch.chdir(REPO)
+    recipe = load_recipe(REPO / "recipes" / name)
+    assert recipe.draft.kind == "draft_model"
+    if "llama" in name:
+        assert recipe.training.hidden_states == "offline" and recipe.training.deepspeed  # a teacher cache, ZeRO
+
+
+def test_resume_gives_the_same_losses(tmp_path):
+    from trainer_helpers import reset_accelerate, tiny_dataset, tiny_recipe
+
+    from drafttrain.training.trainer import Trainer
+
+    def trainer(folder, callbacks=None):
+        reset_accelerate()
+        target = tiny_target(vocab=128)
+        torch.manual_seed(2)
+        drafter = build_drafter(DraftModelConfig(cut="first:2", divergence="jsd", on_policy=0.0), target)
+        return Trainer(tiny_recipe(folder, max_steps=4, save_every=2, batch_size=2), target, drafter,
+                       tiny_dataset(16), callbacks=callbacks)
+
+    straight = trainer(tmp_path / "straight").train()
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_2(step, checkpoint):
+        if step == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        trainer(tmp_path / "resumed", [stop_at_2]).train()
+    resumed = trainer(tmp_path / "resumed").train(resume=True)
+    for step in (3, 4):
+        assert resumed.losses[step] == pytest.approx(straight.losses[step], abs=1e-6)
+    reset_accelerate()
+
+
+@pytest.mark.slow
+def test_distillation_end_to_end_on_smollm2_with_a_teacher_cache_and_on_policy_batches(tmp_path):
+    import json
+
+    import yaml
+
+    from drafttrain.commands import main
+
+    recipe = {
+        "output_dir": str(tmp_path / "run"),
+        "data": {"sources": [{"path": str(REPO / "data/train/alpaca_en_demo.json"), "max_samples": 12}],
+                 "num_samples": 12, "validation_fraction": 0.25, "max_length": 96},
+        "regenerate": {"enabled": False},
+        "draft": {"kind": "draft_model", "cut": "first:2", "divergence": "jsd", "teacher_top_k": 16,
+                  "on_policy": 0.5, "on_policy_max_new_tokens": 8},
+        "training": {"hidden_states": "offline", "max_steps": 4, "save_every": 2, "log_every": 1,
+                     "learning_rate": 1e-4},
+        "eval": {"num_prompts": 1, "max_new_tokens": 8, "depth": 2},
+        "wandb": {"mode": "disabled"},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["prepare", str(path), "--no-progress"]) == 0
+    index = json.loads((tmp_path / "run" / "features" / "index.json").read_text())
+    assert index["logits_top_k"] == 16 and index["layers"] == []  # the teacher's top-k only: no hidden states
+    assert main(["train", str(path)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("on_policy_s" in r for r in records)  # on-policy batches ran, and their cost is logged
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000004"
+    metrics = json.loads((checkpoint / "eval.json").read_text())
+    assert metrics["greedy_match"] == 1.0 and metrics["tau"] >= 1.0
+    assert AutoModelForCausalLM.from_pretrained(checkpoint).config.num_hidden_layers == 2

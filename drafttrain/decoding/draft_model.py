@@ -57,8 +57,12 @@ class DraftModelProposer(TreeDrafter):
 
     def _feed(self, nodes, tokens, parents, depths) -> torch.Tensor:
         ids = torch.tensor([[tokens[n] for n in nodes]], device=self.device)
-        pos = torch.tensor([[self.ctx - 1 + depths[n] for n in nodes]], device=self.device)
-        logits = forward(self.model, self.cache, ids, position_ids=pos, allowed=feed_mask(parents, self.fed, nodes))
+        allowed = feed_mask(parents, self.fed, nodes)
+        if bool(allowed.all()):  # a chain: plain causal attention at the next positions, no mask to build
+            logits = forward(self.model, self.cache, ids)
+        else:
+            pos = torch.tensor([[self.ctx - 1 + depths[n] for n in nodes]], device=self.device)
+            logits = forward(self.model, self.cache, ids, position_ids=pos, allowed=allowed)
         self.fed.extend(nodes)
         return self._aligned(logits[0])
 

@@ -115,6 +115,10 @@ def render_markdown(report: EvalReport) -> str:
         f"\nSpeedup as SafeAILab/EAGLE's speed.py computes it (ratio of mean per-prompt speeds): "
         f"{fmt(report.overall.get('speedup_ratio_of_mean_speeds'), 2, '×')}\n"
     )
+    split = report.overall.get("step_ms")
+    if split:
+        parts.append(f"\nTime per speculative step: drafting {split['draft']:.1f} ms, verification "
+                     f"{split['verify']:.1f} ms, the rest of the loop {split['other']:.1f} ms.\n")
     parts.append("\n## Per-position acceptance (overall)\n")
     pos = report.overall["acceptance_per_position"]
     parts.append(_table(
@@ -202,6 +206,10 @@ def print_report(report: EvalReport, console=None) -> None:
         + "  ".join(f"d{i + 1} {_pct(c)} / {_pct(u)}" for i, (c, u) in enumerate(zip(pos["conditional"],
                                                                                      pos["cumulative"])))
     )
+    split = report.overall.get("step_ms")
+    if split:
+        console.print(f"per step: drafting {split['draft']:.1f} ms, verification {split['verify']:.1f} ms, "
+                      f"other {split['other']:.1f} ms")
     for key, line in report.comparisons.items():
         console.print(
             f"same run, proposer {key}: τ {fmt(line['tau'])}, acceptance {_pct(line['acceptance_rate'])}, "

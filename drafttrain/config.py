@@ -261,6 +261,8 @@ class WandbConfig(Section):
     project: str = "drafttrain"
     # "offline" unless WANDB_API_KEY is set; "disabled" turns it off.
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    # Upload the best checkpoint's draft (not its optimizer state) as a wandb model artifact when training ends.
+    log_best_checkpoint: bool = False
 
 
 class Recipe(Section):

@@ -8,10 +8,11 @@ import pytest
 import yaml
 
 from conftest import REPO
+from wandb_records import read_run
 from drafttrain.commands import main
 
 
-def write_recipe(tmp_path, **training):
+def write_recipe(tmp_path, wandb=None, **training):
     recipe = {
         "output_dir": str(tmp_path / "run"),
         "target": {"model": "smollm2-135m-instruct"},
@@ -24,7 +25,7 @@ def write_recipe(tmp_path, **training):
         "draft": {"kind": "eagle3", "ttt_steps": 3},
         "training": {"epochs": 3, "learning_rate": 2e-3, "save_every": 12, "log_every": 4, **training},
         "eval": {"suite": "mt_bench", "num_prompts": 1, "max_new_tokens": 8, "depth": 3},
-        "wandb": {"mode": "disabled"},
+        "wandb": wandb or {"mode": "disabled"},
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -38,7 +39,7 @@ def read_metrics(run):
 @pytest.fixture(scope="module")
 def online_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("online")
-    recipe = write_recipe(tmp)
+    recipe = write_recipe(tmp, wandb={"mode": "offline", "log_best_checkpoint": True})
     assert main(["prepare", str(recipe), "--no-progress"]) == 0
     assert main(["train", str(recipe)]) == 0
     return tmp / "run"
@@ -64,6 +65,38 @@ def test_every_checkpoint_is_evaluated_and_the_best_is_kept_by_real_tau(online_r
     assert best["metric"] == "tau"
     evals = [r for r in read_metrics(online_run) if "eval/tau" in r]
     assert max(r["eval/tau"] for r in evals) == pytest.approx(best["value"])
+
+
+def test_the_wandb_run_holds_acceptance_per_position_the_category_table_the_plot_and_the_best_draft(online_run):
+    logged = read_run(online_run / "wandb")
+    train = [h for h in logged["history"] if "train/step" in h]
+    evals = [h for h in logged["history"] if "eval/step" in h]
+    # training records against train/step, with per-position accuracy and the simulated tau
+    assert len(train) >= 4 and all({"train/loss", "train/acc_0", "train/acc_2", "train/sim_tau"} <= h.keys()
+                                   for h in train)
+    assert [h["train/loss"] for h in train] == [r["loss"] for r in read_metrics(online_run) if "loss" in r]
+    # one eval entry per checkpoint, equal to what the checkpoint's own report says
+    ckpts = sorted((online_run / "checkpoints").glob("step-*"))
+    assert [h["eval/step"] for h in evals] == [int(c.name.split("-")[1]) for c in ckpts]
+    for entry, ckpt in zip(evals, ckpts):
+        report = json.loads((ckpt / "eval" / "report.json").read_text())["overall"]
+        assert entry["eval/tau"] == pytest.approx(report["tau"])
+        conditional = report["acceptance_per_position"]["conditional"]
+        for k, value in enumerate(conditional, 1):
+            assert entry.get(f"eval/acceptance_cond_{k}") == (None if value is None else pytest.approx(value))
+        assert entry["eval/categories"]["_type"] == "table-file" and entry["eval/categories"]["ncols"] == 6
+        assert entry["eval/acceptance"]["_type"] == "image-file"
+    # charts are drawn over each section's own step; tau's summary is its best value
+    globs = {m.glob_name: m.step_metric for m in logged["metrics"] if m.glob_name}
+    assert globs == {"train/*": "train/step", "eval/*": "eval/step"}
+    assert any(m.name == "eval/tau" and m.summary.max for m in logged["metrics"])
+    # the recipe is the run's config; the best checkpoint's draft is a model artifact without optimizer state
+    assert logged["config"]["draft"]["kind"] == "eagle3"
+    (model,) = [a for a in logged["artifacts"] if a.type == "model"]
+    best = json.loads((online_run / "checkpoints" / "best.json").read_text())["checkpoint"]
+    assert "best" in model.aliases and best in model.aliases
+    names = {entry.path for entry in model.manifest.contents}
+    assert "model.safetensors" in names and "config.json" in names and not any("optimizer" in n for n in names)
 
 
 def test_offline_features_train_like_online(tmp_path):

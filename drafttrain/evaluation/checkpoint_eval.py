@@ -28,6 +28,7 @@ from drafttrain.evaluation.suites import Suite, load_suite
 from drafttrain.runfolder import EVAL_DIR, RunFolder
 from drafttrain.targets.outputs import run_target
 from drafttrain.training.loader import ROW_INDEX, pad_collate
+from drafttrain.training.logging import CheckpointMetrics
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +140,10 @@ class CheckpointEvaluator:
             drift["greedy_match_vs_original"] = sum(a == b for a, b in zip(adapted, original)) / len(adapted)
         return drift
 
-    def __call__(self, step: int, checkpoint: Path) -> dict[str, float]:
+    def __call__(self, step: int, checkpoint: Path) -> CheckpointMetrics:
         drafter = load_drafter(checkpoint, self.target).eval()
         metrics: dict[str, float] = {}
+        measured = CheckpointMetrics(metrics)
         if self.validation is not None and len(self.validation):
             accs = self.held_out_accuracies(drafter)
             metrics["sim_tau"] = simulated_tau(accs)
@@ -151,9 +153,25 @@ class CheckpointEvaluator:
         if self.questions is not None:
             report = evaluate_drafter(self.recipe, self.target, drafter, self.questions, progress=False,
                                       calibration=self.questions)
-            write_report(report, checkpoint / EVAL_DIR)
-            overall = report.overall
-            metrics.update({k: float(overall[k]) for k in ("tau", "acceptance_rate", "speedup", "greedy_match")
-                            if overall.get(k) is not None})
-        log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if not k.startswith("val_")))
-        return metrics
+            paths = write_report(report, checkpoint / EVAL_DIR)
+            measured.merge(dashboard_metrics(report, paths["plot"]))
+        log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()
+                                                if not k.startswith(("val_", "acceptance_"))))
+        return measured
+
+
+def dashboard_metrics(report: EvalReport, plot: Path | None = None) -> CheckpointMetrics:
+    """A report as dashboard entries: τ, acceptance, speedup, greedy match; acceptance at each depth k
+    (``acceptance_cond_k`` = P(k | k-1), ``acceptance_cum_k`` = P(k)); per-category numbers as a table; the plot."""
+    overall = report.overall
+    scalars = {k: float(overall[k]) for k in ("tau", "acceptance_rate", "speedup", "greedy_match")
+               if overall.get(k) is not None}
+    per_position = overall["acceptance_per_position"]
+    for kind, key in (("conditional", "cond"), ("cumulative", "cum")):
+        scalars.update({f"acceptance_{key}_{k}": float(v) for k, v in enumerate(per_position[kind], 1)
+                        if v is not None})
+    columns = ["category", "prompts", "tau", "acceptance_rate", "speedup", "greedy_match"]
+    rows = [[name, m["num_prompts"], *(m.get(c) for c in columns[2:])]
+            for name, m in {"overall": overall, **report.categories}.items()]
+    return CheckpointMetrics(scalars, tables={"categories": (columns, rows)},
+                             images={"acceptance": plot} if plot is not None else {})

@@ -1,11 +1,17 @@
 """Training metrics: ``<output_dir>/metrics.jsonl``, Weights & Biases and the console progress line.
 
-Only numbers are logged (losses, accuracies, learning rate, throughput, eval metrics): never token ids, text or
-secrets. Everything here runs on the main process only; the trainer reduces values across ranks first.
+Only numbers are logged (losses, accuracies, learning rate, throughput, eval metrics) plus, on wandb, tables of
+numbers and the acceptance plot: never token ids, text or secrets. Everything here runs on the main process only;
+the trainer reduces values across ranks first.
+
+On wandb, training records go under ``train/`` against ``train/step`` and checkpoint evaluations under ``eval/``
+against ``eval/step`` (``define_metric``), so acceptance charts are drawn over checkpoint steps and a resumed run
+that logs a step again is not dropped by wandb's monotonic step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -15,12 +21,13 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
-from drafttrain.runfolder import write_text_atomic
 from drafttrain.config import Recipe, WandbConfig
 from drafttrain.drafts.base import add_positions, simulated_tau
-from drafttrain.runfolder import RunFolder
+from drafttrain import DrafttrainError
+from drafttrain.runfolder import ACCELERATE_DIR, RunFolder, damaged, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,25 @@ def _public_config(value: Any) -> Any:
 
 def _finite_or_none(value: Any) -> Any:
     return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+@dataclasses.dataclass
+class CheckpointMetrics:
+    """What a checkpoint evaluation measured. ``scalars`` are kept with the checkpoint and in metrics.jsonl (and
+    choose the best checkpoint); ``tables`` (name -> (columns, rows of numbers or category names)) and ``images``
+    (name -> PNG file) go to the dashboard only."""
+
+    scalars: dict[str, float]
+    tables: dict[str, tuple[list[str], list[list[Any]]]] = dataclasses.field(default_factory=dict)
+    images: dict[str, Path] = dataclasses.field(default_factory=dict)
+
+    def merge(self, other: "CheckpointMetrics | dict[str, float] | None") -> None:
+        if isinstance(other, CheckpointMetrics):
+            self.scalars.update(other.scalars)
+            self.tables.update(other.tables)
+            self.images.update(other.images)
+        elif other:
+            self.scalars.update(other)
 
 
 class WindowMeter:
@@ -159,7 +185,7 @@ class MetricsLog:
         id_file = self.run.wandb_id
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
-        return wandb.init(
+        run = wandb.init(
             project=recipe.wandb.project,
             name=self.run.root.name,
             id=run_id,
@@ -170,6 +196,11 @@ class MetricsLog:
             # console capture could record anything printed (e.g. data samples); code is not needed either.
             settings=wandb.Settings(console="off", save_code=False),
         )
+        for section in ("train", "eval"):
+            run.define_metric(f"{section}/step")
+            run.define_metric(f"{section}/*", step_metric=f"{section}/step")
+        run.define_metric("eval/tau", step_metric="eval/step", summary="max")
+        return run
 
     def _start_bar(self, total_steps: int, start_step: int):
         from tqdm.auto import tqdm
@@ -179,13 +210,49 @@ class MetricsLog:
                     disable=not sys.stderr.isatty())
 
     def write(self, record: dict[str, Any]) -> None:
+        """One training record (``step`` and numbers)."""
+        record = self._append(record)
+        if self._wandb is not None:
+            self._wandb.log({"train/step": record["step"],
+                             **{f"train/{k}": v for k, v in record.items() if k != "step"}})
+
+    def write_eval(self, step: int, measured: CheckpointMetrics) -> None:
+        """One checkpoint's evaluation: its numbers as ``eval/...``; on wandb also its tables and images."""
+        self._append({"step": step, **{f"eval/{k}": float(v) for k, v in measured.scalars.items()}})
+        if self._wandb is None:
+            return
+        import wandb
+
+        entry: dict[str, Any] = {"eval/step": step,
+                                 **{f"eval/{k}": _finite_or_none(float(v)) for k, v in measured.scalars.items()}}
+        for name, (columns, rows) in measured.tables.items():
+            entry[f"eval/{name}"] = wandb.Table(columns=list(columns), data=[list(r) for r in rows])
+        for name, path in measured.images.items():
+            if Path(path).is_file():
+                entry[f"eval/{name}"] = wandb.Image(str(path))
+        self._wandb.log(entry)
+
+    def log_checkpoint(self, checkpoint: Path, aliases: list[str]) -> None:
+        """The checkpoint's draft files (not its optimizer state) as a wandb model artifact."""
+        if self._wandb is None:
+            return
+        import wandb
+
+        artifact = wandb.Artifact(f"{self.run.root.name}-draft", type="model",
+                                  metadata={"checkpoint": checkpoint.name})
+        for path in sorted(checkpoint.rglob("*")):
+            relative = path.relative_to(checkpoint)
+            if path.is_file() and relative.parts[0] != ACCELERATE_DIR:
+                artifact.add_file(str(path), name=relative.as_posix())
+        self._wandb.log_artifact(artifact, aliases=aliases)
+
+    def _append(self, record: dict[str, Any]) -> dict[str, Any]:
         record = {k: _finite_or_none(v) for k, v in record.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
         if self._bar.disable:
             log.info("%s", " ".join(f"{k}={_short(v)}" for k, v in record.items()))
+        return record
 
     def advance(self, step: int, postfix: dict[str, float] | None = None) -> None:
         self._bar.update(step - self._bar.n)
@@ -210,3 +277,19 @@ def _step_of(line: str) -> int:
         return int(json.loads(line).get("step", 0))
     except (ValueError, AttributeError):
         return 0
+
+
+def read_metrics(run: RunFolder) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training records, checkpoint evaluation records) of a run's metrics.jsonl, in step order."""
+    if not run.metrics.is_file():
+        raise DrafttrainError(f"{run.metrics} is missing: the run has not trained yet (`drafttrain train`)")
+    train, evals = [], []
+    for number, line in enumerate(run.metrics.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise damaged(run.metrics, f"line {number} is not JSON") from None
+        (evals if any(k.startswith("eval/") for k in record) else train).append(record)
+    return train, evals

@@ -26,14 +26,15 @@ from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged,
 from drafttrain.targets.outputs import TargetOutputs, run_target
 from drafttrain.training.checkpoint import CheckpointManager, TrainerState, recipe_changes
 from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids
-from drafttrain.training.logging import MetricsLog, WindowMeter, summarise
+from drafttrain.training.logging import CheckpointMetrics, MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator
 from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
 
 log = logging.getLogger(__name__)
 
-# fn(step, checkpoint_dir) -> metrics (e.g. {"tau": 3.1}); runs on the main process after each checkpoint.
-CheckpointCallback = Callable[[int, Path], "dict[str, float] | None"]
+# fn(step, checkpoint_dir) -> metrics ({"tau": 3.1}, or CheckpointMetrics with dashboard tables and images); runs
+# on the main process after each checkpoint.
+CheckpointCallback = Callable[[int, Path], "CheckpointMetrics | dict[str, float] | None"]
 # fn(batch) -> the target outputs the drafter trains on (online: a target forward; offline: the cache).
 OutputsFn = Callable[["dict[str, torch.Tensor]"], TargetOutputs]
 
@@ -137,6 +138,7 @@ class Trainer:
         acc.wait_for_everyone()  # (wandb starts on the main process only) so throughput windows start together
         try:
             losses = self._loop(state)
+            self._log_best_checkpoint()
         finally:
             if self.metrics is not None:
                 self.metrics.close()
@@ -361,15 +363,24 @@ class Trainer:
             )
 
     def _evaluate(self, checkpoint: Path, step: int) -> None:
-        metrics: dict[str, float] = {}
+        measured = CheckpointMetrics({})
         with evaluation_mode(self.module, self.target.model):  # no dropout while measuring; training resumes as it was
             for callback in self.on_checkpoint:
-                metrics.update(callback(step, checkpoint) or {})
-        if not metrics:
+                measured.merge(callback(step, checkpoint))
+        if not measured.scalars:
             return
-        self.checkpoints.record_metrics(checkpoint, step, metrics)
+        self.checkpoints.record_metrics(checkpoint, step, measured.scalars)
         if self.metrics is not None:
-            self.metrics.write({"step": step, **{f"eval/{k}": float(v) for k, v in metrics.items()}})
+            self.metrics.write_eval(step, measured)
+
+    def _log_best_checkpoint(self) -> None:
+        """The best checkpoint (else the last) as a wandb artifact, when the recipe asks for it."""
+        if self.metrics is None or not self.recipe.wandb.log_best_checkpoint:
+            return
+        best = self.checkpoints.best()
+        checkpoint = self.checkpoints.root / best["checkpoint"] if best else self.checkpoints.latest()
+        if checkpoint is not None:
+            self.metrics.log_checkpoint(checkpoint, ["best" if best else "latest", checkpoint.name])
 
     def _result(self, state: TrainerState, losses: dict[int, float], trainable: int, resumed: Path | None):
         best = self.checkpoints.best()

@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("drafttrain.commands.prepare", "load, regenerate, tokenise conversations and build the draft vocab"),
     "train": ("drafttrain.commands.train", "train a draft from a recipe (also under accelerate launch)"),
     "eval": ("drafttrain.commands.eval", "measure speculative decoding: tau, acceptance, speedup"),
+    "export": ("drafttrain.commands.export", "write a trained draft for vLLM, SGLang or speculators, with a model card"),
+    "push": ("drafttrain.commands.push", "upload an export to the Hugging Face Hub"),
     "quickstart": ("drafttrain.commands.quickstart", "prepare, train and evaluate the bundled SmolLM2 quick recipe"),
 }
 

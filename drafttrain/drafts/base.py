@@ -6,7 +6,9 @@
 * ``trainable_target_parameters``: which target parameters it trains (none: the frozen target is the default);
 * ``training_step``: its loss (built from drafttrain.drafts.losses);
 * ``proposer``: the decoding proposer that serves it (drafttrain.decoding, by name);
-* ``formats``: the export formats it can be written in (drafttrain.export, by name).
+* ``formats``, ``exported`` and ``imported``: the serving formats it can be written in (vllm, sglang,
+  speculators, hf), what it looks like in each, and the way back (so an export loads and evaluates like the
+  checkpoint it came from). drafttrain.export writes the files.
 
 The trainer, ``prepare``, checkpoint evaluation and the evaluator only ever talk to a kind through this class.
 A draft never registers the target's weights as its own: it references the target (``attach_target``), so the
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +31,19 @@ from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DraftConfig
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
+
+
+@dataclasses.dataclass
+class Exported:
+    """A draft in one engine's format: ``config`` (config.json) and ``tensors`` (model.safetensors); ``folders``:
+    writers of whole model folders, by sub-folder name ("" = the export itself, for a draft that is a whole HF
+    model; its config.json gains ``config``), e.g. Medusa-2's adapted target, merged; ``notes``: what the engine
+    does differently, for the model card."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    folders: dict[str, Callable[[Path], None]] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -85,6 +100,12 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = config
         self.__dict__["_target"] = None  # a plain attribute: the target must not become a submodule
+
+    loaded_from: dict[str, str] | None = None  # {"path", "weights_sha256"} when loaded from files (load_drafter)
+
+    def identity(self) -> dict[str, Any]:
+        """What a report records of the draft it measured, so a model card's table is matched to its weights."""
+        return {"kind": self.kind, **(self.loaded_from or {"path": None, "weights_sha256": None})}
 
     # -- the target it serves ---------------------------------------------------------------------------
     def attach_target(self, target) -> "Drafter":
@@ -148,14 +169,32 @@ class Drafter(nn.Module):
     def save_pretrained(self, directory: str | Path, **meta) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "kind": self.kind})
+        save_file(self.state_tensors(), str(directory / WEIGHTS_NAME), metadata={"format": "pt", "kind": self.kind})
+        (directory / CONFIG_NAME).write_text(json.dumps(self.checkpoint_config(**meta), indent=2))
+        return directory
+
+    # -- export -------------------------------------------------------------------------------------------
+    def exported(self, fmt: str) -> Exported:
+        """This draft in serving format ``fmt`` (one of ``formats``). The config keeps a ``drafttrain`` section
+        (engines ignore it) that says which format it is, so ``imported`` can read it back."""
+        raise NotImplementedError
+
+    @classmethod
+    def imported(cls, fmt: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) \
+            -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """An export in format ``fmt`` back to this kind's checkpoint (config, tensors): the inverse of ``exported``."""
+        raise NotImplementedError
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+
+    def checkpoint_config(self, **meta) -> dict[str, Any]:
+        """config.json of a checkpoint: the interchange config and the ``drafttrain`` section."""
         config = self.interchange_config()
         config["drafttrain"] = {"kind": self.kind, "version": __version__,
                                 "draft": self.config.model_dump(mode="json"), "target": target_identity(self.target),
                                 **meta}
-        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
-        return directory
+        return config
 
     def load_weights(self, directory: str | Path) -> None:
         path = Path(directory) / WEIGHTS_NAME

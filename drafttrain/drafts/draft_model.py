@@ -30,7 +30,7 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, StepOutput, target_identity, top1_hits
+from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets.hidden import decoder_layers
@@ -91,13 +91,25 @@ class DistilledDrafter(Drafter):
         tokenizer = getattr(self.target, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
-        from drafttrain import __version__
-
-        config = json.loads((directory / CONFIG_NAME).read_text())
-        config["drafttrain"] = {"kind": self.kind, "version": __version__, "draft": self.config.model_dump(mode="json"),
-                                "target": target_identity(self.target), **meta}
+        config = {**json.loads((directory / CONFIG_NAME).read_text()), **self.checkpoint_config(**meta)}
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         return directory
+
+    def interchange_config(self) -> dict:
+        return {}  # the student's own HF config is the interchange config (save_pretrained writes it)
+
+    # -- export -------------------------------------------------------------------------------------------
+    formats = ("hf",)
+
+    def exported(self, fmt: str) -> Exported:
+        """A plain HF model folder: the checkpoint already is one; vLLM, SGLang, HF assisted generation and
+        llama.cpp (after conversion) take it as a draft model."""
+        return Exported({"drafttrain": self.checkpoint_config(export={"format": fmt})["drafttrain"]},
+                        folders={"": self.save_pretrained})
+
+    @classmethod
+    def imported(cls, fmt, config, tensors):
+        return config, tensors
 
     # -- training ------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:

@@ -12,7 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from drafttrain.config import EagleConfig
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import StepOutput, top1_hits
+from drafttrain import DrafttrainError
+from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import DraftDecoderLayer, llama_config_like, shift_left
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
@@ -63,6 +64,47 @@ class EagleDrafter(EagleHead):
 
     def interchange_config(self) -> dict:
         return {"architectures": ["EagleLlamaForCausalLM"], **self.llama_fields(), "bias": True}
+
+    # -- export -------------------------------------------------------------------------------------------
+    formats = ("vllm", "sglang")
+
+    def exported(self, fmt: str) -> Exported:
+        """vLLM builds fc without a bias and reads ``bias`` as "every attention projection has one" (which it then
+        never finds, so they stay random). The fc bias b is folded into layer 0's attention instead, exactly: layer
+        0 reads x = W·[e, h] + b un-normed, so q, k, v gain biases Wq·b, Wk·b, Wv·b, and the residual gains b,
+        which o_proj's bias adds. The other layers get zero biases. SGLang builds fc with a bias (its default)."""
+        config, tensors = self.checkpoint_config(export={"format": fmt}), self.state_tensors()
+        config.pop("bias")  # both engines read it as "every attention projection has a bias"
+        if fmt == "sglang":  # its fc always has a bias; the head's attention has none
+            return Exported(config, tensors)
+        config["attention_bias"] = True
+        fc_bias = tensors.pop("fc.bias")
+        for index in range(self.config.num_layers):
+            prefix = f"layers.{index}.self_attn."
+            for name in ("q_proj", "k_proj", "v_proj"):
+                weight = tensors[prefix + name + ".weight"]
+                tensors[prefix + name + ".bias"] = weight @ fc_bias if index == 0 else weight.new_zeros(weight.shape[0])
+            tensors[prefix + "o_proj.bias"] = fc_bias.clone() if index == 0 else torch.zeros_like(fc_bias)
+        return Exported(config, tensors, notes=["fc's bias is folded into layer 0's attention biases (vLLM's fc "
+                                                "has none); the computation is the same"])
+
+    @classmethod
+    def imported(cls, fmt, config, tensors):
+        config, tensors = {**config, "bias": True}, dict(tensors)
+        if fmt == "sglang":
+            return config, tensors
+        config.pop("attention_bias", None)
+        fc_bias = tensors["layers.0.self_attn.o_proj.bias"]
+        for key in [k for k in tensors if k.startswith("layers.") and k.endswith("_proj.bias")]:
+            weight = tensors[key.removesuffix(".bias") + ".weight"]
+            folded = weight @ fc_bias if key.startswith("layers.0.") and "o_proj" not in key else None
+            expected = fc_bias if key == "layers.0.self_attn.o_proj.bias" else \
+                folded if folded is not None else torch.zeros_like(tensors[key])
+            if not torch.allclose(tensors.pop(key), expected, atol=1e-4, rtol=1e-3):
+                raise DrafttrainError(f"{key} is not a folded fc bias: this vLLM EAGLE folder was not written by "
+                                      "drafttrain export, and its attention biases have no place in this head")
+        tensors["fc.bias"] = fc_bias
+        return config, tensors
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.model.get_output_embeddings()(hidden)

@@ -15,12 +15,16 @@ from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config
 from drafttrain.data.vocab import read_vocab_mapping
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import StepOutput, top1_hits
+from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import DraftDecoderLayer, llama_config_like, shift_left
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import final_norm
+from drafttrain.targets.loading import verifier_path
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
+
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format the export writes (and is tested with)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -120,6 +124,72 @@ class Eagle3Drafter(EagleHead):
             "draft_vocab_size": int(self.d2t.numel()),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids, "use_aux_hidden_state": True},
         }
+
+    # -- export -------------------------------------------------------------------------------------------
+    formats = ("vllm", "sglang", "speculators")
+
+    def exported(self, fmt: str) -> Exported:
+        """The layer ids say which target layers feed fc, and each engine reads them its own way. drafttrain's id i
+        is the input of target layer i (HF's hidden_states[i]). vLLM reads the same; SGLang adds 1 to explicit ids
+        (so it is given i - 1); both default to (2, L/2, L-3), so default ids are left out. speculators keeps them
+        explicit."""
+        ids = list(self.layer_ids)
+        config = self.checkpoint_config(export={"format": fmt, "aux_layer_ids": ids})
+        tensors = self.state_tensors()
+        if fmt == "speculators":
+            return self._speculators(config, tensors)
+        num_layers = self.target.num_layers
+        engine_default = [2, num_layers // 2, num_layers - 3]
+        if ids == engine_default:
+            del config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        elif fmt == "sglang":
+            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
+        notes = [f"reads target layers {ids} (the input of each; the engine's default)" if ids == engine_default
+                 else f"reads target layers {ids} (the input of each), written explicitly"]
+        return Exported(config, tensors, notes=notes)
+
+    def _speculators(self, config, tensors) -> Exported:
+        from drafttrain import __version__
+
+        layer = {k: v for k, v in config.items() if k not in (
+            "architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "drafttrain")}
+        layer["num_hidden_layers"] = self.config.num_layers
+        out = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]},
+            "draft_vocab_size": config["draft_vocab_size"],
+            "target_hidden_size": config["target_hidden_size"],
+            "norm_before_residual": False,  # the residual is the un-normed hidden, as in EAGLE-3
+            "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.config.ttt_steps,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": verifier_path(self.target), "architectures": list(
+                    getattr(self.target.config, "architectures", None) or [])},
+            },
+            "torch_dtype": "float32",
+            "drafttrain": {**config["drafttrain"], "writer": f"drafttrain {__version__}"},
+        }
+        renamed = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
+                   for k, v in tensors.items()}
+        return Exported(out, renamed)
+
+    @classmethod
+    def imported(cls, fmt, config, tensors):
+        ids = config["drafttrain"]["export"]["aux_layer_ids"]
+        if fmt == "speculators":
+            layer = config["transformer_layer_config"]
+            config = {**{k: v for k, v in layer.items() if k != "architectures"},
+                      "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": config["draft_vocab_size"],
+                      "target_hidden_size": config["target_hidden_size"], "drafttrain": config["drafttrain"]}
+            tensors = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
+                       for k, v in tensors.items()}
+        config = {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+        return config, tensors
 
     # -- shared forward pieces ---------------------------------------------------------------------------
     @property

@@ -29,13 +29,14 @@ from drafttrain import DrafttrainError
 from drafttrain.config import MedusaConfig
 from drafttrain.data.vocab import read_vocab_mapping
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, top1_hits
+from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import RunFolder, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 ADAPTER_DIR = "adapter"
 MERGED_DIR = "merged"
+MERGED_TARGET = "target"  # an export's adapted target, merged
 
 
 class ResidualBlock(nn.Module):
@@ -151,6 +152,35 @@ class MedusaDrafter(Drafter):
         return {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": self.target.hidden_size,
                 "vocab_size": v, "num_heads": self.config.num_heads, "num_hidden_layers": self.config.num_layers,
                 "medusa_fc_bias": True, "truncated_vocab_size": n if n < v else None}
+
+    # -- export -------------------------------------------------------------------------------------------
+    formats = ("vllm",)
+
+    def exported(self, fmt: str) -> Exported:
+        """vLLM's Medusa layout is the checkpoint's, except that a draft vocabulary is vLLM's ``token_map`` (the
+        target id of each draft id). A Medusa-2 draft brings its adapted target, merged, in ``target/``: it is the
+        model to serve, since the heads were trained on its hidden states."""
+        config = self.checkpoint_config(export={"format": fmt})
+        tensors = {k: v for k, v in self.state_tensors().items() if k not in ("d2t", "t2d")}
+        if self.d2t.numel() < self.t2d.numel():
+            tensors["token_map"] = self.draft_to_target.cpu()
+        if not self.adapts_target:
+            return Exported(config, tensors)
+        return Exported(config, tensors, folders={MERGED_TARGET: lambda folder: save_merged(self.target, folder)},
+                        notes=[f"Medusa-2: serve the adapted target in {MERGED_TARGET}/ (merged LoRA) with these heads"])
+
+    @classmethod
+    def imported(cls, fmt, config, tensors):
+        tensors = dict(tensors)
+        vocab = config["vocab_size"]
+        token_map = tensors.pop("token_map", None)
+        if token_map is None:
+            tensors["d2t"], tensors["t2d"] = torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool)
+        else:
+            tensors["d2t"] = token_map.long() - torch.arange(token_map.numel())
+            tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+            tensors["t2d"][token_map.long()] = True
+        return config, tensors
 
     def save_pretrained(self, directory, **meta) -> Path:
         directory = super().save_pretrained(directory, **meta)

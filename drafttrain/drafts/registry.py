@@ -11,7 +11,8 @@ from drafttrain.drafts.draft_model import DistilledDrafter
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.medusa import MedusaDrafter
-from drafttrain.runfolder import CONFIG_NAME, MANIFEST, RunFolder, damaged, find_draft, verify_manifest
+from drafttrain.runfolder import (CONFIG_NAME, MANIFEST, WEIGHTS_NAME, RunFolder, damaged, file_sha256, find_draft,
+                                  read_safetensors, verify_manifest)
 
 KINDS: dict[str, type[Drafter]] = {
     Eagle3Drafter.kind: Eagle3Drafter,
@@ -41,6 +42,27 @@ def saved_kind(path: str | Path) -> type[Drafter]:
     return KINDS[kind]
 
 
+def _from_export(kind: type[Drafter], directory: Path, config: dict, target) -> Drafter:
+    """A folder ``drafttrain export`` wrote: read back into the kind's own layout, then loaded as a checkpoint."""
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    fmt = config["drafttrain"]["export"]["format"]
+    if fmt not in kind.formats:
+        raise damaged(directory / CONFIG_NAME, f"says it is a {kind.kind} draft in format {fmt!r}, which the kind "
+                                               f"does not write ({', '.join(kind.formats)})")
+    if (directory / WEIGHTS_NAME).is_file() and fmt != "hf":
+        tensors, _ = read_safetensors(directory / WEIGHTS_NAME)
+        config, tensors = kind.imported(fmt, config, tensors)
+        with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/{WEIGHTS_NAME}")
+            (Path(tmp) / CONFIG_NAME).write_text(json.dumps(config))
+            return kind.from_pretrained(tmp, target)
+    return kind.from_pretrained(directory, target)
+
+
 def load_drafter(path: str | Path, target) -> Drafter:
     """Load a saved draft of any kind and attach ``target``. ``path`` may also be a run's output_dir or
     checkpoints folder: its best checkpoint is loaded.
@@ -51,13 +73,17 @@ def load_drafter(path: str | Path, target) -> Drafter:
     if (directory / MANIFEST).is_file():
         verify_manifest(directory)
     kind = saved_kind(directory)
-    check_target(read_draft_config(directory), target, directory)
+    config = read_draft_config(directory)
+    check_target(config, target, directory)
     try:
-        drafter = kind.from_pretrained(directory, target)
+        drafter = _from_export(kind, directory, config, target) if config["drafttrain"].get("export") \
+            else kind.from_pretrained(directory, target)
     except DrafttrainError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as err:  # a config edited or written by something else
         raise damaged(directory / CONFIG_NAME, f"does not describe a loadable {kind.kind} draft "
                                                f"({type(err).__name__}: {err})") from None
     drafter.check_finite(directory)
+    weights = directory / WEIGHTS_NAME
+    drafter.loaded_from = {"path": str(directory), "weights_sha256": file_sha256(weights) if weights.is_file() else None}
     return drafter

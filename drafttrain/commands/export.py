@@ -1,0 +1,35 @@
+"""``drafttrain export RUN_OR_CHECKPOINT --format vllm|sglang|speculators|hf --out DIR``."""
+
+from __future__ import annotations
+
+import argparse
+
+from drafttrain.drafts.base import read_draft_config
+from drafttrain.export import FORMATS, export_draft
+from drafttrain.runfolder import find_draft
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a run's output_dir (its best checkpoint), its checkpoints/ or one checkpoint")
+    parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
+                        help="eagle3: vllm, sglang, speculators; eagle: vllm, sglang; medusa: vllm; draft_model: hf")
+    parser.add_argument("--out", required=True, help="the folder to write (refused if it holds files)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    parser.add_argument("--report", help="a report.json from `drafttrain eval` of this checkpoint for the model "
+                                         "card (default: the checkpoint's own evaluation)")
+    parser.add_argument("--target", help="the target to load (default: the one the draft was trained for)")
+    parser.add_argument("--verifier", help="speculators: the target's Hub id or path as the config names it "
+                                           "(default: its Hub id where known, else its local folder)")
+    parser.add_argument("--device", default="cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    from drafttrain.targets import load_target
+
+    checkpoint = find_draft(args.source)
+    name = args.target or read_draft_config(checkpoint)["drafttrain"]["target"]["name"]
+    target = load_target(name, device=args.device)
+    out = export_draft(checkpoint, args.fmt, args.out, target, overwrite=args.overwrite, report=args.report,
+                       verifier=args.verifier)
+    print(f"exported {checkpoint} as {args.fmt} to {out}")
+    return 0

@@ -1,0 +1,140 @@
+"""The model card (README.md) of an export: Hub metadata, the measured eval table, how to serve it, the recipe.
+
+Every figure in the card comes from an eval report that measured these weights (drafttrain.export.writer checks
+the weights' sha256); without one the card says that nothing was measured rather than showing a number.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+from drafttrain import __version__
+from drafttrain.targets.loading import provenance
+
+ACCEPTANCE_PLOT = "acceptance.png"
+DEPTH_DEFAULT = 3  # speculative tokens in the serving snippets when nothing was measured
+
+VLLM_METHOD = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
+SGLANG_ALGORITHM = {"eagle3": "EAGLE3", "eagle": "EAGLE"}
+
+
+def build_card(drafter, fmt: str, notes: list[str], measured: dict[str, Any] | None,
+               recipe: dict[str, Any] | None, plot: str | None) -> ModelCard:
+    target = drafter.target
+    facts = provenance(target)
+    sources = [s.get("path") for s in ((recipe or {}).get("data") or {}).get("sources", [])]
+    hub_datasets = [s for s in sources if s and s.count("/") == 1 and not Path(s).expanduser().exists()]
+    data = ModelCardData(
+        base_model=facts["base_model"], license=facts["license"], library_name="drafttrain",
+        pipeline_tag="text-generation", datasets=hub_datasets or None,
+        tags=["speculative-decoding", drafter.kind, fmt, *(["vllm"] if fmt in ("vllm", "speculators") else []),
+              *(["sglang"] if fmt == "sglang" else [])],
+    )
+    depth = _served_depth(drafter, measured)
+    sections = [
+        f"# {drafter.kind} draft for {facts['base_model'] or target.name}",
+        f"A speculative-decoding draft ({_KIND_TEXT[drafter.kind]}) for **{target.name}**, trained and measured with "
+        f"drafttrain {__version__}, written in the **{fmt}** format. "
+        "Speculative decoding with it is lossless: the target verifies every drafted token, so greedy output is "
+        "the target's own, and sampling follows the target's distribution.",
+        "## Measured",
+        _measured_section(measured, plot),
+        "## Serve it",
+        _serving(drafter, fmt, facts["base_model"] or target.name, depth),
+    ]
+    if notes:
+        sections += ["## Format notes", "\n".join(f"- {n}" for n in notes)]
+    sections += ["## Files", _files_text(drafter, fmt)]
+    if recipe is not None:
+        sections += ["## How it was trained", "The recipe, as drafttrain validated it:",
+                     "```yaml\n" + yaml.safe_dump(recipe, sort_keys=False).strip() + "\n```"]
+    content = f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
+    return ModelCard(content)
+
+
+_KIND_TEXT = {
+    "eagle3": "an EAGLE-3 head on three of the target's hidden layers",
+    "eagle": "an EAGLE-1/2 head on the target's last hidden state",
+    "medusa": "Medusa heads on the target's last hidden state",
+    "draft_model": "a small causal LM distilled to agree with the target",
+}
+
+
+def _served_depth(drafter, measured) -> int:
+    if measured is not None and isinstance(measured["config"].get("depth"), int) and measured["config"]["depth"] > 0:
+        return measured["config"]["depth"]
+    limit = drafter.max_draft_depth(drafter.config)
+    return limit or DEPTH_DEFAULT
+
+
+def _pct(value) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _num(value, digits=2, suffix="") -> str:
+    return "—" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _measured_section(measured: dict[str, Any] | None, plot: str | None) -> str:
+    if measured is None:
+        return ("Not measured: this checkpoint has no evaluation report. Run `drafttrain eval --draft ...` and "
+                "export again with `--report` to put the measured table here.")
+    c, o = measured["config"], measured["overall"]
+    machine = c.get("machine") or {}
+    hardware = machine.get("cuda") or f"CPU ({machine.get('cpu_count')} cores, {c.get('threads')} threads)"
+    tree = c.get("tree") if c.get("tree") not in (None, "chain") else f"chain, depth {c.get('depth')}"
+    lines = [
+        "| suite | prompts | temperature | draft shape | τ (tokens per target step) | acceptance | speedup vs "
+        "plain decoding | greedy match | hardware |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {Path(str(c['suite'])).name} | {o['num_prompts']} | {c['temperature']} | {tree} | {_num(o['tau'])} | "
+        f"{_pct(o['acceptance_rate'])} | {_num(o.get('speedup'), 2, '×')} | {_pct(o.get('greedy_match'))} | "
+        f"{hardware}, {c.get('dtype')} |",
+        "",
+        "Acceptance per draft position (conditional: accepted given the previous one was; cumulative: accepted):",
+        "",
+    ]
+    per = o["acceptance_per_position"]
+    positions = range(1, len(per["conditional"]) + 1)
+    lines += ["| position | " + " | ".join(str(k) for k in positions) + " |",
+              "|---" * (len(per["conditional"]) + 1) + "|",
+              "| conditional | " + " | ".join(_pct(v) for v in per["conditional"]) + " |",
+              "| cumulative | " + " | ".join(_pct(v) for v in per["cumulative"]) + " |"]
+    if plot is not None:
+        lines += ["", f"![acceptance per position]({plot})"]
+    lines += ["", f"Measured {c.get('started_at')} with drafttrain {c.get('versions', {}).get('drafttrain')}: "
+                  "speculative and plain decoding of the same prompts, interleaved in one process. The full report "
+                  "is `eval/report.json`."]
+    return "\n".join(lines)
+
+
+def _serving(drafter, fmt: str, target: str, depth: int) -> str:
+    if fmt == "sglang":
+        return ("```bash\npython -m sglang.launch_server --model-path " + target + " \\\n"
+                f"  --speculative-algorithm {SGLANG_ALGORITHM[drafter.kind]} --speculative-draft-model-path THIS_REPO"
+                f" \\\n  --speculative-num-steps {depth} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+                f"{depth + 1}\n```")
+    if fmt == "speculators":
+        return ("A [speculators](https://github.com/vllm-project/speculators) model: vLLM reads the verifier from "
+                "its config.\n\n```bash\nvllm serve THIS_REPO\n```\n\nor with the target named:\n\n```bash\n"
+                f"vllm serve {target} --speculative-config '{{\"model\": \"THIS_REPO\", "
+                f"\"num_speculative_tokens\": {depth}}}'\n```")
+    served = "THIS_REPO/target" if drafter.adapts_target else target
+    extra = ("\n\nMedusa-2 trained the target too (LoRA): serve the adapted target in `target/` (merged), since the "
+             "heads read its hidden states.") if drafter.adapts_target else ""
+    return (f"```bash\nvllm serve {served} --speculative-config '{{\"method\": \"{VLLM_METHOD[drafter.kind]}\", "
+            f"\"model\": \"THIS_REPO\", \"num_speculative_tokens\": {depth}}}'\n```" + extra)
+
+
+def _files_text(drafter, fmt: str) -> str:
+    rows = ["- `config.json`, `model.safetensors`: the draft in the " + fmt + " layout (the `drafttrain` section "
+            "of the config is ignored by engines and lets `drafttrain eval --draft` load the export)",
+            "- `manifest.json`: size and sha256 of every file, and what the draft was built from",
+            "- `eval/report.json`: the evaluation behind the table above, when there is one"]
+    if drafter.adapts_target:
+        rows.append("- `target/`: the adapted target (LoRA merged), with its tokenizer")
+    return "\n".join(rows)

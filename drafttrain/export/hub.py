@@ -1,0 +1,56 @@
+"""``drafttrain push``: an export folder to the Hugging Face Hub (huggingface_hub's create_repo + upload_folder).
+
+The folder is checked against its manifest first, so a file changed or damaged since the export is never
+uploaded, and its card must be there. The token is huggingface_hub's (HF_TOKEN or ``hf auth login``); it is
+never printed or logged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from drafttrain import DrafttrainError
+from drafttrain.runfolder import MANIFEST, verify_manifest
+
+CARD = "README.md"
+
+
+def check_export(folder: str | Path) -> dict:
+    """What the export was built from, after checking every file against its manifest."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file() or not (folder / CARD).is_file():
+        raise DrafttrainError(f"{folder} is not a drafttrain export (no {MANIFEST} or {CARD}): run `drafttrain "
+                              "export RUN --format ... --out DIR` and push DIR")
+    built_from = verify_manifest(folder)
+    if "format" not in built_from:
+        raise DrafttrainError(f"{folder} is a checkpoint, not an export: run `drafttrain export` first")
+    return built_from
+
+
+def export_files(folder: Path) -> list[tuple[str, int]]:
+    return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in sorted(folder.rglob("*")) if p.is_file()]
+
+
+def push_export(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
+                message: str | None = None) -> str:
+    """Create the repo if needed (and the branch ``revision``) and upload the folder in one commit; returns the
+    commit URL. A rerun after an interruption uploads again; LFS files already on the Hub are not sent twice."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    folder = Path(folder)
+    built_from = check_export(folder)
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        commit = api.upload_folder(
+            folder_path=str(folder), repo_id=repo_id, revision=revision, repo_type="model",
+            commit_message=message or f"drafttrain export ({built_from['format']}, {built_from.get('kind')})",
+        )
+    except HfHubHTTPError as err:  # the server's reason, never the request headers (they hold the token)
+        status = getattr(err.response, "status_code", None)
+        hint = " (check HF_TOKEN or `hf auth login`, and write access to the repo)" if status in (401, 403) else ""
+        raise DrafttrainError(f"pushing to {repo_id} failed: HTTP {status}: {str(err).splitlines()[0]}{hint}") from None
+    return str(commit.commit_url if hasattr(commit, "commit_url") else commit)

@@ -1,0 +1,107 @@
+"""``drafttrain export``: a checkpoint in a serving engine's format, with its model card, written all or nothing.
+
+The folder holds config.json and model.safetensors in the engine's layout (or a whole HF model folder), any
+sub-folder the kind brings (Medusa-2's merged target), the model card (README.md) with the measured eval table and
+its acceptance plot, and a manifest of every file with what it was built from. The config keeps a ``drafttrain``
+section that engines ignore, so the export loads back (``drafttrain eval --draft EXPORT``) and measures the same.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from drafttrain import DrafttrainError
+from drafttrain.drafts import load_drafter
+from drafttrain.drafts.base import Drafter
+from drafttrain.drafts.registry import KINDS
+from drafttrain.evaluation.evaluate import EvalReport
+from drafttrain.evaluation.report import plot_acceptance
+from drafttrain.export.card import ACCEPTANCE_PLOT, build_card
+from drafttrain.runfolder import (CONFIG_NAME, EVAL_DIR, MANIFEST, WEIGHTS_NAME, find_draft, read_json, write_manifest,
+                                  write_text_atomic)
+
+FORMATS = ("vllm", "sglang", "speculators", "hf")
+REPORT_NAME = "report.json"
+
+
+def formats_of(kind: str) -> tuple[str, ...]:
+    return KINDS[kind].formats
+
+
+def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrite: bool = False,
+                 report: str | Path | None = None, verifier: str | None = None) -> Path:
+    """Write the draft at ``source`` (a checkpoint, or a run: its best checkpoint) in format ``fmt`` to ``out``.
+
+    The card's eval table is ``report`` (a report.json from ``drafttrain eval``) or the checkpoint's own
+    evaluation; either must have measured these very weights. An existing non-empty ``out`` is refused unless
+    ``overwrite``; the folder is built beside it and moved into place only when complete. ``verifier``: the
+    target's path or Hub id as the speculators config names it (default: its Hub id where known, else its folder)."""
+    if fmt not in FORMATS:
+        raise DrafttrainError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DrafttrainError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
+    checkpoint = find_draft(source)
+    drafter = load_drafter(checkpoint, target)
+    if fmt not in drafter.formats:
+        raise DrafttrainError(f"a {drafter.kind} draft exports to {', '.join(drafter.formats)}, not {fmt}")
+    measured = _measured(drafter, checkpoint, report)
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    exported = drafter.exported(fmt)
+    if verifier is not None and "speculators_config" in exported.config:
+        exported.config["speculators_config"]["verifier"]["name_or_path"] = verifier
+    _write_draft(exported, staging)
+    for name, write in exported.folders.items():
+        if name:
+            write(staging / name)
+    built_from = read_json(checkpoint / MANIFEST)["built_from"] if (checkpoint / MANIFEST).is_file() else {}
+    if measured is not None:
+        (staging / EVAL_DIR).mkdir()
+        write_text_atomic(staging / EVAL_DIR / REPORT_NAME, json.dumps(measured, indent=1))
+        plot_acceptance(EvalReport(**measured), staging / ACCEPTANCE_PLOT)
+    card = build_card(drafter, fmt, exported.notes, measured, built_from.get("recipe"),
+                      plot=ACCEPTANCE_PLOT if measured is not None else None)
+    write_text_atomic(staging / "README.md", str(card))
+    write_manifest(staging, {"checkpoint": str(checkpoint), "format": fmt, **drafter.identity(),
+                             **{k: v for k, v in built_from.items() if k != "recipe"}})
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return out
+
+
+def _write_draft(exported, folder: Path) -> None:
+    """config.json + model.safetensors, or a whole HF model folder whose config gains the drafttrain section."""
+    if "" in exported.folders:
+        exported.folders[""](folder)
+        config = {**json.loads((folder / CONFIG_NAME).read_text()), **exported.config}
+    else:
+        tensors = {k: v.contiguous() for k, v in exported.tensors.items()}
+        save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+        config = exported.config
+    write_text_atomic(folder / CONFIG_NAME, json.dumps(config, indent=2))
+
+
+def _measured(drafter: Drafter, checkpoint: Path, report: str | Path | None) -> dict[str, Any] | None:
+    """The eval report for the card: given, or the checkpoint's own; refused when it measured other weights."""
+    path = Path(report) if report is not None else checkpoint / EVAL_DIR / REPORT_NAME
+    if not path.is_file():
+        if report is not None:
+            raise DrafttrainError(f"--report {path} does not exist")
+        return None
+    measured = read_json(path)
+    recorded = (measured.get("config") or {}).get("draft") or {}
+    sha = (drafter.loaded_from or {}).get("weights_sha256")
+    if recorded.get("weights_sha256") not in (None, sha) or (report is not None and recorded.get("weights_sha256")
+                                                              is None):
+        raise DrafttrainError(f"{path} measured other weights than {checkpoint} (sha256 "
+                              f"{recorded.get('weights_sha256')} vs {sha}): evaluate this checkpoint "
+                              "(`drafttrain eval --draft ...`) and pass that report")
+    return measured

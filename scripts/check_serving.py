@@ -1,0 +1,123 @@
+"""Proof in a real client: serve a draft's export in vLLM (CPU) and compare vLLM's own spec-decode counters with
+drafttrain's evaluator on the same prompts (greedy, same depth, same stop tokens, same token budget).
+
+    python scripts/check_serving.py RUN_OR_CHECKPOINT [--formats vllm speculators] [--num-prompts 8]
+        [--max-new-tokens 64] [--depth 3] [--vllm-python /work/venvs/vllm/bin/python] [--out DIR]
+
+For each format it exports the draft (drafttrain export), runs scripts/serving/vllm_worker.py in vLLM's own venv
+(vLLM is never a drafttrain dependency) and prints, per draft position, the fraction of drafts whose token at that
+position was accepted, as vLLM counted it (``vllm:spec_decode_num_accepted_tokens_per_pos / num_drafts``) and as
+drafttrain's evaluator measured it (cumulative acceptance), plus τ from each and how many of vLLM's outputs equal
+the target's own greedy output. The result is written to OUT/serving_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from drafttrain.data.chat import prompt_ids, stop_token_ids
+from drafttrain.decoding import plain_decode
+from drafttrain.drafts import load_drafter
+from drafttrain.drafts.base import read_draft_config
+from drafttrain.evaluation.evaluate import evaluate
+from drafttrain.evaluation.suites import load_suite
+from drafttrain.export import export_draft
+from drafttrain.export.card import VLLM_METHOD
+from drafttrain.runfolder import find_draft
+from drafttrain.targets import load_target
+from drafttrain.targets.loading import resolve_model_dir
+
+WORKER = Path(__file__).with_name("serving") / "vllm_worker.py"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("draft")
+    parser.add_argument("--formats", nargs="+", default=None, help="default: every format of the kind vLLM reads")
+    parser.add_argument("--suite", default="mt_bench")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    parser.add_argument("--out", default="runs/serving_check")
+    args = parser.parse_args()
+
+    checkpoint = find_draft(args.draft)
+    target_name = read_draft_config(checkpoint)["drafttrain"]["target"]["name"]
+    target = load_target(target_name)
+    drafter = load_drafter(checkpoint, target).eval()
+    formats = args.formats or [f for f in drafter.formats if f in ("vllm", "speculators", "hf")]
+    depth = min(args.depth, drafter.max_draft_depth(drafter.config) or args.depth)
+    questions = load_suite(args.suite).select(args.num_prompts, turns=1).questions
+    prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+    stops = sorted(stop_token_ids(target.tokenizer, target.model.generation_config))
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+    ours = evaluate(target, drafter, questions, depth=depth, temperature=0.0, max_new_tokens=args.max_new_tokens,
+                    baseline=False, warmup=False, progress=False)
+    greedy = [plain_decode(target, torch.tensor([ids]), args.max_new_tokens, stop_token_ids=set(stops)).tokens
+              for ids in prompts]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"draft": str(checkpoint), "kind": drafter.kind, "depth": depth, "prompts": len(prompts),
+               "max_new_tokens": args.max_new_tokens, "drafttrain": _ours(ours), "vllm": {}}
+    for fmt in formats:
+        export = export_draft(checkpoint, fmt, out / f"export-{fmt}", target, overwrite=True,
+                              verifier=str(target.source_dir) if fmt == "speculators" else None)
+        job = {"target": resolve_model_dir(target_name), "draft": str(export.resolve()),
+               "method": VLLM_METHOD[drafter.kind], "num_speculative_tokens": depth, "prompts": prompts,
+               "max_tokens": args.max_new_tokens, "stop_token_ids": stops, "dtype": "float32"}
+        (out / f"job-{fmt}.json").write_text(json.dumps(job))
+        started = time.perf_counter()
+        done = subprocess.run([args.vllm_python, str(WORKER), str(out / f"job-{fmt}.json"), str(out / f"vllm-{fmt}.json")],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            results["vllm"][fmt] = {"error": done.stderr[-3000:]}
+            print(f"{fmt}: vLLM failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+            continue
+        measured = json.loads((out / f"vllm-{fmt}.json").read_text())
+        results["vllm"][fmt] = _theirs(measured, greedy, time.perf_counter() - started)
+    (out / "serving_check.json").write_text(json.dumps(results, indent=1))
+    _print(results)
+    return 0 if all("error" not in v for v in results["vllm"].values()) else 1
+
+
+def _ours(report) -> dict:
+    o = report.overall
+    return {"tau": o["tau"], "steps": o["steps"], "accepted_tokens": o["accepted_tokens"],
+            "per_position": o["acceptance_per_position"]["cumulative"]}
+
+
+def _theirs(measured: dict, greedy: list[list[int]], seconds: float) -> dict:
+    c = measured["counters"]
+    drafts = c["num_drafts"]
+    same = sum(list(a) == list(b) for a, b in zip(measured["tokens"], greedy))
+    return {"tau": 1 + c["num_accepted_tokens"] / drafts if drafts else None, "steps": drafts,
+            "accepted_tokens": c["num_accepted_tokens"],
+            "per_position": [n / drafts if drafts else None for n in c["num_accepted_tokens_per_pos"]],
+            "outputs_equal_target_greedy": f"{same}/{len(greedy)}", "vllm_version": measured["vllm_version"],
+            "wall_s": round(seconds, 1)}
+
+
+def _print(results: dict) -> None:
+    ours = results["drafttrain"]
+    print(f"{results['kind']} draft, depth {results['depth']}, {results['prompts']} prompts, greedy")
+    print(f"{'':>22} {'τ':>6} {'steps':>6}  acceptance by position")
+    rows = [("drafttrain evaluator", ours)] + [(f"vLLM ({fmt})", v) for fmt, v in results["vllm"].items()
+                                               if "error" not in v]
+    for name, r in rows:
+        positions = " ".join(f"{p:.3f}" if p is not None else "  —  " for p in r["per_position"])
+        extra = f"  outputs = target greedy: {r['outputs_equal_target_greedy']}" if "outputs_equal_target_greedy" in r else ""
+        print(f"{name:>22} {r['tau']:>6.3f} {r['steps']:>6}  {positions}{extra}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""``drafttrain export``: each kind in each engine's format, read the way that engine reads it, and loaded back.
+
+The engines' reading rules the tests encode (checked against their sources, and for vLLM and speculators by
+scripts/check_serving.py serving the exports): vLLM's aux layer id i is the input of layer i (drafttrain's
+numbering), SGLang adds 1 to explicit ids, both default to (2, L/2, L-3); vLLM's EAGLE-1 fc has no bias and
+``bias: true`` means attention biases; SGLang's EAGLE-1 fc always has one; vLLM's Medusa reads ``token_map``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafttrain import DrafttrainError
+from drafttrain.config import Eagle3Config, EagleConfig, MedusaConfig
+from drafttrain.drafts import build_drafter, load_drafter
+from drafttrain.drafts.layers import DraftDecoderLayer
+from drafttrain.export import export_draft
+from drafttrain.runfolder import verify_manifest
+from drafttrain.targets.loading import Target
+
+LORA = {"target_modules": ["q_proj", "v_proj"], "rank": 4, "alpha": 8.0, "dropout": 0.0}
+
+
+def tiny_target(layers: int = 8, vocab: int = 64, seed: int = 0) -> Target:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return Target("tiny", LlamaForCausalLM(config).eval().requires_grad_(False), None)
+
+
+def randomised(drafter):
+    """Trained-looking weights: every parameter random, so a dropped or misplaced tensor shows."""
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.normal_(0, 0.2)
+    return drafter
+
+
+def checkpoint_of(drafter, tmp_path):
+    return drafter.save_pretrained(tmp_path / "checkpoint")
+
+
+def read_export(folder):
+    return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
+
+
+def same_weights(a, b):
+    assert a.state_dict().keys() == b.state_dict().keys()
+    for name, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[name]), name
+
+
+# ---------------------------------------------------------------------------------------------------- EAGLE-3
+
+@pytest.mark.parametrize("layers, written", [(None, {"vllm": None, "sglang": None}),
+                                             ([1, 3, 6], {"vllm": [1, 3, 6], "sglang": [0, 2, 5]})])
+def test_eagle3_layer_ids_are_written_so_each_engine_reads_the_trained_layers(tmp_path, layers, written):
+    target = tiny_target(layers=8)
+    drafter = randomised(build_drafter(Eagle3Config(layers=layers, ttt_steps=2), target))
+    trained = drafter.layer_ids
+    assert trained == (layers or [2, 4, 5])  # the default is the engines' (2, L/2, L-3)
+    checkpoint = checkpoint_of(drafter, tmp_path)
+    for fmt, ids in written.items():
+        config, tensors = read_export(export_draft(checkpoint, fmt, tmp_path / fmt, target))
+        assert config["eagle_config"].get("eagle_aux_hidden_state_layer_ids") == ids  # None: left to the default
+        assert config["eagle_config"]["use_aux_hidden_state"] is True
+        assert "bias" not in config and "fc.bias" not in tensors and "midlayer.self_attn.q_proj.weight" in tensors
+        back = load_drafter(tmp_path / fmt, target)
+        assert back.layer_ids == trained
+        same_weights(drafter, back)
+    config, tensors = read_export(export_draft(checkpoint, "speculators", tmp_path / "speculators", target))
+    assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == trained
+    assert config["norm_before_residual"] is False  # written always: vLLM's speculators reader defaults to True
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert "layers.0.self_attn.q_proj.weight" in tensors and not any(k.startswith("midlayer.") for k in tensors)
+    same_weights(drafter, load_drafter(tmp_path / "speculators", target))
+
+
+def test_an_exported_eagle3_draft_drafts_exactly_like_its_checkpoint(tmp_path):
+    target = tiny_target()
+    drafter = randomised(build_drafter(Eagle3Config(ttt_steps=2), target)).eval()
+    checkpoint = checkpoint_of(drafter, tmp_path)
+    back = load_drafter(export_draft(checkpoint, "sglang", tmp_path / "sglang", target), target).eval()
+    hidden = torch.randn(1, 5, 3 * 32)
+    ids, positions = torch.randint(0, 64, (1, 5)), torch.arange(5).unsqueeze(0)
+    with torch.no_grad():
+        expected = drafter.step(drafter.fuse(hidden), ids, positions, drafter.new_caches())[1]
+        got = back.step(back.fuse(hidden), ids, positions, back.new_caches())[1]
+    assert torch.equal(expected, got)
+
+
+# ---------------------------------------------------------------------------------------------------- EAGLE-1
+
+def vllm_eagle1_forward(config, tensors, embeds, hidden, positions, rotary):
+    """EAGLE-1 as vLLM builds it from an export: fc without a bias, layer 0 without an input norm, attention
+    biases wherever the config says ``attention_bias`` (our own decoder layer, built with that config)."""
+    layer_config = LlamaConfig(**{k: v for k, v in config.items() if k in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "vocab_size")}, attention_bias=config.get("attention_bias", False))
+    layer = DraftDecoderLayer(layer_config, fuse_embedding=False, input_norm=False)
+    layer.load_state_dict({k.removeprefix("layers.0."): v for k, v in tensors.items() if k.startswith("layers.0.")})
+    assert "fc.bias" not in tensors
+    x = torch.cat([embeds, hidden], dim=-1) @ tensors["fc.weight"].T
+    cos, sin = rotary(x, positions)
+    from drafttrain.drafts.layers import LayerCache
+
+    return layer(x, None, cos, sin, LayerCache())
+
+
+def test_eagle1_for_vllm_folds_the_fc_bias_into_attention_and_computes_the_same(tmp_path):
+    target = tiny_target()
+    drafter = randomised(build_drafter(EagleConfig(), target)).eval()
+    assert drafter.fc.bias.abs().sum() > 0
+    config, tensors = read_export(export_draft(checkpoint_of(drafter, tmp_path), "vllm", tmp_path / "vllm", target))
+    # vLLM would build attention biases from "bias" and never find them: the export says attention_bias instead
+    assert "bias" not in config and config["attention_bias"] is True
+    embeds, hidden = torch.randn(1, 6, 32), torch.randn(1, 6, 32)
+    positions = torch.arange(6).unsqueeze(0)
+    with torch.no_grad():
+        theirs = vllm_eagle1_forward(config, tensors, embeds, hidden, positions, drafter.rotary)
+        x = drafter.fc(torch.cat([embeds, hidden], dim=-1))
+        cos, sin = drafter.rotary(x, positions)
+        from drafttrain.drafts.layers import LayerCache
+
+        ours = drafter.layers["0"](x, None, cos, sin, LayerCache())
+    assert torch.allclose(theirs, ours, atol=1e-5)
+    same_weights(drafter, load_drafter(tmp_path / "vllm", target))
+
+
+def test_eagle1_for_sglang_keeps_the_fc_bias_and_no_attention_bias(tmp_path):
+    """SGLang's EAGLE-1 fc always has a bias (left random when missing), and ``bias``/``attention_bias`` would give
+    every attention projection one that the head never had."""
+    target = tiny_target()
+    drafter = randomised(build_drafter(EagleConfig(), target))
+    config, tensors = read_export(export_draft(checkpoint_of(drafter, tmp_path), "sglang", tmp_path / "sglang", target))
+    assert "bias" not in config and not config.get("attention_bias")
+    assert torch.equal(tensors["fc.bias"], drafter.fc.bias)
+    assert not any(k.endswith("_proj.bias") for k in tensors)
+    same_weights(drafter, load_drafter(tmp_path / "sglang", target))
+
+
+def test_a_vllm_eagle1_folder_with_real_attention_biases_is_refused(tmp_path):
+    target = tiny_target()
+    drafter = randomised(build_drafter(EagleConfig(), target))
+    folder = export_draft(checkpoint_of(drafter, tmp_path), "vllm", tmp_path / "vllm", target)
+    config, tensors = read_export(folder)
+    tensors["layers.0.self_attn.k_proj.bias"] += 1.0
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "manifest.json").unlink()  # edited on purpose: the manifest would (rightly) refuse it first
+    with pytest.raises(DrafttrainError, match="not a folded fc bias"):
+        load_drafter(folder, target)
+
+
+# ----------------------------------------------------------------------------------------------------- Medusa
+
+def test_medusa_for_vllm_has_its_draft_vocab_as_a_token_map(tmp_path):
+    from drafttrain.drafts.medusa import MedusaDrafter
+
+    target = tiny_target()
+    keep = torch.tensor([1, 5, 9, 20, 33, 63])  # a draft vocabulary of 6 target ids
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[keep] = True
+    drafter = randomised(MedusaDrafter(MedusaConfig(num_heads=3), 32, keep - torch.arange(6), t2d)).attach_target(target)
+    config, tensors = read_export(export_draft(checkpoint_of(drafter, tmp_path), "vllm", tmp_path / "vllm", target))
+    assert config["model_type"] == "medusa" and config["truncated_vocab_size"] == 6 and config["medusa_fc_bias"]
+    assert torch.equal(tensors["token_map"], keep) and "d2t" not in tensors and "t2d" not in tensors
+    assert set(tensors) == {"token_map", *(f"lm_heads.{h}.weight" for h in range(3)),
+                            *(f"blocks.{h}.layers.0.{p}" for h in range(3) for p in ("weight", "bias"))}
+    same_weights(drafter, load_drafter(tmp_path / "vllm", target))
+
+
+def test_medusa2_exports_its_adapted_target_merged(tmp_path):
+    target = tiny_target()
+    drafter = build_drafter(MedusaConfig(num_heads=2, lora=LORA), target)
+    with torch.no_grad():
+        for name, param in target.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        adapted = target.model(ids).logits
+    checkpoint = checkpoint_of(drafter, tmp_path)
+    folder = export_draft(checkpoint, "vllm", tmp_path / "vllm", tiny_target())
+    merged = LlamaForCausalLM.from_pretrained(folder / "target")
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, adapted, atol=1e-5)
+    assert "target/" in (folder / "README.md").read_text() and not (folder / "adapter").exists()
+
+
+# ------------------------------------------------------------------------------------------ the folder itself
+
+def test_an_export_refuses_to_overwrite_and_a_format_its_kind_lacks(tmp_path):
+    target = tiny_target()
+    checkpoint = checkpoint_of(build_drafter(EagleConfig(), target), tmp_path)
+    export_draft(checkpoint, "vllm", tmp_path / "out", target)
+    with pytest.raises(DrafttrainError, match="--overwrite"):
+        export_draft(checkpoint, "vllm", tmp_path / "out", target)
+    export_draft(checkpoint, "sglang", tmp_path / "out", target, overwrite=True)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["drafttrain"]["export"]["format"] == "sglang"
+    with pytest.raises(DrafttrainError, match="eagle draft exports to vllm, sglang, not speculators"):
+        export_draft(checkpoint, "speculators", tmp_path / "other", target)
+    assert not (tmp_path / "other").exists() and not list(tmp_path.glob("*.partial"))
+    built_from = verify_manifest(tmp_path / "out")
+    assert built_from["format"] == "sglang" and built_from["kind"] == "eagle"
+
+
+def report_for(drafter, tau: float, sha: str | None) -> dict:
+    per = {"conditional": [0.6, 0.5], "cumulative": [0.6, 0.3]}
+    overall = {"num_prompts": 4, "tau": tau, "acceptance_rate": 0.45, "speedup": 1.31, "greedy_match": 1.0,
+               "acceptance_per_position": per}
+    return {"config": {"suite": "mt_bench", "temperature": 0.0, "depth": 2, "tree": "chain", "proposer": "eagle",
+                       "target": "tiny", "threads": 2, "dtype": "float32", "machine": {"cpu_count": 2},
+                       "draft": {"kind": drafter.kind, "path": "x", "weights_sha256": sha}},
+            "overall": overall, "categories": {"writing": overall}, "prompts": []}
+
+
+def test_the_card_shows_the_report_that_measured_these_weights_and_refuses_another(tmp_path):
+    from drafttrain.runfolder import file_sha256
+
+    target = tiny_target()
+    drafter = build_drafter(Eagle3Config(ttt_steps=2), target)
+    checkpoint = checkpoint_of(drafter, tmp_path)
+    unmeasured = export_draft(checkpoint, "vllm", tmp_path / "plain", target)
+    assert "Not measured" in (unmeasured / "README.md").read_text()
+    sha = file_sha256(checkpoint / "model.safetensors")
+    (tmp_path / "mine.json").write_text(json.dumps(report_for(drafter, 2.37, sha)))
+    folder = export_draft(checkpoint, "vllm", tmp_path / "measured", target, report=tmp_path / "mine.json")
+    card = (folder / "README.md").read_text()
+    assert "| 2.37 |" in card and "1.31×" in card and "| conditional | 60.0% | 50.0% |" in card
+    assert card.startswith("---\n") and "speculative-decoding" in card and "library_name: drafttrain" in card
+    assert (folder / "acceptance.png").stat().st_size > 1000
+    assert json.loads((folder / "eval" / "report.json").read_text())["overall"]["tau"] == 2.37
+    (tmp_path / "other.json").write_text(json.dumps(report_for(drafter, 9.9, "0" * 64)))
+    with pytest.raises(DrafttrainError, match="measured other weights"):
+        export_draft(checkpoint, "vllm", tmp_path / "wrong", target, report=tmp_path / "other.json")
+
+
+def test_the_export_command_writes_a_run_s_best_checkpoint(tmp_path, smollm2):
+    """On the real target, through the command line: the draft recorded its target, so none is named."""
+    from drafttrain.commands import main
+
+    drafter = build_drafter(Eagle3Config(ttt_steps=2), smollm2)
+    drafter.save_pretrained(tmp_path / "checkpoint")
+    assert main(["export", str(tmp_path / "checkpoint"), "--format", "speculators", "--out", str(tmp_path / "s")]) == 0
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    card = (tmp_path / "s" / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "license: apache-2.0" in card
+
+
+# ------------------------------------------------------------------------------------------------------ push
+
+def push(folder, *args, endpoint, token):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_TOKEN": token, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return subprocess.run([sys.executable, "-m", "drafttrain", "push", str(folder), *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_push_uploads_the_export_with_its_card_to_the_hub_and_never_prints_the_token(tmp_path):
+    from fake_hub import FakeHub
+
+    target = tiny_target()
+    checkpoint = checkpoint_of(build_drafter(Eagle3Config(ttt_steps=2), target), tmp_path)
+    folder = export_draft(checkpoint, "vllm", tmp_path / "export", target)
+    token = "hf_secretsecretsecret"
+    with FakeHub(token) as hub:
+        dry = push(folder, "--repo", "me/draft", "--dry-run", endpoint=hub.endpoint, token=token)
+        assert dry.returncode == 0 and "model.safetensors" in dry.stdout and not hub.requests
+        done = push(folder, "--repo", "me/draft", "--private", "--revision", "v1", endpoint=hub.endpoint, token=token)
+        assert done.returncode == 0, done.stderr
+        uploaded = hub.repos["me/draft"]["revisions"]["v1"]
+        assert hub.repos["me/draft"]["private"] and all(authorised for *_, authorised in hub.requests)
+        local = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        assert uploaded == local and "README.md" in uploaded and "eval/report.json" not in uploaded  # unmeasured
+        wrong = push(folder, "--repo", "me/draft", endpoint=hub.endpoint, token="hf_wrong")
+        assert wrong.returncode == 2 and "HTTP 401" in wrong.stderr and "HF_TOKEN" in wrong.stderr
+    for run in (dry, done, wrong):
+        assert token not in run.stdout + run.stderr and "hf_wrong" not in run.stdout + run.stderr
+
+
+def test_push_refuses_a_checkpoint_and_an_export_changed_since_it_was_written(tmp_path, capsys):
+    from drafttrain.commands import main
+
+    target = tiny_target()
+    checkpoint = checkpoint_of(build_drafter(EagleConfig(), target), tmp_path)
+    assert main(["push", str(checkpoint), "--repo", "me/x", "--dry-run"]) == 2
+    assert "drafttrain export" in capsys.readouterr().err
+    folder = export_draft(checkpoint, "vllm", tmp_path / "export", target)
+    with (folder / "model.safetensors").open("r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\0\0\0\0")
+    assert main(["push", str(folder), "--repo", "me/x", "--dry-run"]) == 2
+    assert "model.safetensors" in capsys.readouterr().err

@@ -162,20 +162,24 @@ def test_a_vllm_eagle1_folder_with_real_attention_biases_is_refused(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------- Medusa
 
-def test_medusa_for_vllm_has_its_draft_vocab_as_a_token_map(tmp_path):
+def test_medusa_for_vllm_is_its_heads_over_the_full_vocabulary(tmp_path):
     from drafttrain.drafts.medusa import MedusaDrafter
 
     target = tiny_target()
-    keep = torch.tensor([1, 5, 9, 20, 33, 63])  # a draft vocabulary of 6 target ids
-    t2d = torch.zeros(64, dtype=torch.bool)
-    t2d[keep] = True
-    drafter = randomised(MedusaDrafter(MedusaConfig(num_heads=3), 32, keep - torch.arange(6), t2d)).attach_target(target)
+    drafter = randomised(build_drafter(MedusaConfig(num_heads=3), target))
     config, tensors = read_export(export_draft(checkpoint_of(drafter, tmp_path), "vllm", tmp_path / "vllm", target))
-    assert config["model_type"] == "medusa" and config["truncated_vocab_size"] == 6 and config["medusa_fc_bias"]
-    assert torch.equal(tensors["token_map"], keep) and "d2t" not in tensors and "t2d" not in tensors
-    assert set(tensors) == {"token_map", *(f"lm_heads.{h}.weight" for h in range(3)),
+    assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["medusa_fc_bias"]
+    assert config["vocab_size"] == 64 and config.get("truncated_vocab_size") is None
+    assert set(tensors) == {*(f"lm_heads.{h}.weight" for h in range(3)),
                             *(f"blocks.{h}.layers.0.{p}" for h in range(3) for p in ("weight", "bias"))}
     same_weights(drafter, load_drafter(tmp_path / "vllm", target))
+    # vLLM 0.32 builds Medusa heads at the full vocabulary and refuses a token_map: a draft vocabulary is refused
+    keep = torch.tensor([1, 5, 9, 20, 33, 63])
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[keep] = True
+    truncated = MedusaDrafter(MedusaConfig(num_heads=3), 32, keep - torch.arange(6), t2d).attach_target(target)
+    with pytest.raises(DrafttrainError, match="draft_vocab.enabled: false"):
+        export_draft(truncated.save_pretrained(tmp_path / "truncated"), "vllm", tmp_path / "t", target)
 
 
 def test_medusa2_exports_its_adapted_target_merged(tmp_path):
@@ -292,13 +296,14 @@ def test_push_uploads_the_export_with_its_card_to_the_hub_and_never_prints_the_t
         assert token not in run.stdout + run.stderr and "hf_wrong" not in run.stdout + run.stderr
 
 
-def test_push_refuses_a_checkpoint_and_an_export_changed_since_it_was_written(tmp_path, capsys):
+def test_push_refuses_a_folder_without_a_draft_and_an_export_changed_since_it_was_written(tmp_path, capsys):
     from drafttrain.commands import main
 
     target = tiny_target()
     checkpoint = checkpoint_of(build_drafter(EagleConfig(), target), tmp_path)
-    assert main(["push", str(checkpoint), "--repo", "me/x", "--dry-run"]) == 2
-    assert "drafttrain export" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["push", str(tmp_path / "empty"), "--repo", "me/x", "--dry-run"]) == 2
+    assert "no draft checkpoint" in capsys.readouterr().err
     folder = export_draft(checkpoint, "vllm", tmp_path / "export", target)
     with (folder / "model.safetensors").open("r+b") as f:
         f.seek(-4, 2)

@@ -99,6 +99,25 @@ def test_the_wandb_run_holds_acceptance_per_position_the_category_table_the_plot
     assert "model.safetensors" in names and "config.json" in names and not any("optimizer" in n for n in names)
 
 
+def test_push_dry_run_on_a_run_writes_the_export_with_the_best_checkpoints_measured_card(online_run, capsys):
+    assert main(["push", str(online_run), "--repo", "me/smollm2-eagle3", "--dry-run"]) == 0
+    assert "nothing uploaded" in capsys.readouterr().out
+    export = online_run / "exports" / "vllm"
+    best = json.loads((online_run / "checkpoints" / "best.json").read_text())
+    measured = json.loads((online_run / "checkpoints" / best["checkpoint"] / "eval" / "report.json").read_text())
+    card = (export / "README.md").read_text()
+    assert f"| {measured['overall']['tau']:.2f} |" in card and "![acceptance per position](acceptance.png)" in card
+    assert "| conditional |" in card and "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    assert "```yaml\noutput_dir:" in card  # the recipe
+    assert (export / "acceptance.png").is_file() and (export / "eval" / "report.json").is_file()
+
+
+def test_report_draws_the_runs_curves(online_run):
+    assert main(["report", str(online_run)]) == 0
+    for name in ("training.png", "checkpoints.png"):
+        assert (online_run / "plots" / name).stat().st_size > 10_000
+
+
 def test_offline_features_train_like_online(tmp_path):
     """Same data order, same initial weights, same schedule: the offline cache (in the fp32 target's own dtype)
     gives the losses the online target gives."""

@@ -157,13 +157,17 @@ class MedusaDrafter(Drafter):
     formats = ("vllm",)
 
     def exported(self, fmt: str) -> Exported:
-        """vLLM's Medusa layout is the checkpoint's, except that a draft vocabulary is vLLM's ``token_map`` (the
-        target id of each draft id). A Medusa-2 draft brings its adapted target, merged, in ``target/``: it is the
+        """vLLM's Medusa layout is the checkpoint's (heads over the full vocabulary). A Medusa-2 draft brings its adapted target, merged, in ``target/``: it is the
         model to serve, since the heads were trained on its hidden states."""
+        if self.d2t.numel() < self.t2d.numel():
+            # vLLM documents a token_map for this, but builds the heads at the full vocabulary and then refuses the
+            # mapped rows (vllm/model_executor/models/medusa.py, 0.32): no exact export exists
+            raise DrafttrainError(
+                f"these Medusa heads predict over a draft vocabulary of {self.d2t.numel()} tokens, which vLLM 0.32 "
+                "cannot load (its Medusa heads are built at the full vocabulary and a token_map is refused at "
+                "load). Train Medusa heads for vLLM with draft_vocab.enabled: false")
         config = self.checkpoint_config(export={"format": fmt})
         tensors = {k: v for k, v in self.state_tensors().items() if k not in ("d2t", "t2d")}
-        if self.d2t.numel() < self.t2d.numel():
-            tensors["token_map"] = self.draft_to_target.cpu()
         if not self.adapts_target:
             return Exported(config, tensors)
         return Exported(config, tensors, folders={MERGED_TARGET: lambda folder: save_merged(self.target, folder)},
@@ -171,16 +175,8 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def imported(cls, fmt, config, tensors):
-        tensors = dict(tensors)
-        vocab = config["vocab_size"]
-        token_map = tensors.pop("token_map", None)
-        if token_map is None:
-            tensors["d2t"], tensors["t2d"] = torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool)
-        else:
-            tensors["d2t"] = token_map.long() - torch.arange(token_map.numel())
-            tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool)
-            tensors["t2d"][token_map.long()] = True
-        return config, tensors
+        vocab = config["vocab_size"]  # heads over the full vocabulary: draft id == target id
+        return config, {**tensors, "d2t": torch.zeros(vocab, dtype=torch.long), "t2d": torch.ones(vocab, dtype=torch.bool)}
 
     def save_pretrained(self, directory, **meta) -> Path:
         directory = super().save_pretrained(directory, **meta)

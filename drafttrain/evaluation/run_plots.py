@@ -1,0 +1,91 @@
+"""A run's curves as PNG files, without wandb (``drafttrain report RUN``): training loss and accuracy per draft
+position, acceptance per position over checkpoints, and τ (measured and simulated) over checkpoints."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from drafttrain import DrafttrainError
+from drafttrain.runfolder import RunFolder
+from drafttrain.training.logging import read_metrics
+
+PLOTS_DIR = "plots"
+
+
+def _numbered(records: list[dict[str, Any]], pattern: str) -> dict[int, list[tuple[int, float]]]:
+    """{k: [(step, value)]} for the keys matching ``pattern`` (one group: k)."""
+    series: dict[int, list[tuple[int, float]]] = {}
+    for record in records:
+        for key, value in record.items():
+            match = re.fullmatch(pattern, key)
+            if match and value is not None:
+                series.setdefault(int(match.group(1)), []).append((record["step"], float(value)))
+    return dict(sorted(series.items()))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_training(records: list[dict[str, Any]], path: Path) -> None:
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    steps = [r["step"] for r in records if r.get("loss") is not None]
+    left.plot(steps, [r["loss"] for r in records if r.get("loss") is not None], color="black", label="loss")
+    left.set_title("training loss")
+    for k, points in _numbered(records, r"acc_(\d+)").items():
+        right.plot(*zip(*points), label=f"position {k + 1}")
+    right.set_title("training top-1 accuracy per draft position")
+    right.set_ylim(0, 1)
+    for ax in (left, right):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_checkpoints(evals: list[dict[str, Any]], path: Path) -> None:
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    conditional = _numbered(evals, r"eval/acceptance_cond_(\d+)")
+    for k, points in conditional.items():
+        left.plot(*zip(*points), marker="o", label=f"position {k}")
+    for k, points in _numbered(evals, r"eval/val_acc_(\d+)").items() if not conditional else ():
+        left.plot(*zip(*points), marker="o", linestyle="--", label=f"held-out top-1, position {k + 1}")
+    left.set_title("acceptance per position over checkpoints" if conditional else
+                   "held-out accuracy per position over checkpoints")
+    left.set_ylim(0, 1)
+    for key, label in (("eval/tau", "τ measured"), ("eval/sim_tau", "τ simulated from held-out accuracy")):
+        points = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
+        if points:
+            right.plot(*zip(*points), marker="o", label=label)
+    right.set_title("τ (tokens per target step) over checkpoints")
+    for ax in (left, right):
+        ax.set_xlabel("checkpoint step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_run_plots(run: RunFolder) -> list[Path]:
+    train, evals = read_metrics(run)
+    if not train:
+        raise DrafttrainError(f"{run.metrics} holds no training records yet")
+    out = run.root / PLOTS_DIR
+    out.mkdir(exist_ok=True)
+    written = [out / "training.png"]
+    plot_training(train, written[0])
+    if evals:
+        written.append(out / "checkpoints.png")
+        plot_checkpoints(evals, written[1])
+    return written

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from drafttrain.drafts.base import read_draft_config
 from drafttrain.export import FORMATS, export_draft
+from drafttrain.export.writer import recorded_target
 from drafttrain.runfolder import find_draft
 
 
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from drafttrain.targets import load_target
 
     checkpoint = find_draft(args.source)
-    name = args.target or read_draft_config(checkpoint)["drafttrain"]["target"]["name"]
+    name = args.target or recorded_target(checkpoint)
     target = load_target(name, device=args.device)
     out = export_draft(checkpoint, args.fmt, args.out, target, overwrite=args.overwrite, report=args.report,
                        verifier=args.verifier)

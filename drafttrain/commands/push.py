@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "kind's first: eagle3/eagle/medusa vllm, draft_model hf)")
     parser.add_argument("--out", help="for a run or checkpoint: where to write the export (default: "
                                       "<run>/exports/<format>, replaced)")
+    parser.add_argument("--target", help="for a run or checkpoint: the target to load (default: the recorded one)")
     parser.add_argument("--private", action="store_true", help="create the repo private")
     parser.add_argument("--revision", help="a branch to push to (created if missing; default: main)")
     parser.add_argument("--message", help="the commit message")
@@ -55,15 +56,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _export_first(args: argparse.Namespace) -> Path:
     from drafttrain.drafts import saved_kind
-    from drafttrain.drafts.base import read_draft_config
     from drafttrain.export import export_draft
+    from drafttrain.export.writer import recorded_target
     from drafttrain.targets import load_target
 
     checkpoint = find_draft(args.source)
     fmt = args.fmt or saved_kind(checkpoint).formats[0]
     run_root = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
     out = Path(args.out) if args.out else run_root / "exports" / fmt
-    target = load_target(read_draft_config(checkpoint)["drafttrain"]["target"]["name"])
+    target = load_target(args.target or recorded_target(checkpoint))
     export_draft(checkpoint, fmt, out, target, overwrite=args.out is None)
     print(f"exported {checkpoint} as {fmt} to {out}")
     return out

@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from drafttrain import DrafttrainError
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter
-from drafttrain.drafts.registry import KINDS
 from drafttrain.evaluation.evaluate import EvalReport
 from drafttrain.evaluation.report import plot_acceptance
 from drafttrain.export.card import ACCEPTANCE_PLOT, build_card
@@ -29,8 +28,18 @@ FORMATS = ("vllm", "sglang", "speculators", "hf")
 REPORT_NAME = "report.json"
 
 
-def formats_of(kind: str) -> tuple[str, ...]:
-    return KINDS[kind].formats
+def recorded_target(checkpoint: Path) -> str:
+    """The target a checkpoint was trained for: recorded in its config, or (older checkpoints) in its manifest's
+    recipe."""
+    from drafttrain.drafts.base import read_draft_config
+
+    named = (read_draft_config(checkpoint)["drafttrain"].get("target") or {}).get("name")
+    if named is None and (checkpoint / MANIFEST).is_file():
+        recipe = read_json(checkpoint / MANIFEST).get("built_from", {}).get("recipe") or {}
+        named = (recipe.get("target") or {}).get("model")
+    if named is None:
+        raise DrafttrainError(f"{checkpoint} does not record the target it was trained for: pass --target")
+    return named
 
 
 def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrite: bool = False,

@@ -107,6 +107,21 @@ class RunFolder:
     def eval(self) -> Path:
         return self.root / EVAL_DIR
 
+    @property
+    def plots(self) -> Path:
+        """``drafttrain report``'s PNG curves."""
+        return self.root / "plots"
+
+    def export(self, fmt: str) -> Path:
+        """Where ``drafttrain push`` exports a run's best checkpoint before uploading it."""
+        return self.root / "exports" / fmt
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: Path) -> "RunFolder | None":
+        """The run a checkpoint folder belongs to (None: a checkpoint outside a run)."""
+        run = cls.of(checkpoint.parent.parent)
+        return run if checkpoint.parent == run.checkpoints else None
+
     def data_cache(self, configured: str | None) -> Path:
         """The tokenised-data cache: ``data.cache_dir`` when the recipe sets one, else ``cache/`` in the run."""
         return Path(configured).expanduser() if configured else self.root / "cache"

@@ -25,7 +25,6 @@ VARIANTS: dict[str, list[str]] = {
     "fc pass-through": ["draft.init_from_target=[fc]"],
     "tap noise 0.1 (±0.05)": ["draft.noise=0.1"],
     "TTT 3 steps": ["draft.ttt_steps=3"],
-    "all three inits": ["draft.init_from_target=[lm_head,layer,fc]"],
     "all three inits + noise": ["draft.init_from_target=[lm_head,layer,fc]", "draft.noise=0.1"],
 }
 
@@ -50,7 +49,7 @@ def _f(value, digits=2) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=4.0)
+    parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--depth", type=int, default=3)

@@ -10,7 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from drafttrain.runfolder import MANIFEST, find_draft, read_json
+from drafttrain.runfolder import MANIFEST, RunFolder, find_draft, read_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +62,8 @@ def _export_first(args: argparse.Namespace) -> Path:
 
     checkpoint = find_draft(args.source)
     fmt = args.fmt or saved_kind(checkpoint).formats[0]
-    run_root = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-    out = Path(args.out) if args.out else run_root / "exports" / fmt
+    run = RunFolder.of_checkpoint(checkpoint) or RunFolder.of(checkpoint)
+    out = Path(args.out) if args.out else run.export(fmt)
     target = load_target(args.target or recorded_target(checkpoint))
     export_draft(checkpoint, fmt, out, target, overwrite=args.out is None)
     print(f"exported {checkpoint} as {fmt} to {out}")

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from drafttrain import DrafttrainError
 from drafttrain.decoding.expand import TreeDrafter
-from drafttrain.decoding.proposers import register_proposer
+from drafttrain.decoding.proposers import register_proposer, trained_draft
 from drafttrain.decoding.trees import feed_mask
-from drafttrain.drafts import Drafter, load_drafter
 
 
 @register_proposer("eagle")
@@ -23,13 +21,7 @@ class EagleProposer(TreeDrafter):
     """``draft``: a checkpoint (or run) folder written by drafttrain, or an in-memory EAGLE drafter."""
 
     def __init__(self, target, *, draft=None):
-        if draft is None or draft == "":
-            raise DrafttrainError("the 'eagle' proposer needs draft=<a checkpoint or run folder written by drafttrain>")
-        self.head = draft if isinstance(draft, Drafter) else load_drafter(draft, target)
-        if self.head.proposer != self.name:
-            raise DrafttrainError(f"the 'eagle' proposer serves EAGLE heads; {draft} is a {self.head.kind} draft, "
-                                  f"served by the {self.head.proposer!r} proposer")
-        self.head.eval()
+        self.head = trained_draft(self.name, target, draft)
         self.hidden_layers = self.head.tap_layers
         self.vocab_size = target.vocab_size
 

@@ -15,9 +15,8 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.decoding.engine import plain_decode
-from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer
+from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer, trained_draft
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
-from drafttrain.drafts import Drafter, load_drafter
 from drafttrain.sampling import probabilities
 
 
@@ -28,13 +27,7 @@ class MedusaProposer(Proposer):
     shapes = (Chain, StaticTree)
 
     def __init__(self, target, *, draft=None):
-        if draft is None or draft == "":
-            raise DrafttrainError("the 'medusa' proposer needs draft=<a checkpoint or run folder written by drafttrain>")
-        self.head = draft if isinstance(draft, Drafter) else load_drafter(draft, target)
-        if self.head.proposer != self.name:
-            raise DrafttrainError(f"the 'medusa' proposer serves Medusa drafts; {draft} is a {self.head.kind} draft, "
-                                  f"served by the {self.head.proposer!r} proposer")
-        self.head.eval()
+        self.head = trained_draft(self.name, target, draft)
         self.hidden_layers = [target.num_layers]  # the final (normed) hidden state the heads read
         self.max_depth = self.head.config.num_heads
 

@@ -183,3 +183,17 @@ def _trie(paths: list[list[int]], budget: int, device) -> Draft:
                 parents.append(node)
             node = index[(node, tok)]
     return Draft(torch.tensor([tokens], dtype=torch.long, device=device), parents)
+
+
+def trained_draft(proposer: str, target, draft):
+    """The trained draft a proposer serves: ``draft`` itself, or loaded from a checkpoint or run folder; refused
+    when its kind is served by another proposer."""
+    from drafttrain.drafts import Drafter, load_drafter
+
+    if draft is None or draft == "":
+        raise DrafttrainError(f"the {proposer!r} proposer needs draft=<a checkpoint or run folder written by drafttrain>")
+    head = draft if isinstance(draft, Drafter) else load_drafter(draft, target)
+    if head.proposer != proposer:
+        raise DrafttrainError(f"the {proposer!r} proposer does not serve {draft}: it is a {head.kind} draft, served "
+                              f"by the {head.proposer!r} proposer")
+    return head.eval()

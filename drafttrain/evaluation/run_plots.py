@@ -11,9 +11,6 @@ from drafttrain import DrafttrainError
 from drafttrain.runfolder import RunFolder
 from drafttrain.training.logging import read_metrics
 
-PLOTS_DIR = "plots"
-
-
 def _numbered(records: list[dict[str, Any]], pattern: str) -> dict[int, list[tuple[int, float]]]:
     """{k: [(step, value)]} for the keys matching ``pattern`` (one group: k)."""
     series: dict[int, list[tuple[int, float]]] = {}
@@ -81,7 +78,7 @@ def write_run_plots(run: RunFolder) -> list[Path]:
     train, evals = read_metrics(run)
     if not train:
         raise DrafttrainError(f"{run.metrics} holds no training records yet")
-    out = run.root / PLOTS_DIR
+    out = run.plots
     out.mkdir(exist_ok=True)
     written = [out / "training.png"]
     plot_training(train, written[0])

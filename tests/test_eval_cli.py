@@ -179,3 +179,13 @@ def test_depth_auto_chooses_on_held_out_prompts_and_reports_its_choice(tmp_path,
     assert set(auto) >= {"depth", "min_confidence", "predicted_speedup", "predicted_speedup_by_depth", "verify_ms"}
     assert 0 <= auto["depth"] <= 3 and len(auto["verify_ms"]) == 4 and auto["calibration_steps"] > 0
     assert "(auto: depth" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_compared_side_with_depth_auto_gets_held_out_prompts_too(tmp_path, restore_threads):
+    """The main side at a fixed depth, a compared side at @auto: the calibration prompts are loaded for it."""
+    code = _eval(tmp_path, "--proposer", "prompt_lookup", "--suite", "mt_bench", "--num-prompts", "1", "--turns", "1",
+                 "--max-new-tokens", "8", "--depth", "2", "--max-depth", "3", "--compare", "prompt_lookup@auto",
+                 "--threads", "1")
+    assert code == 0
+    (compared,) = json.loads((tmp_path / "out" / "report.json").read_text())["config"]["compare"]
+    assert compared["depth_auto"]["calibration_steps"] > 0

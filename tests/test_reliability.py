@@ -266,3 +266,21 @@ def test_a_split_tokenised_with_another_tokenizer_is_refused(run, smollm2):
     check_split_is_current(folder, open_dataset(folder.train_split), smollm2)  # the tokenizer it was made with
     with pytest.raises(DrafttrainError, match="tokenised with another tokenizer"):
         check_split_is_current(folder, open_dataset(folder.train_split), Target("other", smollm2.model, tokenizer))
+
+
+def test_a_validation_split_or_prompts_file_changed_after_prepare_is_refused(run, capsys):
+    from datasets import load_from_disk
+
+    prompts = run / "run" / "data" / "validation_prompts.jsonl"
+    original = prompts.read_text()
+    prompts.write_text(original.replace('"', '"x', 1) if original else "{}\n")
+    code, out = drafttrain(capsys, "train", run / "recipe.yaml", "--resume", "--max-steps", "4")
+    assert code == 2 and "validation_prompts.jsonl" in out and "is not the file prepare recorded" in out
+    prompts.write_text(original)
+    split = run / "run" / "data" / "validation"
+    loaded = load_from_disk(str(split))
+    fewer = type(loaded).from_dict(loaded.select(range(len(loaded) - 1)).to_dict())  # a row fewer, in memory
+    shutil.rmtree(split)
+    fewer.save_to_disk(str(split))
+    code, out = drafttrain(capsys, "train", run / "recipe.yaml", "--resume", "--max-steps", "4")
+    assert code == 2 and "is not the validation split prepare recorded" in out

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.depth == "auto" and tree != "chain":
         raise DrafttrainError("--depth auto chooses chain depths: use --tree chain (the default), or give a depth")
     _check_proposer(args)
-    calibration = _calibration(args, suite) if "auto" in (args.depth, tree) else ()
+    compared_auto = any(str(c).endswith(("@auto", "@tree:auto")) for c in args.compare or ())
+    calibration = _calibration(args, suite) if "auto" in (args.depth, tree) or compared_auto else ()
     _prepare_out_dir(args.out)
     if args.threads is not None:
         import torch

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
-from drafttrain.runfolder import RunFolder, write_text_atomic
+from drafttrain.runfolder import RunFolder, file_sha256, write_text_atomic
 from drafttrain.config import DataConfig, Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -438,6 +438,7 @@ def write_data_manifest(run: RunFolder, train_ds, val_ds, tokenizer, recipe: Rec
 
     manifest = {"train": split_fingerprint(train_ds),
                 "validation": split_fingerprint(val_ds) if val_ds is not None else None,
+                "validation_prompts": file_sha256(run.validation_prompts) if run.validation_prompts.is_file() else None,
                 "tokenizer": tokenizer_fingerprint(tokenizer), "target": recipe.target.model}
     write_text_atomic(run.data_manifest, json.dumps(manifest, indent=1) + "\n")
 

@@ -11,7 +11,7 @@ import logging
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe, load_recipe
-from drafttrain.runfolder import RunFolder, damaged, open_dataset, read_json
+from drafttrain.runfolder import RunFolder, damaged, file_sha256, open_dataset, read_json
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     dataset = open_dataset(run.train_split)
     target = target if target is not None else load_target(recipe.target)
     fingerprint = check_split_is_current(run, dataset, target)
+    check_validation_is_current(run)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
     drafter = build_drafter(recipe.draft, target, run)
@@ -112,6 +113,24 @@ def check_split_is_current(run: RunFolder, dataset, target) -> str:
         raise DrafttrainError(f"{run.train_split} was tokenised with another tokenizer than the target's "
                               f"({target.name}): rerun `drafttrain prepare` with this recipe")
     return fingerprint
+
+
+def check_validation_is_current(run: RunFolder) -> None:
+    """The held-out split and prompts (which choose the best checkpoint) must be the ones prepare wrote with this
+    train split: a validation set left from other data could overlap the training rows."""
+    from drafttrain.data.tokenize import split_fingerprint
+
+    manifest = read_json(run.data_manifest)
+    recorded = manifest.get("validation")
+    present = run.validation_split.is_dir()
+    if present != (recorded is not None) or (present and split_fingerprint(open_dataset(run.validation_split))
+                                              != recorded):
+        raise damaged(run.validation_split, f"is not the validation split prepare recorded in {run.data_manifest} "
+                                            "(changed, added or left from another prepare)")
+    if "validation_prompts" in manifest:  # recorded since the run folder's prompts file was fingerprinted
+        sha = file_sha256(run.validation_prompts) if run.validation_prompts.is_file() else None
+        if sha != manifest["validation_prompts"]:
+            raise damaged(run.validation_prompts, f"is not the file prepare recorded in {run.data_manifest}")
 
 
 def check_draft_vocab_is_current(recipe: Recipe, run: RunFolder, fingerprint: str, target) -> None:

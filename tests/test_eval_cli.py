@@ -181,11 +181,15 @@ def test_depth_auto_chooses_on_held_out_prompts_and_reports_its_choice(tmp_path,
     assert "(auto: depth" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_a_compared_side_with_depth_auto_gets_held_out_prompts_too(tmp_path, restore_threads):
-    """The main side at a fixed depth, a compared side at @auto: the calibration prompts are loaded for it."""
+def test_compared_sides_with_their_own_depths_each_run_and_auto_gets_held_out_prompts(tmp_path, restore_threads):
+    """The main side at a fixed depth, the same proposer compared @1 and @auto: both run under their own labels
+    (one used to replace the other), and the calibration prompts are loaded for @auto."""
     code = _eval(tmp_path, "--proposer", "prompt_lookup", "--suite", "mt_bench", "--num-prompts", "1", "--turns", "1",
-                 "--max-new-tokens", "8", "--depth", "2", "--max-depth", "3", "--compare", "prompt_lookup@auto",
-                 "--threads", "1")
+                 "--max-new-tokens", "8", "--depth", "2", "--max-depth", "3", "--compare", "prompt_lookup@1",
+                 "--compare", "prompt_lookup@auto", "--threads", "1")
     assert code == 0
-    (compared,) = json.loads((tmp_path / "out" / "report.json").read_text())["config"]["compare"]
-    assert compared["depth_auto"]["calibration_steps"] > 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    one, auto = report["config"]["compare"]
+    assert (one["label"], one["depth"], auto["label"]) == ("prompt_lookup@1", 1, "prompt_lookup@auto")
+    assert auto["depth_auto"]["calibration_steps"] > 0
+    assert set(report["comparisons"]) == {"prompt_lookup@1", "prompt_lookup@auto"}

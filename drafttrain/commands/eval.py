@@ -232,9 +232,10 @@ def _load_compared(side: tuple, target):
     from drafttrain.evaluation.evaluate import Compared
 
     spec, is_draft, depth, tree = side
+    shape = f"@tree:{tree}" if tree is not None else f"@{depth}" if depth is not None else ""
     if not is_draft:
-        return Compared(spec, depth=depth, tree=tree)
-    return Compared(load_drafter(spec, target), depth=depth, tree=tree, label=Path(spec).name)
+        return Compared(spec, depth=depth, tree=tree, label=spec + shape)
+    return Compared(load_drafter(spec, target), depth=depth, tree=tree, label=Path(spec).name + shape)
 
 
 def _default_proposer(draft: str | None) -> str:

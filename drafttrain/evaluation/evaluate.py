@@ -173,6 +173,8 @@ def evaluate(
         other = item if isinstance(item, Compared) else Compared(item)
         decoder_other, described = other.decoder(target, depth, tree, min_confidence, max_depth, calibration,
                                                  sampling, seed, max_new_tokens)
+        if COMPARE_PREFIX + described["label"] in sides:  # one would silently replace the other
+            raise DrafttrainError(f"two compared sides are both labelled {described['label']!r}: give them labels")
         sides[COMPARE_PREFIX + described["label"]] = speculative_fn(decoder_other)
         compared_config.append(described)
 

@@ -310,3 +310,21 @@ def test_push_refuses_a_folder_without_a_draft_and_an_export_changed_since_it_wa
         f.write(b"\0\0\0\0")
     assert main(["push", str(folder), "--repo", "me/x", "--dry-run"]) == 2
     assert "model.safetensors" in capsys.readouterr().err
+
+
+def test_a_damaged_draft_model_or_adapter_folder_is_named_not_a_traceback(tmp_path):
+    """Folders read by transformers or peft (no manifest, as `save_pretrained` writes them alone)."""
+    from drafttrain.config import DraftModelConfig
+
+    target = tiny_target(layers=4)
+    student = build_drafter(DraftModelConfig(cut="every:2"), target)
+    folder = student.save_pretrained(tmp_path / "student")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DrafttrainError, match="student.*cannot be read|model.safetensors"):
+        load_drafter(folder, target)
+    medusa = build_drafter(MedusaConfig(num_heads=2, lora=LORA), tiny_target())
+    folder = medusa.save_pretrained(tmp_path / "medusa2")
+    (folder / "adapter" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(DrafttrainError, match="adapter_model.safetensors|cannot be read"):
+        load_drafter(folder, tiny_target())

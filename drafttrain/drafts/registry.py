@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftConfig
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config
@@ -83,6 +85,9 @@ def load_drafter(path: str | Path, target) -> Drafter:
     except (KeyError, TypeError, ValueError, RuntimeError) as err:  # a config edited or written by something else
         raise damaged(directory / CONFIG_NAME, f"does not describe a loadable {kind.kind} draft "
                                                f"({type(err).__name__}: {err})") from None
+    except (OSError, SafetensorError) as err:  # files read by transformers or peft (draft models, adapters)
+        raise damaged(directory, f"holds a {kind.kind} draft whose files cannot be read ({type(err).__name__}: "
+                                 f"{str(err).splitlines()[0][:200] if str(err) else 'unreadable'})") from None
     drafter.check_finite(directory)
     weights = directory / WEIGHTS_NAME
     drafter.loaded_from = {"path": str(directory), "weights_sha256": file_sha256(weights) if weights.is_file() else None}

@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import tempfile
-import time
 
 import torch
 
 from drafttrain.config import Eagle3Config, EagleConfig
+from drafttrain.decoding.autodepth import median_time
 from drafttrain.drafts import build_drafter
 from drafttrain.targets import load_target, run_target
 
@@ -31,16 +30,6 @@ def reduced_vocab_file(size: int, vocab: int) -> str:
     path = tempfile.NamedTemporaryFile(suffix=".safetensors", delete=False).name
     save_file({"d2t": torch.zeros(size, dtype=torch.long), "t2d": t2d}, path)
     return path
-
-
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -84,8 +73,8 @@ def main() -> None:
         if target.device.type == "cuda":
             torch.cuda.synchronize()
 
-    t_forward = timed(forward_only, args.repeats)
-    t_step = timed(train_step, args.repeats)
+    t_forward = median_time(forward_only, args.repeats)
+    t_step = median_time(train_step, args.repeats)
     tokens = args.batch * args.seq
     result = {
         "kind": args.kind, "ttt_steps": args.ttt_steps if args.kind == "eagle3" else 1, "batch": args.batch,

@@ -77,7 +77,8 @@ class DepthChoice:
                 "calibration_steps": self.calibration_steps}
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls, after one warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -108,16 +109,16 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
         forward(model, cache, next_token.expand(1, width).contiguous())
         compact_cache(cache, prefix, [])
 
-    verify_s = [0.0] + [_median_time(lambda w=w: verify(w), repeats) for w in range(1, max_depth + 2)]
+    verify_s = [0.0] + [median_time(lambda w=w: verify(w), repeats) for w in range(1, max_depth + 2)]
     proposer.prefill(prompt, hidden, next_token)
     request = DraftRequest(Chain(1), Sampling(), torch.Generator(device=device).manual_seed(0))
     draft_s = [0.0]
     for depth in range(1, max_depth + 1):
         request.shape = Chain(depth)
-        draft_s.append(_median_time(lambda: proposer.propose(request), repeats))
+        draft_s.append(median_time(lambda: proposer.propose(request), repeats))
     two = torch.cat([next_token, next_token], dim=1)  # a typical step: one accepted token and the target's own
     step_hidden = None if hidden is None else hidden[:, -2:]
-    accept_s = _median_time(lambda: proposer.accept(two, step_hidden), repeats)
+    accept_s = median_time(lambda: proposer.accept(two, step_hidden), repeats)
     return Costs(plain_s=verify_s[1], verify_s=verify_s, draft_s=draft_s, accept_s=accept_s)
 
 
@@ -235,14 +236,14 @@ def choose_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new
         hidden = tap.stacked() if layers else None
     prefix, root = cache.get_seq_length(), logits[:, -1:].argmax(-1)
     proposer.prefill(prompt, hidden, root)
-    plain = _median_time(lambda: _verify(model, cache, prefix, root, None), repeats)
+    plain = median_time(lambda: _verify(model, cache, prefix, root, None), repeats)
     request = DraftRequest(Chain(1), Sampling(), None)
     by_size, verify_ms, trees = {}, {}, {}
     for size in sizes:
         tree = StaticTree(build_static_tree(accuracies, size))
         request.shape = tree
-        draft_s = _median_time(lambda: proposer.propose(request), repeats)
-        verify_s = _median_time(lambda: _verify(model, cache, prefix, root, tree), repeats)
+        draft_s = median_time(lambda: proposer.propose(request), repeats)
+        verify_s = median_time(lambda: _verify(model, cache, prefix, root, tree), repeats)
         verify_ms[size] = 1e3 * verify_s
         by_size[size] = expected_tree_tokens(tree.paths, accuracies) * plain / (verify_s + draft_s)
         trees[size] = tree.paths

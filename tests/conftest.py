@@ -67,3 +67,22 @@ def template_variant(base, template: str, specials: list[str], bos: str | None =
     if bos:
         tok.bos_token = bos
     return tok
+
+
+def small_recipe(folder: Path, draft: dict, **sections) -> Path:
+    """A recipe for an end-to-end test on the real target: 12 Alpaca conversations with their written answers, 9
+    to train on, saved as ``folder/recipe.yaml`` (``sections`` add or replace recipe sections)."""
+    import yaml
+
+    recipe = {
+        "output_dir": str(folder / "run"),
+        "data": {"sources": [{"path": str(REPO / "data/train/alpaca_en_demo.json"), "max_samples": 12}],
+                 "num_samples": 12, "validation_fraction": 0.25, "max_length": 96},
+        "regenerate": {"enabled": False},
+        "draft": draft,
+        "wandb": {"mode": "disabled"},
+        **sections,
+    }
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path

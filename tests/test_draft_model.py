@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO
+from conftest import REPO, small_recipe
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig, load_recipe
 from drafttrain.decoding.verify import expected_acceptance_rate
@@ -197,7 +197,7 @@ def test_distill_recipes_validate(name, monkeypatch):
 
 
 def test_resume_gives_the_same_losses(tmp_path):
-    from trainer_helpers import reset_accelerate, tiny_dataset, tiny_recipe
+    from trainer_helpers import reset_accelerate, straight_and_resumed, tiny_dataset, tiny_recipe
 
     from drafttrain.training.trainer import Trainer
 
@@ -209,18 +209,7 @@ def test_resume_gives_the_same_losses(tmp_path):
         return Trainer(tiny_recipe(folder, max_steps=4, save_every=2, batch_size=2), target, drafter,
                        tiny_dataset(16), callbacks=callbacks)
 
-    straight = trainer(tmp_path / "straight").train()
-
-    class Stop(Exception):
-        pass
-
-    def stop_at_2(step, checkpoint):
-        if step == 2:
-            raise Stop
-
-    with pytest.raises(Stop):
-        trainer(tmp_path / "resumed", [stop_at_2]).train()
-    resumed = trainer(tmp_path / "resumed").train(resume=True)
+    straight, resumed = straight_and_resumed(trainer, tmp_path)
     for step in (3, 4):
         assert resumed.losses[step] == pytest.approx(straight.losses[step], abs=1e-6)
     reset_accelerate()
@@ -230,24 +219,15 @@ def test_resume_gives_the_same_losses(tmp_path):
 def test_distillation_end_to_end_on_smollm2_with_a_teacher_cache_and_on_policy_batches(tmp_path):
     import json
 
-    import yaml
 
     from drafttrain.commands import main
 
-    recipe = {
-        "output_dir": str(tmp_path / "run"),
-        "data": {"sources": [{"path": str(REPO / "data/train/alpaca_en_demo.json"), "max_samples": 12}],
-                 "num_samples": 12, "validation_fraction": 0.25, "max_length": 96},
-        "regenerate": {"enabled": False},
-        "draft": {"kind": "draft_model", "cut": "first:2", "divergence": "jsd", "teacher_top_k": 16,
-                  "on_policy": 0.5, "on_policy_max_new_tokens": 8},
-        "training": {"hidden_states": "offline", "max_steps": 4, "save_every": 2, "log_every": 1,
-                     "learning_rate": 1e-4},
-        "eval": {"num_prompts": 1, "max_new_tokens": 8, "depth": 2},
-        "wandb": {"mode": "disabled"},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = small_recipe(
+        tmp_path, {"kind": "draft_model", "cut": "first:2", "divergence": "jsd", "teacher_top_k": 16,
+                   "on_policy": 0.5, "on_policy_max_new_tokens": 8},
+        training={"hidden_states": "offline", "max_steps": 4, "save_every": 2, "log_every": 1,
+                  "learning_rate": 1e-4},
+        eval={"num_prompts": 1, "max_new_tokens": 8, "depth": 2})
     assert main(["prepare", str(path), "--no-progress"]) == 0
     index = json.loads((tmp_path / "run" / "features" / "index.json").read_text())
     assert index["logits_top_k"] == 16 and index["layers"] == []  # the teacher's top-k only: no hidden states

@@ -17,7 +17,7 @@ from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.losses import cross_entropy
 from drafttrain.targets import Target, run_target
 
-from conftest import REPO
+from conftest import REPO, small_recipe
 
 LORA = {"target_modules": ["q_proj", "v_proj"], "rank": 4, "alpha": 8, "dropout": 0.0, "learning_rate": 1e-2}
 
@@ -199,7 +199,7 @@ def test_medusa_recipes_validate(name, monkeypatch):
 
 
 def test_medusa2_resume_restores_heads_adapters_and_optimizer(tmp_path):
-    from trainer_helpers import reset_accelerate, tiny_dataset, tiny_recipe
+    from trainer_helpers import reset_accelerate, straight_and_resumed, tiny_dataset, tiny_recipe
 
     from drafttrain.training.trainer import Trainer
 
@@ -211,18 +211,7 @@ def test_medusa2_resume_restores_heads_adapters_and_optimizer(tmp_path):
         recipe = tiny_recipe(folder, max_steps=4, save_every=2, batch_size=2)
         return Trainer(recipe, target, drafter, tiny_dataset(16), callbacks=callbacks)
 
-    straight = trainer(tmp_path / "straight").train()
-
-    class Stop(Exception):
-        pass
-
-    def stop_at_2(step, checkpoint):
-        if step == 2:
-            raise Stop
-
-    with pytest.raises(Stop):
-        trainer(tmp_path / "resumed", [stop_at_2]).train()
-    resumed = trainer(tmp_path / "resumed").train(resume=True)
+    straight, resumed = straight_and_resumed(trainer, tmp_path)
     for step in (3, 4):
         assert resumed.losses[step] == pytest.approx(straight.losses[step], abs=1e-6)
     a = load_drafter(straight.last_checkpoint, tiny_target(vocab=128))
@@ -238,23 +227,14 @@ def test_medusa2_resume_restores_heads_adapters_and_optimizer(tmp_path):
 
 @pytest.mark.slow
 def test_medusa2_trains_and_every_checkpoint_reports_its_drift_from_the_original(tmp_path):
-    import yaml
 
     from drafttrain.commands import main
 
-    recipe = {
-        "output_dir": str(tmp_path / "run"),
-        "data": {"sources": [{"path": str(REPO / "data/train/alpaca_en_demo.json"), "max_samples": 12}],
-                 "num_samples": 12, "validation_fraction": 0.25, "max_length": 96},
-        "regenerate": {"enabled": False},
-        "draft_vocab": {"enabled": True, "size": 512},
-        "draft": {"kind": "medusa", "num_heads": 2, "lora": dict(LORA, learning_rate=1e-3, heads_only_steps=1)},
-        "training": {"max_steps": 4, "save_every": 2, "log_every": 1, "learning_rate": 1e-3},
-        "eval": {"num_prompts": 1, "max_new_tokens": 8, "depth": 2, "tree": "medusa-4"},
-        "wandb": {"mode": "disabled"},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = small_recipe(
+        tmp_path, {"kind": "medusa", "num_heads": 2, "lora": dict(LORA, learning_rate=1e-3, heads_only_steps=1)},
+        draft_vocab={"enabled": True, "size": 512},
+        training={"max_steps": 4, "save_every": 2, "log_every": 1, "learning_rate": 1e-3},
+        eval={"num_prompts": 1, "max_new_tokens": 8, "depth": 2, "tree": "medusa-4"})
     assert main(["prepare", str(path), "--no-progress"]) == 0
     assert main(["train", str(path)]) == 0
     checkpoint = tmp_path / "run" / "checkpoints" / "step-000004"

@@ -205,3 +205,24 @@ def _rewind_copy(source: Path, destination: Path, step: int) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("WANDB_MODE", "disabled")
     raise SystemExit(main())
+
+
+def straight_and_resumed(make_trainer, root: Path, stop_step: int = 2):
+    """Train once straight through; train again, stopped (an exception) after checkpoint ``stop_step`` and resumed.
+    ``make_trainer(folder, callbacks)`` builds the same trainer each time. Returns both TrainResults."""
+
+    class Stop(Exception):
+        pass
+
+    def stop(step, checkpoint):
+        if step == stop_step:
+            raise Stop
+
+    straight = make_trainer(root / "straight", None).train()
+    try:
+        make_trainer(root / "resumed", [stop]).train()
+    except Stop:
+        pass
+    else:
+        raise AssertionError(f"training did not reach checkpoint {stop_step}")
+    return straight, make_trainer(root / "resumed", None).train(resume=True)

@@ -4,7 +4,8 @@ decoding in the same run.
 
     python scripts/ablate_levers.py [--minutes 4] [--num-prompts 8] [--only NAME ...] [--out runs/ablation]
 
-Each variant is the quick recipe (recipes/smollm2_eagle3_quick.yaml) plus its overrides, in its own run folder;
+Each variant is the quick recipe (recipes/smollm2_eagle3_quick.yaml) with every lever off, plus its overrides, in
+its own run folder;
 ``prepare`` reuses the regenerated answers from the answer store. Results: OUT/ablation.json and a Markdown table
 on stdout (held-out top-1 accuracy at position 1, simulated τ, measured τ, speedup, training tokens/s).
 """
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 RECIPE = "recipes/smollm2_eagle3_quick.yaml"
+# the quick recipe with every lever off (the recipe itself now has the kept ones on)
+LEVERS_OFF = ["draft.ttt_steps=5", "draft.init_from_target=[]", "draft.noise=0.0", "eval.depth=5"]
 VARIANTS: dict[str, list[str]] = {
     "baseline (from noise)": [],
     "lm_head from target": ["draft.init_from_target=[lm_head]"],
@@ -26,6 +29,8 @@ VARIANTS: dict[str, list[str]] = {
     "tap noise 0.1 (±0.05)": ["draft.noise=0.1"],
     "TTT 3 steps": ["draft.ttt_steps=3"],
     "all three inits + noise": ["draft.init_from_target=[lm_head,layer,fc]", "draft.noise=0.1"],
+    "kept: three inits + noise + TTT 3": ["draft.init_from_target=[lm_head,layer,fc]", "draft.noise=0.1",
+                                          "draft.ttt_steps=3"],
 }
 
 
@@ -65,7 +70,8 @@ def main() -> int:
             continue
         folder = out / f"v{index}"
         common = [f"output_dir={folder}", f"training.time_budget_minutes={args.minutes}", "training.epochs=50",
-                  "training.save_every=100000", "eval.num_prompts=2", "wandb.mode=disabled", *overrides]
+                  "training.save_every=100000", "eval.num_prompts=2", "wandb.mode=disabled", *LEVERS_OFF,
+                  *overrides]
         run(["drafttrain", "prepare", RECIPE, *common, "--no-progress"])
         run(["drafttrain", "train", RECIPE, *common])
         run(["drafttrain", "eval", "--target", "smollm2-135m-instruct", "--draft", str(folder), "--suite", "mt_bench",

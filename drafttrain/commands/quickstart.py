@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(recipe.target)  # one load serves all three stages
         say(f"[1/3] prepare: {recipe.data.num_samples} conversations, answered by {recipe.target.model}")
         prepare(recipe, target=target, show_summary=False)
-        say(f"[2/3] train: a {recipe.draft.kind} draft, checkpoints under {run.checkpoints}")
+        say(f"[2/3] train: the {recipe.draft.kind} draft, checkpoints under {run.checkpoints}")
         result = train(recipe, resume=True, target=target)
         best = result.best_checkpoint or result.last_checkpoint
         say(f"[3/3] evaluate {best.name} on {recipe.eval.suite} against plain decoding of the same prompts")

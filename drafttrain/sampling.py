@@ -66,6 +66,14 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return warp_logits(logits, sampling).softmax(-1)
 
 
+def top_probability(logits: torch.Tensor, sampling: Sampling) -> float:
+    """The draft's largest probability at a position (the unwarped softmax when greedy): what a confidence stop
+    reads, never the token about to be drawn, so stopping on it keeps sampling lossless."""
+    if sampling.greedy:
+        return float(torch.softmax(logits.float(), dim=-1).max())
+    return float(probabilities(logits, sampling).max())
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``probs`` [..., V] -> LongTensor [...]."""
     flat = probs.reshape(-1, probs.shape[-1])

@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from drafttrain import DrafttrainError
 from drafttrain.config import EvalConfig
@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.depth == "auto" and tree != "chain":
         raise DrafttrainError("--depth auto chooses chain depths: use --tree chain (the default), or give a depth")
     _check_proposer(args)
-    compared_auto = any(str(c).endswith(("@auto", "@tree:auto")) for c in args.compare or ())
-    calibration = _calibration(args, suite) if "auto" in (args.depth, tree) or compared_auto else ()
+    shapes = [args.depth, tree, *(s for side in args.compared for s in (side.depth, side.tree))]
+    calibration = _calibration(args, suite) if "auto" in shapes else ()
     _prepare_out_dir(args.out)
     if args.threads is not None:
         import torch
@@ -200,8 +200,16 @@ def _check_proposer(args: argparse.Namespace) -> None:
     args.compared = [_compared_side(item, known) for item in args.compare]
 
 
-def _compared_side(item: str, known: set[str]) -> tuple[str, bool, int | str | None, Any]:
-    """``PROPOSER_OR_DRAFT[@SHAPE]`` -> (proposer name or draft path, is a draft, depth, tree), checked now."""
+class Side(NamedTuple):
+    spec: str  # a draft-free proposer's name or a draft folder
+    is_draft: bool
+    depth: int | str | None
+    tree: Any
+    label: str  # the name in the report: the proposer or the draft folder's, with the shape given
+
+
+def _compared_side(item: str, known: set[str]) -> Side:
+    """``PROPOSER_OR_DRAFT[@SHAPE]`` -> the side, checked now."""
     from drafttrain.drafts import saved_kind
 
     spec, _, shape = item.partition("@")
@@ -218,24 +226,21 @@ def _compared_side(item: str, known: set[str]) -> tuple[str, bool, int | str | N
         if "draft" in _proposer_options(spec):
             raise DrafttrainError(f"--compare {spec}: give the draft's checkpoint or run folder instead of the "
                                   "proposer name (its kind names its proposer)")
-        return spec, False, depth, tree
+        return Side(spec, False, depth, tree, item)
     if not Path(spec).expanduser().exists():
         raise DrafttrainError(f"--compare {item}: {spec!r} is neither a draft-free proposer "
                               f"({', '.join(sorted(p for p in known if 'draft' not in _proposer_options(p)))}) nor a "
                               "draft folder")
     saved_kind(spec)  # a drafttrain checkpoint (damage named now, not after the target loads)
-    return spec, True, depth, tree
+    return Side(spec, True, depth, tree, Path(spec).name + (f"@{shape}" if shape else ""))
 
 
-def _load_compared(side: tuple, target):
+def _load_compared(side: Side, target):
     from drafttrain.drafts import load_drafter
     from drafttrain.evaluation.evaluate import Compared
 
-    spec, is_draft, depth, tree = side
-    shape = f"@tree:{tree}" if tree is not None else f"@{depth}" if depth is not None else ""
-    if not is_draft:
-        return Compared(spec, depth=depth, tree=tree, label=spec + shape)
-    return Compared(load_drafter(spec, target), depth=depth, tree=tree, label=Path(spec).name + shape)
+    proposer = load_drafter(side.spec, target) if side.is_draft else side.spec
+    return Compared(proposer, depth=side.depth, tree=side.tree, label=side.label)
 
 
 def _default_proposer(draft: str | None) -> str:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from drafttrain.export import FORMATS, export_draft
-from drafttrain.export.writer import recorded_target
-from drafttrain.runfolder import find_draft
+from drafttrain.export import FORMATS
+from drafttrain.export.writer import export_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,12 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from drafttrain.targets import load_target
-
-    checkpoint = find_draft(args.source)
-    name = args.target or recorded_target(checkpoint)
-    target = load_target(name, device=args.device)
-    out = export_draft(checkpoint, args.fmt, args.out, target, overwrite=args.overwrite, report=args.report,
-                       verifier=args.verifier)
-    print(f"exported {checkpoint} as {args.fmt} to {out}")
+    out = export_checkpoint(args.source, args.fmt, args.out, args.target, device=args.device,
+                            overwrite=args.overwrite, report=args.report, verifier=args.verifier)
+    print(f"exported {args.source} as {args.fmt} to {out}")
     return 0

@@ -10,8 +10,6 @@ import argparse
 import logging
 from pathlib import Path
 
-from drafttrain.runfolder import MANIFEST, RunFolder, find_draft, read_json
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a folder written by `drafttrain export`, or a run or checkpoint to export")
@@ -28,18 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                "uploaded, upload nothing")
 
 
-def is_export(folder: Path) -> bool:
-    return (folder / MANIFEST).is_file() and "format" in (read_json(folder / MANIFEST).get("built_from") or {})
-
-
 def run(args: argparse.Namespace) -> int:
-    from drafttrain.export.hub import check_export, export_files, push_export
+    from drafttrain.export.hub import check_export, export_files, is_export, push_export
+    from drafttrain.export.writer import export_checkpoint
 
     for noisy in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     folder = Path(args.source)
     if not is_export(folder):
-        folder = _export_first(args)
+        folder = export_checkpoint(args.source, args.fmt, args.out, args.target)
+        print(f"exported {args.source} to {folder}")
     built_from = check_export(folder)
     files = export_files(folder)
     print(f"{folder}: a {built_from.get('kind')} draft in the {built_from['format']} format, {len(files)} files, "
@@ -49,22 +45,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name} ({size:,} bytes)")
         print(f"dry run: nothing uploaded to {args.repo}; the card is {folder / 'README.md'}")
         return 0
-    url = push_export(folder, args.repo, private=args.private, revision=args.revision, message=args.message)
+    url = push_export(folder, args.repo, private=args.private, revision=args.revision, message=args.message,
+                      built_from=built_from)
     print(f"pushed to {args.repo}: {url}")
     return 0
-
-
-def _export_first(args: argparse.Namespace) -> Path:
-    from drafttrain.drafts import saved_kind
-    from drafttrain.export import export_draft
-    from drafttrain.export.writer import recorded_target
-    from drafttrain.targets import load_target
-
-    checkpoint = find_draft(args.source)
-    fmt = args.fmt or saved_kind(checkpoint).formats[0]
-    run = RunFolder.of_checkpoint(checkpoint) or RunFolder.of(checkpoint)
-    out = Path(args.out) if args.out else run.export(fmt)
-    target = load_target(args.target or recorded_target(checkpoint))
-    export_draft(checkpoint, fmt, out, target, overwrite=args.out is None)
-    print(f"exported {checkpoint} as {fmt} to {out}")
-    return out

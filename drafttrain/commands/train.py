@@ -76,7 +76,6 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     dataset = open_dataset(run.train_split)
     target = target if target is not None else load_target(recipe.target)
     fingerprint = check_split_is_current(run, dataset, target)
-    check_validation_is_current(run)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
     drafter = build_drafter(recipe.draft, target, run)
@@ -100,7 +99,8 @@ def train(recipe: Recipe, resume: bool = False, target=None):
 
 def check_split_is_current(run: RunFolder, dataset, target) -> str:
     """The train split must be what prepare wrote (its fingerprint in data/manifest.json), tokenised with this
-    target's tokenizer. Returns the split's fingerprint, which every artifact built from it records."""
+    target's tokenizer, and the validation split and prompts too. Returns the train split's fingerprint, which every
+    artifact built from it records."""
     from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
 
     manifest = read_json(run.data_manifest)
@@ -112,15 +112,16 @@ def check_split_is_current(run: RunFolder, dataset, target) -> str:
     if tokenizer is not None and tokenizer_fingerprint(tokenizer) != manifest.get("tokenizer"):
         raise DrafttrainError(f"{run.train_split} was tokenised with another tokenizer than the target's "
                               f"({target.name}): rerun `drafttrain prepare` with this recipe")
+    check_validation_is_current(run, manifest)
     return fingerprint
 
 
-def check_validation_is_current(run: RunFolder) -> None:
+def check_validation_is_current(run: RunFolder, manifest: dict) -> None:
     """The held-out split and prompts (which choose the best checkpoint) must be the ones prepare wrote with this
-    train split: a validation set left from other data could overlap the training rows."""
+    train split (``manifest``: data/manifest.json): a validation set left from other data could overlap the
+    training rows."""
     from drafttrain.data.tokenize import split_fingerprint
 
-    manifest = read_json(run.data_manifest)
     recorded = manifest.get("validation")
     present = run.validation_split.is_dir()
     if present != (recorded is not None) or (present and split_fingerprint(open_dataset(run.validation_split))

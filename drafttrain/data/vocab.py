@@ -275,6 +275,29 @@ def read_vocab_mapping(path: str | Path, target_vocab_size: int) -> tuple[torch.
     return d2t, t2d
 
 
+def draft_vocab_for(configured: str | Path | None, run, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a draft: the recipe's ``draft_vocab`` file, else the run's (``run``: a RunFolder, prepare wrote
+    it), else the full vocabulary (draft id == target id)."""
+    path = configured or (run.draft_vocab if run is not None and run.draft_vocab.is_file() else None)
+    if path is not None:
+        return read_vocab_mapping(path, vocab_size)
+    return torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool)
+
+
+def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of each draft id (d2t holds the offsets)."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Draft-vocabulary logits scattered into the target vocabulary, -inf elsewhere, so proposers speak target ids."""
+    if d2t.numel() == t2d.numel():
+        return draft_logits
+    out = draft_logits.new_full((*draft_logits.shape[:-1], t2d.numel()), float("-inf"))
+    out[..., draft_ids(d2t)] = draft_logits
+    return out
+
+
 def _check_key(found: DraftVocabKey, expected: DraftVocabKey, path: Path) -> None:
     stale = [
         f"{what} (built from {old}, now {new})"

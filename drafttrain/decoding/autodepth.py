@@ -88,29 +88,34 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-@torch.inference_mode()
-def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: int, repeats: int = 5) -> Costs:
-    """Seconds per plain step, per verification width and per drafted depth, on ``prompt`` (token ids [1, P])."""
+def _prefilled(target, proposer: Proposer, prompt: torch.Tensor):
+    """The target's KV cache after ``prompt``, its length, the next (greedy) token, and the proposer prefilled."""
     from transformers import DynamicCache
 
     from drafttrain.targets import HiddenStateTap
 
-    model, device = target.model, target.device
-    prompt = prompt.to(device)
+    model = target.model
     cache = DynamicCache(config=model.config)
     layers = proposer.hidden_layers
     with HiddenStateTap(model, layers) if layers else contextlib.nullcontext() as tap:
         logits = forward(model, cache, prompt)
         hidden = tap.stacked() if layers else None
-    prefix = cache.get_seq_length()
     next_token = logits[:, -1:].argmax(-1)
+    proposer.prefill(prompt, hidden, next_token)
+    return cache, cache.get_seq_length(), next_token, hidden
+
+
+@torch.inference_mode()
+def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: int, repeats: int = 5) -> Costs:
+    """Seconds per plain step, per verification width and per drafted depth, on ``prompt`` (token ids [1, P])."""
+    model, device = target.model, target.device
+    cache, prefix, next_token, hidden = _prefilled(target, proposer, prompt.to(device))
 
     def verify(width: int) -> None:
         forward(model, cache, next_token.expand(1, width).contiguous())
         compact_cache(cache, prefix, [])
 
     verify_s = [0.0] + [median_time(lambda w=w: verify(w), repeats) for w in range(1, max_depth + 2)]
-    proposer.prefill(prompt, hidden, next_token)
     request = DraftRequest(Chain(1), Sampling(), torch.Generator(device=device).manual_seed(0))
     draft_s = [0.0]
     for depth in range(1, max_depth + 1):
@@ -157,10 +162,10 @@ def calibrate(target, proposer: Proposer, prompts: list[torch.Tensor], max_depth
 
 def drafted_length(confidences: list[float], depth: int, threshold: float) -> int:
     """How many positions a chain of ``depth`` drafts under ``threshold`` (trees.Chain's rule)."""
-    product, length = 1.0, 0
+    chain, product, length = Chain(depth, threshold), 1.0, 0
     for top in confidences[:depth]:
         product *= top
-        if threshold > 0 and product < threshold:
+        if chain.stops_at(product):
             break
         length += 1
     return length
@@ -218,24 +223,14 @@ def choose_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new
                 stop_token_ids: set[int], sizes: tuple[int, ...] = TREE_SIZES, repeats: int = 5) -> TreeChoice:
     """The static tree size with the best predicted speedup: trees built from the proposer's measured rank
     accuracies (Medusa's tree tool), each costed by timing its verification forward and its proposal here."""
-    from transformers import DynamicCache
-
-    from drafttrain.targets import HiddenStateTap
-
     accuracies = proposer.rank_accuracies(target, prompts, max_new_tokens, stop_token_ids)
     if accuracies is None:
         from drafttrain import DrafttrainError
 
         raise DrafttrainError(f"tree auto needs a proposer that fills static trees from ranked candidates (medusa); "
                               f"{proposer.name!r} does not")
-    model, prompt = target.model, prompts[0]
-    cache = DynamicCache(config=model.config)
-    layers = proposer.hidden_layers
-    with HiddenStateTap(model, layers) if layers else contextlib.nullcontext() as tap:
-        logits = forward(model, cache, prompt)
-        hidden = tap.stacked() if layers else None
-    prefix, root = cache.get_seq_length(), logits[:, -1:].argmax(-1)
-    proposer.prefill(prompt, hidden, root)
+    model = target.model
+    cache, prefix, root, _ = _prefilled(target, proposer, prompts[0])
     plain = median_time(lambda: _verify(model, cache, prefix, root, None), repeats)
     request = DraftRequest(Chain(1), Sampling(), None)
     by_size, verify_ms, trees = {}, {}, {}

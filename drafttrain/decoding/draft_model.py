@@ -12,7 +12,7 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.decoding.expand import TreeDrafter
-from drafttrain.decoding.proposers import register_proposer
+from drafttrain.decoding.proposers import register_proposer, trained_draft
 from drafttrain.decoding.trees import compact_cache, feed_mask, forward
 
 
@@ -27,9 +27,7 @@ class DraftModelProposer(TreeDrafter):
                 "the 'draft_model' proposer needs draft=<a built-in name, model folder, .gguf file or Hub id>"
             )
         if isinstance(draft, Drafter):  # a distilled draft being trained or evaluated: it speaks the target's tokens
-            if draft.proposer != self.name:
-                raise DrafttrainError(f"the 'draft_model' proposer serves draft models; this is a {draft.kind} draft")
-            self.draft = Target(draft.kind, draft.student.eval(), target.tokenizer)
+            self.draft = Target(draft.kind, trained_draft(self.name, target, draft).student, target.tokenizer)
         else:
             self.draft = draft if isinstance(draft, Target) else load_target(str(draft))
             check_same_tokenizer(target, self.draft)

@@ -18,7 +18,7 @@ import torch
 
 from drafttrain.decoding.proposers import DraftRequest, Proposer
 from drafttrain.decoding.trees import Chain, Draft, DynamicTree, StaticTree, children_lists
-from drafttrain.sampling import probabilities, sample_without_replacement
+from drafttrain.sampling import probabilities, sample_without_replacement, top_probability
 
 
 class TreeDrafter(Proposer):
@@ -68,9 +68,9 @@ class TreeDrafter(Proposer):
             if i:
                 logits = self._feed([i - 1], tokens, parents, depths)[0]
             if shape.min_confidence > 0 or self.record_confidences:
-                top = float(self._top_probability(logits, request))
+                top = top_probability(logits, request.sampling)
                 confidence *= top
-                if confidence < shape.min_confidence:
+                if shape.stops_at(confidence):
                     break
                 self.last_confidences.append(top)
             (tok,), q = self._draw(logits, 1, request)
@@ -80,13 +80,6 @@ class TreeDrafter(Proposer):
             qs.append(q)
         q = None if request.sampling.greedy or not qs else torch.stack(qs)[None]
         return Draft.chain(torch.tensor([tokens], dtype=torch.long, device=self.device).reshape(1, -1), q)
-
-    @staticmethod
-    def _top_probability(logits: torch.Tensor, request: DraftRequest) -> torch.Tensor:
-        """The draft's largest probability at this position (under the sampling warp when sampling)."""
-        if request.sampling.greedy:
-            return torch.softmax(logits.float(), dim=-1).max()
-        return probabilities(logits, request.sampling).max()
 
     def _static(self, root: torch.Tensor, shape: StaticTree, request: DraftRequest) -> Draft:
         kids = children_lists(tuple(shape.parents))

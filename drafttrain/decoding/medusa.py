@@ -17,7 +17,7 @@ from drafttrain import DrafttrainError
 from drafttrain.decoding.engine import plain_decode
 from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer, trained_draft
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
-from drafttrain.sampling import probabilities
+from drafttrain.sampling import top_probability
 
 
 @register_proposer("medusa")
@@ -60,10 +60,9 @@ class MedusaProposer(Proposer):
         ``min_confidence`` (which reads the distributions only: still lossless)."""
         tokens, confidence, self.last_confidences = [], 1.0, []
         for row in logits[: shape.depth]:
-            warped = torch.softmax(row.float(), -1) if request.sampling.greedy else probabilities(row, request.sampling)
-            top = float(warped.max())
+            top = top_probability(row, request.sampling)
             confidence *= top
-            if confidence < shape.min_confidence:
+            if shape.stops_at(confidence):
                 break
             self.last_confidences.append(top)
             tokens.append(int(row.argmax()))

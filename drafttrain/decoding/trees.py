@@ -34,6 +34,10 @@ class Chain:
         if not isinstance(self.min_confidence, (int, float)) or not 0 <= self.min_confidence < 1:
             raise DrafttrainError(f"min_confidence must be in [0, 1), got {self.min_confidence!r}")
 
+    def stops_at(self, confidence: float) -> bool:
+        """Whether a path whose top probabilities multiply to ``confidence`` is not drafted (the one stop rule)."""
+        return confidence < self.min_confidence
+
 
 @dataclasses.dataclass(frozen=True)
 class DynamicTree:

@@ -214,6 +214,21 @@ class Drafter(nn.Module):
             raise damaged(Path(directory) / WEIGHTS_NAME, f"holds non-finite weights (NaN or inf) in {bad[:5]}")
 
 
+def with_lora(model: nn.Module, lora, owner: str) -> nn.Module:
+    """``model`` wrapped in peft LoRA adapters on ``lora.target_modules`` (rank, alpha, dropout from ``lora``);
+    module names the model lacks are refused, naming ``owner`` and some names it has."""
+    from peft import LoraConfig, get_peft_model
+
+    present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    missing = [m for m in lora.target_modules if m not in present]
+    if missing:
+        examples = sorted(n for n in present if n and not n.isdigit())[:12]
+        raise DrafttrainError(f"draft.lora.target_modules {missing} are not modules of {owner} (it has e.g. "
+                              f"{', '.join(examples)})")
+    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                            target_modules=list(lora.target_modules), bias="none"))
+
+
 def target_identity(target) -> dict[str, Any]:
     """What a draft records of the target it was trained for, so it is never served by another."""
     from drafttrain.data.tokenize import tokenizer_fingerprint

@@ -30,7 +30,7 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits
+from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets.hidden import decoder_layers
@@ -70,7 +70,7 @@ class DistilledDrafter(Drafter):
         warn_if_larger(student, target)
         student.requires_grad_(True)
         if config.lora is not None:
-            student = add_student_lora(student, config)
+            student = with_lora(student, config.lora, "the draft model")
         return cls(config, student.train()).attach_target(target)
 
     @classmethod
@@ -251,18 +251,6 @@ def warn_if_larger(student: torch.nn.Module, target) -> None:
     if ours >= theirs:
         log.warning("the draft model has %s parameters, the target %s: a draft as large as its target cannot make "
                     "decoding faster", f"{ours:,}", f"{theirs:,}")
-
-
-def add_student_lora(student: torch.nn.Module, config: DraftModelConfig) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    lora = config.lora
-    present = {name.rpartition(".")[2] for name, _ in student.named_modules()}
-    missing = [m for m in lora.target_modules if m not in present]
-    if missing:
-        raise DrafttrainError(f"draft.lora.target_modules {missing} are not modules of the draft model")
-    return get_peft_model(student, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                              target_modules=list(lora.target_modules), bias="none"))
 
 
 def _merged_copy(peft_model: torch.nn.Module) -> torch.nn.Module:

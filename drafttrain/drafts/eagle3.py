@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config
-from drafttrain.data.vocab import read_vocab_mapping
+from drafttrain.data.vocab import draft_ids, draft_vocab_for, to_target_vocab
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
@@ -76,14 +76,7 @@ class Eagle3Drafter(EagleHead):
     @classmethod
     def build(cls, config: Eagle3Config, target, run: RunFolder | None = None) -> "Eagle3Drafter":
         layer_ids = cls.aux_layers(config, target.num_layers)
-        vocab_path = config.draft_vocab
-        if vocab_path is None and run is not None and run.draft_vocab.is_file():
-            vocab_path = run.draft_vocab
-        if vocab_path is not None:
-            d2t, t2d = read_vocab_mapping(vocab_path, target.vocab_size)
-        else:  # full vocabulary: draft id == target id
-            d2t = torch.zeros(target.vocab_size, dtype=torch.long)
-            t2d = torch.ones(target.vocab_size, dtype=torch.bool)
+        d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size)
         head = cls(config, layer_config, layer_ids, d2t, t2d).to(target.device).attach_target(target)
         return head.init_from_target(config.init_from_target)
@@ -194,7 +187,7 @@ class Eagle3Drafter(EagleHead):
     # -- shared forward pieces ---------------------------------------------------------------------------
     @property
     def draft_to_target(self) -> torch.Tensor:
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         return self.fc(taps)
@@ -210,12 +203,7 @@ class Eagle3Drafter(EagleHead):
         return h, self.target_logits(self.lm_head(self.norm(h)))
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Scatter draft-vocab logits into the target vocab (-inf elsewhere) so proposers speak target ids."""
-        if self.d2t.numel() == self.t2d.numel():
-            return draft_logits
-        out = draft_logits.new_full((*draft_logits.shape[:-1], self.t2d.numel()), float("-inf"))
-        out[..., self.draft_to_target] = draft_logits
-        return out
+        return to_target_vocab(draft_logits, self.d2t, self.t2d)
 
     # -- training ------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:

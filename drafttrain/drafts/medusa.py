@@ -27,9 +27,9 @@ from torch import nn
 
 from drafttrain import DrafttrainError
 from drafttrain.config import MedusaConfig
-from drafttrain.data.vocab import read_vocab_mapping
+from drafttrain.data.vocab import draft_ids, draft_vocab_for, to_target_vocab
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits
+from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import RunFolder, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
@@ -74,11 +74,7 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def build(cls, config: MedusaConfig, target, run: RunFolder | None = None) -> "MedusaDrafter":
-        vocab_path = config.draft_vocab or (run.draft_vocab if run is not None and run.draft_vocab.is_file() else None)
-        if vocab_path is not None:
-            d2t, t2d = read_vocab_mapping(vocab_path, target.vocab_size)
-        else:
-            d2t, t2d = torch.zeros(target.vocab_size, dtype=torch.long), torch.ones(target.vocab_size, dtype=torch.bool)
+        d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         drafter = cls(config, target.hidden_size, d2t, t2d).to(target.device).attach_target(target)
         if config.init_lm_head_from_target:
             with torch.no_grad():
@@ -130,7 +126,7 @@ class MedusaDrafter(Drafter):
     # -- forward pieces ------------------------------------------------------------------------------------
     @property
     def draft_to_target(self) -> torch.Tensor:
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def _target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft ids of target ids (-1 outside the draft vocabulary)."""
@@ -140,11 +136,7 @@ class MedusaDrafter(Drafter):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., K, V_target]: each head's logits over the target vocabulary (-inf outside the draft vocab)."""
         out = torch.stack([head(block(hidden)) for block, head in zip(self.blocks, self.lm_heads)], dim=-2)
-        if self.d2t.numel() == self.t2d.numel():
-            return out
-        full = out.new_full((*out.shape[:-1], self.t2d.numel()), float("-inf"))
-        full[..., self.draft_to_target] = out
-        return full
+        return to_target_vocab(out, self.d2t, self.t2d)
 
     def interchange_config(self) -> dict:
         """vLLM's Medusa config (``model_type: medusa``)."""
@@ -228,18 +220,7 @@ class MedusaDrafter(Drafter):
 
 def add_lora(target, config: MedusaConfig) -> list[str]:
     """Wrap the target in LoRA adapters on the named modules; returns the names of the adapters' parameters."""
-    from peft import LoraConfig, get_peft_model
-
-    lora = config.lora
-    present = {name.rpartition(".")[2] for name, _ in target.model.named_modules()}
-    missing = [m for m in lora.target_modules if m not in present]
-    if missing:
-        examples = sorted(n for n in present if n and not n.isdigit())[:12]
-        raise DrafttrainError(f"draft.lora.target_modules {missing} are not modules of {target.name} (it has e.g. "
-                              f"{', '.join(examples)})")
-    peft_config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=list(lora.target_modules), bias="none")
-    target.model = get_peft_model(target.model, peft_config)
+    target.model = with_lora(target.model, config.lora, target.name)
     return [name for name, p in target.model.named_parameters() if p.requires_grad]
 
 

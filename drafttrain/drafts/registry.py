@@ -14,7 +14,7 @@ from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.medusa import MedusaDrafter
 from drafttrain.runfolder import (CONFIG_NAME, MANIFEST, WEIGHTS_NAME, RunFolder, damaged, file_sha256, find_draft,
-                                  read_safetensors, verify_manifest)
+                                  read_json, read_safetensors, verify_manifest)
 
 KINDS: dict[str, type[Drafter]] = {
     Eagle3Drafter.kind: Eagle3Drafter,
@@ -72,8 +72,10 @@ def load_drafter(path: str | Path, target) -> Drafter:
     Checked on the way: the files against the checkpoint's manifest (checksums), the draft's recorded target
     tokenizer against this target's, its config against its weights, and the weights for NaN/inf."""
     directory = find_draft(path)
+    checked: dict = {}  # the manifest's file entries, just verified: their sha256 need not be computed again
     if (directory / MANIFEST).is_file():
         verify_manifest(directory)
+        checked = read_json(directory / MANIFEST)["files"]
     kind = saved_kind(directory)
     config = read_draft_config(directory)
     check_target(config, target, directory)
@@ -90,5 +92,6 @@ def load_drafter(path: str | Path, target) -> Drafter:
                                  f"{str(err).splitlines()[0][:200] if str(err) else 'unreadable'})") from None
     drafter.check_finite(directory)
     weights = directory / WEIGHTS_NAME
-    drafter.loaded_from = {"path": str(directory), "weights_sha256": file_sha256(weights) if weights.is_file() else None}
+    sha = (checked.get(WEIGHTS_NAME) or {}).get("sha256") or (file_sha256(weights) if weights.is_file() else None)
+    drafter.loaded_from = {"path": str(directory), "weights_sha256": sha}
     return drafter

@@ -130,22 +130,15 @@ def evaluate(
         proposer, proposer_kwargs = proposer.proposer, {**proposer_kwargs, "draft": proposer}
     proposer_name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
     proposer_obj = build_proposer(proposer, target, **proposer_kwargs) if isinstance(proposer, str) else proposer
-    depth_choice = tree_choice = None
-    if tree == "auto":  # a static tree sized for this draft and machine (proposers that fill static trees)
-        tree_choice = choose_tree(target, proposer_obj, calibration, min(max_new_tokens, CALIBRATION_NEW_TOKENS))
-        tree = StaticTree(tree_choice.paths)
-    if auto:
-        depth_choice = choose_depth(target, proposer_obj, calibration, max_depth, Sampling(temperature, top_p, top_k),
-                                    min(max_new_tokens, CALIBRATION_NEW_TOKENS), seed)
-        depth, min_confidence = depth_choice.depth, depth_choice.min_confidence
-        if depth == 0:  # drafting would cost more than it saves: plain decoding
-            proposer_obj, depth = NoDraft(), 1
-            proposer_name = f"{proposer_name} (depth auto: plain decoding)"
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    proposer_obj, depth, tree, min_confidence, chosen = resolve_auto(
+        target, proposer_obj, depth, tree, min_confidence, max_depth, calibration, sampling, seed, max_new_tokens)
+    if (chosen.get("depth_auto") or {}).get("depth") == 0:
+        proposer_name = f"{proposer_name} (depth auto: plain decoding)"
     decoder = SpeculativeDecoder(target, proposer_obj, depth=depth, tree=tree, min_confidence=min_confidence,
-                                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+                                 seed=seed, **sampling)
     # The one stop rule (template end-of-turn + EOS), the same for every side, HF references included.
     stop_ids = stop_token_ids(target.tokenizer, target.model.generation_config)
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
 
     def speculative_fn(spec_decoder) -> Callable[[int], GenerateFn]:
         def make(budget: int) -> GenerateFn:
@@ -204,8 +197,8 @@ def evaluate(
     draft = proposer_kwargs.get("draft")
     config["draft"] = draft.identity() if isinstance(draft, Drafter) else None  # which weights were measured
     config["min_confidence"] = min_confidence
-    config["depth_auto"] = depth_choice.summary() if depth_choice is not None else None
-    config["tree_auto"] = tree_choice.summary() if tree_choice is not None else None
+    config["depth_auto"] = chosen.get("depth_auto")
+    config["tree_auto"] = chosen.get("tree_auto")
     references = {name: _reference_line(pairs, temperature) for name, pairs in extra_runs.items()
                   if name.startswith("hf_")}
     comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
@@ -236,18 +229,28 @@ class Compared:
         depth = depth if self.depth is None else self.depth
         tree = tree if self.tree is None else self.tree
         described = {"label": self.label or built.name, "proposer": built.name}
-        if tree == "auto":
-            choice = choose_tree(target, built, calibration, min(max_new_tokens, CALIBRATION_NEW_TOKENS))
-            tree, described["tree_auto"] = StaticTree(choice.paths), choice.summary()
-        if depth == "auto":
-            choice = choose_depth(target, built, calibration, max_depth, Sampling(**sampling),
-                                  min(max_new_tokens, CALIBRATION_NEW_TOKENS), seed)
-            depth, min_confidence, described["depth_auto"] = choice.depth, choice.min_confidence, choice.summary()
-            if depth == 0:
-                built, depth = NoDraft(), 1
-        described.update(depth=depth, tree=describe_tree(tree), min_confidence=min_confidence)
+        built, depth, tree, min_confidence, chosen = resolve_auto(
+            target, built, depth, tree, min_confidence, max_depth, calibration, sampling, seed, max_new_tokens)
+        described.update(**chosen, depth=depth, tree=describe_tree(tree), min_confidence=min_confidence)
         return SpeculativeDecoder(target, built, depth=depth, tree=tree, min_confidence=min_confidence, seed=seed,
                                   **sampling), described
+
+
+def resolve_auto(target, proposer, depth, tree, min_confidence: float, max_depth: int,
+                 calibration: Sequence[Question], sampling: dict, seed: int, max_new_tokens: int):
+    """Depth and tree "auto" chosen for ``proposer`` on the calibration prompts. Returns (proposer, depth, tree,
+    min_confidence, the choices' summaries for the report); NoDraft when plain decoding wins."""
+    chosen: dict[str, Any] = {}
+    budget = min(max_new_tokens, CALIBRATION_NEW_TOKENS)
+    if tree == "auto":  # a static tree sized for this draft and machine (proposers that fill static trees)
+        choice = choose_tree(target, proposer, calibration, budget)
+        tree, chosen["tree_auto"] = StaticTree(choice.paths), choice.summary()
+    if depth == "auto":
+        choice = choose_depth(target, proposer, calibration, max_depth, Sampling(**sampling), budget, seed)
+        depth, min_confidence, chosen["depth_auto"] = choice.depth, choice.min_confidence, choice.summary()
+        if depth == 0:  # drafting would cost more than it saves: plain decoding
+            proposer, depth = NoDraft(), 1
+    return proposer, depth, tree, min_confidence, chosen
 
 
 def choose_depth(target, proposer, calibration: Sequence[Question], max_depth: int, sampling: Sampling,

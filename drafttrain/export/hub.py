@@ -10,9 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from drafttrain import DrafttrainError
-from drafttrain.runfolder import MANIFEST, verify_manifest
+from drafttrain.runfolder import MANIFEST, read_json, verify_manifest
 
 CARD = "README.md"
+
+
+def is_export(folder: Path) -> bool:
+    """Whether ``folder`` is what ``drafttrain export`` wrote (its manifest names the format), unchecked."""
+    return (folder / MANIFEST).is_file() and "format" in (read_json(folder / MANIFEST).get("built_from") or {})
 
 
 def check_export(folder: str | Path) -> dict:
@@ -32,14 +37,15 @@ def export_files(folder: Path) -> list[tuple[str, int]]:
 
 
 def push_export(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
-                message: str | None = None) -> str:
+                message: str | None = None, built_from: dict | None = None) -> str:
     """Create the repo if needed (and the branch ``revision``) and upload the folder in one commit; returns the
-    commit URL. A rerun after an interruption uploads again; LFS files already on the Hub are not sent twice."""
+    commit URL. A rerun after an interruption uploads again; LFS files already on the Hub are not sent twice.
+    ``built_from``: what ``check_export`` returned, when the caller checked the folder already."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     folder = Path(folder)
-    built_from = check_export(folder)
+    built_from = built_from if built_from is not None else check_export(folder)
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")

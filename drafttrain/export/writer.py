@@ -21,8 +21,8 @@ from drafttrain.drafts.base import Drafter
 from drafttrain.evaluation.evaluate import EvalReport
 from drafttrain.evaluation.report import plot_acceptance
 from drafttrain.export.card import ACCEPTANCE_PLOT, build_card
-from drafttrain.runfolder import (CONFIG_NAME, EVAL_DIR, MANIFEST, WEIGHTS_NAME, find_draft, read_json, write_manifest,
-                                  write_text_atomic)
+from drafttrain.runfolder import (CONFIG_NAME, EVAL_DIR, MANIFEST, WEIGHTS_NAME, RunFolder, find_draft, read_json,
+                                  write_manifest, write_text_atomic)
 
 FORMATS = ("vllm", "sglang", "speculators", "hf")
 REPORT_NAME = "report.json"
@@ -40,6 +40,22 @@ def recorded_target(checkpoint: Path) -> str:
     if named is None:
         raise DrafttrainError(f"{checkpoint} does not record the target it was trained for: pass --target")
     return named
+
+
+def export_checkpoint(source: str | Path, fmt: str | None, out: str | Path | None, target_name: str | None = None,
+                      device: str = "cpu", **options) -> Path:
+    """``export_draft`` for the commands: the draft at ``source`` with the target it was trained for (or
+    ``target_name``), in ``fmt`` (default: its kind's first format), to ``out`` (default: the run's
+    ``exports/<fmt>``, replaced)."""
+    from drafttrain.drafts import saved_kind
+    from drafttrain.targets import load_target
+
+    checkpoint = find_draft(source)
+    fmt = fmt or saved_kind(checkpoint).formats[0]
+    if out is None:
+        out, options["overwrite"] = (RunFolder.of_checkpoint(checkpoint) or RunFolder.of(checkpoint)).export(fmt), True
+    target = load_target(target_name or recorded_target(checkpoint), device=device)
+    return export_draft(checkpoint, fmt, out, target, **options)
 
 
 def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrite: bool = False,
@@ -107,7 +123,7 @@ def _measured(drafter: Drafter, checkpoint: Path, report: str | Path | None) -> 
         return None
     measured = read_json(path)
     recorded = (measured.get("config") or {}).get("draft") or {}
-    sha = (drafter.loaded_from or {}).get("weights_sha256")
+    sha = drafter.identity()["weights_sha256"]
     if recorded.get("weights_sha256") not in (None, sha) or (report is not None and recorded.get("weights_sha256")
                                                               is None):
         raise DrafttrainError(f"{path} measured other weights than {checkpoint} (sha256 "

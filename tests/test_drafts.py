@@ -312,3 +312,32 @@ def test_a_layer_from_the_target_computes_the_targets_last_layer(tiny_target):
         assert not torch.allclose(fresh.midlayer(hidden, embeds, cos, sin, LayerCache()), want, atol=1e-2)
     with pytest.raises(DrafttrainError, match="set intermediate_size to the target's"):
         build_drafter(Eagle3Config(init_from_target=["layer"], intermediate_size=16), tiny_target)
+
+
+def test_draft_vocabulary_logits_in_chunks_give_the_full_logits_loss(tiny_target, tmp_path):
+    """EAGLE-3 asks only for its draft vocabulary's rows (and the full argmax), chunk by chunk over the sequence;
+    its loss and accuracies equal those from the full [B, T, V] logits of one plain forward."""
+    from drafttrain.targets.outputs import TargetOutputs
+
+    keep = list(range(3, 96, 3))
+    draft = build_drafter(Eagle3Config(ttt_steps=3, draft_vocab=str(vocab_file(tmp_path, 96, keep))), tiny_target)
+    batch = batch_of(tiny_target, batch=2, seq=20, seed=4)
+    needs = draft.needs()
+    assert needs.logits_rows.tolist() == keep
+    with torch.no_grad():
+        full = tiny_target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        chunked = run_target(tiny_target, batch, needs, chunk=7)  # 20 positions: chunks of 7, 7 and 6
+        everything = run_target(tiny_target, batch, TargetNeeds(layers=needs.layers, logits=True))
+    assert chunked.logits.shape == (2, 20, len(keep))
+    torch.testing.assert_close(chunked.logits, full[..., keep])
+    assert torch.equal(chunked.argmax, full.argmax(-1))
+    # the argmax is over the whole vocabulary: some positions' best token lies outside the draft vocabulary
+    assert not torch.isin(chunked.argmax, torch.tensor(keep)).all()
+    torch.testing.assert_close(everything.logits, full)
+    torch.manual_seed(0)
+    rows = draft.training_step(batch, chunked)
+    torch.manual_seed(0)
+    whole = draft.training_step(batch, TargetOutputs(hidden=everything.hidden, logits=full))
+    torch.testing.assert_close(rows.loss, whole.loss)
+    assert [int(c) for c in rows.correct] == [int(c) for c in whole.correct]
+    assert rows.metrics == pytest.approx(whole.metrics)

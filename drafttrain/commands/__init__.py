@@ -16,6 +16,7 @@ from drafttrain import DrafttrainError, __version__
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("drafttrain.commands.prepare", "load, regenerate, tokenise conversations and build the draft vocab"),
+    "plan": ("drafttrain.commands.plan", "print the memory, disk and time a recipe needs, from config files alone"),
     "train": ("drafttrain.commands.train", "train a draft from a recipe (also under accelerate launch)"),
     "eval": ("drafttrain.commands.eval", "measure speculative decoding: tau, acceptance, speedup"),
     "export": ("drafttrain.commands.export", "write a trained draft for vLLM, SGLang or speculators, with a model card"),

@@ -482,7 +482,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from drafttrain.training.plan import check_fits
+
     recipe = load_recipe(args.recipe, args.overrides)  # the whole recipe is validated before any work
+    check_fits(recipe, "prepare")  # an offline cache that clearly cannot fit on disk is refused before any work
     result = prepare(recipe, limit=args.limit, progress=not args.no_progress)
     print(f"prepared {result.train_rows} train / {result.validation_rows} validation rows -> {result.run.root}")
     return 0

@@ -72,7 +72,10 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     from drafttrain.targets import load_target
     from drafttrain.training.trainer import Trainer, online_outputs
 
+    from drafttrain.training.plan import check_fits
+
     run = RunFolder.of(recipe.output_dir)
+    check_fits(recipe, "train")  # before the target loads: refuse a run that clearly cannot fit here
     dataset = open_dataset(run.train_split)
     target = target if target is not None else load_target(recipe.target)
     fingerprint = check_split_is_current(run, dataset, target)

@@ -7,6 +7,8 @@ Parameter names follow the EAGLE-3 interchange layout that vLLM and SGLang load:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
@@ -21,7 +23,7 @@ from drafttrain.drafts.layers import DraftDecoderLayer, llama_config_like, shift
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import final_norm
 from drafttrain.targets.loading import verifier_path
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format the export writes (and is tested with)
@@ -72,6 +74,10 @@ class Eagle3Drafter(EagleHead):
     @classmethod
     def target_needs(cls, config: Eagle3Config, target) -> TargetNeeds:
         return TargetNeeds(layers=tuple(cls.aux_layers(config, target.num_layers)), logits=True)
+
+    def needs(self) -> TargetNeeds:
+        """Only the draft vocabulary's logits (and the full argmax, for the in-vocabulary mask) reach the loss."""
+        return dataclasses.replace(super().needs(), logits_rows=self.draft_to_target)
 
     @classmethod
     def build(cls, config: Eagle3Config, target, run: RunFolder | None = None) -> "Eagle3Drafter":
@@ -209,10 +215,9 @@ class Eagle3Drafter(EagleHead):
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        with torch.no_grad():
-            target_ids = outputs.logits.argmax(-1)
+        with torch.no_grad():  # the target's logits over the draft vocabulary, its argmax over all of it
+            target_ids, target_logits = rows_and_argmax(outputs, self.draft_to_target)
             in_vocab = self.t2d[target_ids].float()
-            target_logits = outputs.logits.index_select(-1, self.draft_to_target)
         taps = outputs.hidden.to(self.fc.weight.dtype)
         if self.training and self.config.noise > 0:
             taps = taps + (torch.rand_like(taps) - 0.5) * self.config.noise

@@ -18,6 +18,8 @@ Parameter names follow vLLM's Medusa layout: ``blocks.{h}.layers.{l}`` and ``lm_
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import RunFolder, read_json, read_safetensors
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
 ADAPTER_DIR = "adapter"
 MERGED_DIR = "merged"
@@ -71,6 +73,12 @@ class MedusaDrafter(Drafter):
     @classmethod
     def target_needs(cls, config: MedusaConfig, target) -> TargetNeeds:
         return TargetNeeds(final_hidden=True, logits=config.self_distill or config.trains_target)
+
+    def needs(self) -> TargetNeeds:
+        needs = super().needs()
+        if self.config.self_distill and not self.config.trains_target:  # the soft targets are draft-vocabulary rows
+            needs = dataclasses.replace(needs, logits_rows=self.draft_to_target)
+        return needs
 
     @classmethod
     def build(cls, config: MedusaConfig, target, run: RunFolder | None = None) -> "MedusaDrafter":
@@ -189,7 +197,7 @@ class MedusaDrafter(Drafter):
             labels = self._target_to_draft(shift_left(input_ids, 2 + i))  # head i at t: token t+2+i
             weight = shift_left(loss_mask, 2 + i) * (labels >= 0).float()
             if cfg.self_distill:  # the target's distribution over token t+2+i sits at position t+1+i
-                soft = shift_left(outputs.logits, 1 + i).detach().index_select(-1, self.draft_to_target)
+                soft = shift_left(rows_and_argmax(outputs, self.draft_to_target)[1], 1 + i).detach()
                 loss_i = losses.soft_cross_entropy(logits, soft, weight)
             else:
                 loss_i = losses.cross_entropy(logits, labels, weight)

@@ -31,6 +31,9 @@ class TargetNeeds:
     # temperature, instead of recomputing them: a teacher cache (a 70B teacher runs once). None: recompute.
     logits_top_k: int | None = None
     logits_temperature: float = 1.0
+    # Only these vocabulary entries' logits (a draft vocabulary's target ids), with the full-vocabulary argmax
+    # beside them: [B, T, V] never exists at once (see target_logits). None: the full vocabulary.
+    logits_rows: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     @property
     def runs_target(self) -> bool:
@@ -70,29 +73,66 @@ def top_k_of(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopK:
 class TargetOutputs:
     hidden: torch.Tensor | None = None  # (B, T, len(layers) * H): the taps in the order declared
     final: torch.Tensor | None = None  # (B, T, H)
-    logits: torch.Tensor | None = None  # (B, T, V); None when they come from a teacher cache as ``top_k``
+    logits: torch.Tensor | None = None  # (B, T, V) or (B, T, rows); None when they come from a teacher cache
     top_k: TopK | None = None
+    argmax: torch.Tensor | None = None  # (B, T): the full-vocabulary argmax, when ``logits`` holds only some rows
 
 
-def run_target(target, batch: dict[str, torch.Tensor], needs: TargetNeeds) -> TargetOutputs:
-    """One forward of the target over ``batch`` that yields what ``needs`` asks for."""
+# Sequence positions per logits chunk: the full-vocabulary logits of batch x chunk positions exist at once (at
+# Llama-3's 128k vocabulary, 4 rows x 512 positions is 1 GB in fp32 instead of 4 GB per 2048-token row).
+LOGITS_CHUNK = 512
+
+
+def run_target(target, batch: dict[str, torch.Tensor], needs: TargetNeeds, chunk: int = LOGITS_CHUNK) -> TargetOutputs:
+    """One forward of the target over ``batch`` that yields what ``needs`` asks for. The logits are computed from
+    the final hidden state afterwards, ``chunk`` positions at a time (see :func:`target_logits`)."""
     if not needs.runs_target:
         return TargetOutputs()
     device = target.device
-    taps = list(needs.layers) + ([target.num_layers] if needs.final_hidden else [])
+    taps = list(needs.layers) + ([target.num_layers] if needs.final_hidden or needs.logits else [])
     with HiddenStateTap(target.model, taps) as tap:
-        out = target.model(
+        target.model(
             input_ids=batch["input_ids"].to(device),
             attention_mask=batch["attention_mask"].to(device) if "attention_mask" in batch else None,
             use_cache=False,
-            logits_to_keep=0 if needs.logits else 1,
+            logits_to_keep=1,  # the lm_head runs in target_logits, chunk by chunk
         )
         captured = tap.get()
+    final = captured[-1] if needs.final_hidden or needs.logits else None
+    logits, argmax = target_logits(target, final, needs.logits_rows, chunk) if needs.logits else (None, None)
     return TargetOutputs(
         hidden=torch.cat(captured[: len(needs.layers)], dim=-1) if needs.layers else None,
-        final=captured[-1] if needs.final_hidden else None,
-        logits=out.logits if needs.logits else None,
+        final=final if needs.final_hidden else None,
+        logits=logits,
+        argmax=argmax,
     )
+
+
+def target_logits(target, final: torch.Tensor, rows: torch.Tensor | None = None,
+                  chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's logits from its final hidden state, ``chunk`` sequence positions at a time. With ``rows``
+    (vocabulary ids), only those entries are kept, and the full-vocabulary argmax is returned beside them; only
+    one chunk's full logits ever exist. Returns (logits, argmax or None)."""
+    if rows is None and final.shape[1] <= chunk:
+        return logits_from_final(target, final), None
+    kept, argmax = [], []
+    for start in range(0, final.shape[1], chunk):
+        full = logits_from_final(target, final[:, start: start + chunk])
+        if rows is None:
+            kept.append(full)
+            continue
+        with torch.no_grad():
+            argmax.append(full.argmax(-1))
+        kept.append(full.index_select(-1, rows.to(full.device)))
+        del full
+    return torch.cat(kept, dim=1), torch.cat(argmax, dim=1) if rows is not None else None
+
+
+def rows_and_argmax(outputs: TargetOutputs, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full-vocabulary argmax, logits at ``rows``) from outputs that hold either all logits or just those rows."""
+    if outputs.argmax is not None:
+        return outputs.argmax, outputs.logits
+    return outputs.logits.argmax(-1), outputs.logits.index_select(-1, rows)
 
 
 class _GivenHidden(nn.Module):

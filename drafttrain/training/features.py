@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from drafttrain import DrafttrainError
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
 from drafttrain.targets.hidden import HiddenStateTap
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, logits_from_final, top_k_of
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, target_logits, top_k_of
 
 INDEX = "index.json"
 FORMAT_VERSION = 3
@@ -162,9 +162,12 @@ class FeatureCache:
         final = padded(f"layer{final_layer}") if f"layer{final_layer}" in names else None
         kept = TopK(ids=padded("topk_ids", torch.long), log_probs=padded("topk_log_probs", torch.float32),
                     rest=padded("topk_rest", torch.float32)) if top_k else None
+        logits, argmax = target_logits(self.target, final, needs.logits_rows) if needs.logits and not top_k \
+            else (None, None)
         return TargetOutputs(
             hidden=torch.cat([padded(f"layer{layer}") for layer in needs.layers], dim=-1) if needs.layers else None,
             final=final if needs.final_hidden else None,
-            logits=logits_from_final(self.target, final) if needs.logits and not top_k else None,
+            logits=logits,
             top_k=kept,
+            argmax=argmax,
         )

@@ -127,6 +127,7 @@ class WindowMeter:
             "tokens": self.tokens,
             "trainable_tokens": self.trainable_tokens,
             "seconds": time.perf_counter() - self.started,
+            "peak_memory": peak_memory_bytes(),
         }
 
 
@@ -153,7 +154,20 @@ def summarise(parts: list[dict[str, Any]]) -> dict[str, float]:
     seconds = max(p["seconds"] for p in parts) or 1e-9
     out["tokens_per_s"] = sum(p["tokens"] for p in parts) / seconds
     out["trainable_tokens_per_s"] = sum(p["trainable_tokens"] for p in parts) / seconds
+    out["peak_memory_mib"] = max(p.get("peak_memory", 0) for p in parts) / 2**20  # the fullest process's
     return out
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak so far: the CUDA allocator's reserved memory on a GPU, resident memory on CPU (what
+    ``drafttrain plan`` predicts)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_reserved()
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class MetricsLog:

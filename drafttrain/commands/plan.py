@@ -1,0 +1,46 @@
+"""``drafttrain plan RECIPE.yaml [key.sub=value ...] [--gpus N --gpu-memory GiB --nodes M]``
+
+Reads config files only (the target's config.json, the recipe, the DeepSpeed JSON) and prints, in seconds, what the
+run needs per process, the offline cache on disk, the regeneration work, and whether it fits
+(drafttrain.training.plan). ``train`` and ``prepare`` make the same check first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from drafttrain.config import load_recipe
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides (YAML values)")
+    parser.add_argument("--stage", choices=("train", "prepare"), default="train")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per node (default 1)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory per GPU (default: this GPU's, if any)")
+    parser.add_argument("--disk", type=float, metavar="GiB", help="free disk for the offline cache (default: the "
+                                                                  "output folder's free space)")
+    parser.add_argument("--regen-throughput", type=float, metavar="TOKENS_PER_S",
+                        help="the regeneration server's throughput, for the expected regeneration time")
+    parser.add_argument("--target-config", metavar="CONFIG.json",
+                        help="the target's config.json, instead of fetching it for the recipe's target")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from drafttrain.training.plan import GIB, Cluster, plan
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    memory = int(args.gpu_memory * GIB) if args.gpu_memory else None
+    if memory is None and recipe.target.device.startswith("cuda") and torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(0).total_memory
+    cluster = Cluster(gpus=args.gpus, nodes=args.nodes, gpu_memory=memory,
+                      disk_free=int(args.disk * GIB) if args.disk else None)
+    result = plan(recipe, cluster, stage=args.stage, config_path=args.target_config,
+                  regen_throughput=args.regen_throughput)
+    print(json.dumps(result.as_dict(), indent=1) if args.json else result.render())
+    return 0 if result.fits else 1

@@ -1,0 +1,432 @@
+"""What a recipe will need, read from config files alone: memory per process by part, the offline cache on disk,
+and the regeneration work. ``drafttrain plan`` prints it; ``train`` and ``prepare`` check it before any work and
+refuse when the run clearly cannot fit.
+
+Nothing is downloaded but config.json. The target and the draft are built on the ``meta`` device (shapes, no
+storage), so parameter counts are exact for any architecture and any draft kind. Activation memory is measured the
+same way: the draft's own ``training_step`` runs once on meta tensors of the recipe's batch and sequence length,
+and every tensor autograd saves for the backward pass is counted. The kinds need no formulas of their own.
+
+Per process, on the device the recipe trains on:
+
+* runtime: on CPU, this process's own resident memory after importing what training imports (measured); on a GPU,
+  the CUDA context and allocator reserve (an estimate, :data:`CUDA_CONTEXT`);
+* the target's weights, split over the processes under ZeRO-3;
+* the draft's weights, gradients and AdamW states, split as the ZeRO stage splits them;
+* activations saved for the backward pass, the target outputs the step consumes, and the largest transient: one
+  chunk of full-vocabulary logits, or the backward's working copy of the largest saved tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from drafttrain import DrafttrainError
+from drafttrain.config import Recipe
+
+GIB = 2**30
+CUDA_CONTEXT = int(1.0 * GIB)  # CUDA context + cuBLAS workspace + allocator slack: an estimate, not measured here
+SLACK = 0.8  # the estimate is good to about 20%: a run "clearly cannot fit" when even 80% of it exceeds the memory
+SKIP_ENV = "DRAFTTRAIN_SKIP_PLAN"
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass
+class Plan:
+    """Per-process memory by part (bytes), the offline cache, the regeneration work, and the verdict."""
+
+    stage: str  # "train" or "prepare"
+    where: str  # e.g. "16 x GPU (80 GiB), ZeRO-3" or "1 x CPU process"
+    memory: dict[str, int]
+    capacity: int | None  # bytes available to one process (None: unknown)
+    cache_bytes: int | None = None
+    disk_free: int | None = None
+    tokens: int = 0
+    tokens_measured: bool = False  # from the prepared data, not estimated from the recipe
+    regen_tokens: int = 0
+    regen_seconds: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.memory.values())
+
+    @property
+    def memory_fits(self) -> bool:
+        return self.capacity is None or self.total <= self.capacity
+
+    @property
+    def disk_fits(self) -> bool:
+        return self.cache_bytes is None or self.disk_free is None or self.cache_bytes <= self.disk_free
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_fits and self.disk_fits
+
+    @property
+    def clearly_cannot_fit(self) -> bool:
+        too_big = self.capacity is not None and SLACK * self.total > self.capacity
+        return too_big or (self.cache_bytes is not None and self.disk_free is not None
+                           and SLACK * self.cache_bytes > self.disk_free)
+
+    def render(self) -> str:
+        lines = [f"drafttrain plan ({self.stage}): {self.where}", "", "memory per process:"]
+        lines += [f"  {name:<34} {_size(value):>10}" for name, value in self.memory.items()]
+        verdict = "fits" if self.memory_fits else "DOES NOT FIT"
+        available = "unknown" if self.capacity is None else _size(self.capacity)
+        lines.append(f"  {'total':<34} {_size(self.total):>10}   available {available}: {verdict}")
+        lines.append("")
+        if self.tokens_measured:
+            lines.append(f"training tokens: {self.tokens:,} (counted in the prepared data)")
+        elif self.tokens:
+            lines.append(f"training tokens: about {self.tokens:,} (data.num_samples rows of half data.max_length)")
+        else:
+            lines.append("training tokens: unknown until prepare (data.num_samples is not set)")
+        if self.cache_bytes is not None:
+            free = "unknown" if self.disk_free is None else _size(self.disk_free)
+            lines.append(f"offline cache: {_size(self.cache_bytes)} on disk, {free} free: "
+                         f"{'fits' if self.disk_fits else 'DOES NOT FIT'}")
+        if self.regen_tokens:
+            at = (f", about {self.regen_seconds / 3600:.1f} h at the stated throughput"
+                  if self.regen_seconds is not None else " (give --regen-throughput for a time)")
+            lines.append(f"regeneration: at most {self.regen_tokens:,} new tokens{at}")
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append(f"verdict: {'fits' if self.fits else 'does not fit'}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total": self.total, "fits": self.fits}
+
+
+def _size(n: int | float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+# ------------------------------------------------------------------------------------------------ the machine
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Where the run goes: ``gpus`` processes per node (one per GPU; on CPU, processes per machine), ``nodes``
+    machines, ``gpu_memory`` bytes per GPU (None on CPU, or when unknown)."""
+
+    gpus: int = 1
+    nodes: int = 1
+    gpu_memory: int | None = None
+    disk_free: int | None = None
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+def this_machine(recipe: Recipe) -> Cluster:
+    """The cluster a run launched here has: accelerate's process counts, this device's memory."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    memory = None
+    if recipe.target.device.startswith("cuda") and torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return Cluster(gpus=local, nodes=max(world // max(local, 1), 1), gpu_memory=memory)
+
+
+def _on_gpu(recipe: Recipe) -> bool:
+    return recipe.target.device.startswith("cuda")
+
+
+def _capacity(recipe: Recipe, cluster: Cluster) -> int | None:
+    if _on_gpu(recipe):
+        return cluster.gpu_memory
+    import psutil
+
+    return psutil.virtual_memory().available // cluster.gpus  # the node's free memory, shared by its processes
+
+
+def _runtime_bytes(recipe: Recipe) -> int:
+    if _on_gpu(recipe):
+        return CUDA_CONTEXT
+    import drafttrain.training.trainer  # noqa: F401  (what a training process has imported before it loads anything)
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# ------------------------------------------------------------------------------------------------ the models
+
+
+def target_config(recipe: Recipe, config_path: str | None = None):
+    """The target's HF config: from ``config_path`` when given, else the recipe's target (a folder, a built-in, or
+    the Hub: config.json only)."""
+    from transformers import AutoConfig
+
+    from drafttrain.targets.loading import resolve_model_dir
+
+    source = config_path or resolve_model_dir(recipe.target.model)
+    try:
+        return AutoConfig.from_pretrained(source, revision=None if config_path else recipe.target.revision,
+                                          trust_remote_code=recipe.target.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise DrafttrainError(f"cannot read the target's config from {source!r} ({str(err).splitlines()[0]}): "
+                              "give --target-config CONFIG.json") from None
+
+
+def meta_target(recipe: Recipe, config):
+    """The target with its real shapes and no storage."""
+    from transformers import AutoModelForCausalLM
+
+    from drafttrain.targets.loading import _DTYPES, Target
+
+    dtype = _DTYPES[recipe.target.dtype]
+    dtype = getattr(config, "torch_dtype", None) or torch.float32 if dtype == "auto" else dtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 trust_remote_code=recipe.target.trust_remote_code)
+    return Target(recipe.target.model, model.eval().requires_grad_(False), tokenizer=None)
+
+
+@contextlib.contextmanager
+def _draft_section(recipe: Recipe, vocab_size: int):
+    """The recipe's draft section; a draft vocabulary that prepare has not written yet is stood in for by one of
+    the recipe's size (only its size matters here)."""
+    from drafttrain.runfolder import RunFolder
+
+    draft, run = recipe.draft, RunFolder.of(recipe.output_dir)
+    wants_file = recipe.draft_vocab.enabled and "draft_vocab" in type(draft).model_fields
+    if not wants_file or draft.draft_vocab or run.draft_vocab.is_file():
+        yield draft, run
+        return
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        size = min(recipe.draft_vocab.size, vocab_size)
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[:size] = True
+        save_file({"d2t": torch.zeros(size, dtype=torch.long), "t2d": t2d}, f"{tmp}/vocab.safetensors")
+        yield draft.model_copy(update={"draft_vocab": f"{tmp}/vocab.safetensors"}), run
+
+
+class _MetaScalars(torch.utils._python_dispatch.TorchDispatchMode):
+    """Lets a training step read a scalar (a metric, a branch) from a meta tensor: it reads 0. Only shapes matter."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return 0
+        return func(*args, **(kwargs or {}))
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
+    """Parameters of the draft (trainable, frozen) and the bytes one training step holds, from a meta-device run
+    of the kind's own code at the recipe's batch size and sequence length."""
+    from drafttrain.drafts import drafter_class
+    from drafttrain.targets.outputs import LOGITS_CHUNK
+
+    batch_size, seq = recipe.training.batch_size, recipe.data.max_length if recipe.data else 2048
+    with _draft_section(recipe, target.vocab_size) as (section, run), _MetaScalars():
+        drafter = drafter_class(section.kind).build(section, target, run).to("meta").train()
+        if recipe.training.mixed_precision != "no":  # activations in the half type (autocast, or DeepSpeed's cast)
+            drafter.to(torch.bfloat16 if recipe.training.mixed_precision == "bf16" else torch.float16)
+        needs = drafter.needs()
+        trained_target = set(drafter.trainable_target_parameters())
+        batch = {"input_ids": torch.zeros(batch_size, seq, dtype=torch.long, device="meta"),
+                 "attention_mask": torch.ones(batch_size, seq, dtype=torch.long, device="meta"),
+                 "loss_mask": torch.ones(batch_size, seq, device="meta")}
+        outputs = _meta_outputs(target, needs, batch_size, seq)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):  # a view shares its base's memory: count the base once
+            base = t._base if t._base is not None else t
+            saved[id(base)] = _nbytes(base)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            drafter.training_step(batch, outputs)
+    own = [p for n, p in drafter.named_parameters() if not n.startswith("target.")]
+    trainable = sum(p.numel() for p in own if p.requires_grad)
+    trainable += sum(p.numel() for n, p in target.model.named_parameters() if n in trained_target)
+    logits_rows = needs.logits_rows.numel() if needs.logits_rows is not None else target.vocab_size
+    chunk = min(seq, LOGITS_CHUNK) if needs.logits else 0
+    largest = max(saved.values(), default=0)
+    return {
+        "trainable": trainable,
+        "frozen": sum(p.numel() for p in own if not p.requires_grad),
+        "frozen_bytes": sum(_nbytes(p) for p in own if not p.requires_grad),
+        "saved": sum(saved.values()),
+        "outputs": sum(_nbytes(t) for t in (outputs.hidden, outputs.final, outputs.logits, outputs.argmax)),
+        # one chunk of full logits (and its argmax pass), or the backward's copy of the largest saved tensor
+        "transient": max(2 * batch_size * chunk * target.vocab_size * 4 if logits_rows else 0, 2 * largest),
+    }
+
+
+def _meta_outputs(target, needs, batch_size: int, seq: int):
+    from drafttrain.targets.outputs import TargetOutputs
+
+    dtype, h = target.model.dtype, target.hidden_size
+    shape = (batch_size, seq)
+    rows = needs.logits_rows.numel() if needs.logits_rows is not None else target.vocab_size
+    return TargetOutputs(
+        hidden=torch.zeros(*shape, len(needs.layers) * h, dtype=dtype, device="meta") if needs.layers else None,
+        final=torch.zeros(*shape, h, dtype=dtype, device="meta") if needs.final_hidden else None,
+        logits=torch.zeros(*shape, rows, dtype=dtype, device="meta") if needs.logits else None,
+        argmax=torch.zeros(*shape, dtype=torch.long, device="meta") if needs.logits_rows is not None else None,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+def zero_stage(recipe: Recipe) -> int:
+    from drafttrain.training.runtime import read_deepspeed_config
+
+    if not recipe.training.deepspeed:
+        return 0
+    return int(read_deepspeed_config(recipe.training.deepspeed)["zero_optimization"].get("stage", 0))
+
+
+def optimizer_bytes(trainable: int, stage: int, world: int, bf16: bool) -> dict[str, int]:
+    """AdamW training state per process. Without DeepSpeed (or at stage 0) everything is fp32 and whole: weights 4,
+    gradients 4, two moments 8 bytes per parameter. DeepSpeed in bf16 keeps bf16 weights and gradients beside an
+    fp32 master copy; ZeRO-1 splits the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too."""
+    weight, grad = (2, 2) if bf16 and stage else (4, 4)
+    optim = 8 + (4 if bf16 and stage else 0)
+    split = lambda n, at: n // world if stage >= at else n  # noqa: E731
+    return {"draft weights (trainable)": split(trainable * weight, 3),
+            "draft gradients": split(trainable * grad, 2),
+            "optimizer states (AdamW)": split(trainable * optim, 1)}
+
+
+def token_count(recipe: Recipe) -> tuple[int, bool]:
+    """Training tokens: counted in the prepared split when there is one, else num_samples rows of half of
+    max_length each (stated as an estimate)."""
+    from drafttrain.runfolder import RunFolder
+
+    split = RunFolder.of(recipe.output_dir).train_split
+    if split.is_dir():
+        from drafttrain.runfolder import open_dataset
+
+        dataset = open_dataset(split)
+        return sum(len(ids) for ids in dataset["input_ids"]), True
+    if recipe.data.num_samples is None:
+        return 0, False  # all of the sources' rows: unknown until prepare has read them
+    rows = recipe.data.num_samples * (1 - recipe.data.validation_fraction)
+    return int(rows * recipe.data.max_length / 2), False
+
+
+def cache_bytes_per_token(recipe: Recipe, target, needs) -> int:
+    from drafttrain.training.features import DTYPES
+
+    dtype = recipe.training.feature_dtype
+    width = _BYTES[str(target.model.dtype).removeprefix("torch.")] if dtype == "auto" else \
+        DTYPES[dtype].itemsize
+    per_token = len(needs.stored_layers(target.num_layers)) * target.hidden_size * width
+    if needs.logits and needs.logits_top_k:  # int32 ids and float32 log-probabilities, plus the rest's
+        per_token += needs.logits_top_k * 8 + 4
+    return per_token
+
+
+def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", config_path: str | None = None,
+         regen_throughput: float | None = None) -> Plan:
+    """The plan for ``recipe`` on ``cluster`` (default: this machine as launched)."""
+    if recipe.draft is None:
+        raise DrafttrainError("the recipe has no draft section: nothing to plan")
+    cluster = cluster or this_machine(recipe)
+    target = meta_target(recipe, target_config(recipe, config_path))
+    zero = zero_stage(recipe)
+    bf16 = recipe.training.mixed_precision == "bf16"
+    target_bytes = sum(_nbytes(p) for p in target.model.parameters())
+    footprint = draft_footprint(recipe, target)
+    from drafttrain.drafts import drafter_class
+
+    needs = drafter_class(recipe.draft.kind).target_needs(recipe.draft, target)
+    offline = recipe.training.hidden_states == "offline"
+    memory = {"runtime": _runtime_bytes(recipe)}
+    if stage == "prepare":
+        memory["target weights"] = target_bytes
+        memory["target forward (one row)"] = _forward_bytes(recipe, target)
+        where = f"1 process on {'GPU' if _on_gpu(recipe) else 'CPU'}"
+    else:
+        sharded = zero == 3 and not offline
+        memory["target weights" + (" (ZeRO-3 shard)" if sharded else "")] = \
+            target_bytes // cluster.world if sharded else target_bytes
+        memory["draft weights (frozen)"] = footprint["frozen_bytes"]
+        memory.update(optimizer_bytes(footprint["trainable"], zero, cluster.world, bf16))
+        memory["activations saved for backward"] = footprint["saved"]
+        memory["target outputs (taps, logits)"] = footprint["outputs"]
+        memory["largest transient"] = max(footprint["transient"], 0 if offline else _forward_bytes(recipe, target))
+        device = f"GPU ({_size(cluster.gpu_memory)})" if _on_gpu(recipe) and cluster.gpu_memory else \
+            ("GPU" if _on_gpu(recipe) else "CPU process")
+        where = (f"{cluster.nodes} node(s) x {cluster.gpus} {device}" + (f", ZeRO-{zero}" if zero else "")
+                 + (", offline hidden states" if offline else ", online hidden states"))
+    tokens, measured = token_count(recipe) if recipe.data else (0, False)
+    result = Plan(stage=stage, where=where, memory={k: int(v) for k, v in memory.items() if v},
+                  capacity=_capacity(recipe, cluster), tokens=tokens, tokens_measured=measured)
+    if offline:
+        result.cache_bytes = tokens * cache_bytes_per_token(recipe, target, needs)
+        result.disk_free = cluster.disk_free if cluster.disk_free is not None else _free_disk(recipe)
+    if recipe.regenerate.enabled and recipe.data is not None:
+        result.regen_tokens = _regenerated_rows(recipe) * recipe.regenerate.max_new_tokens
+        if regen_throughput:
+            result.regen_seconds = result.regen_tokens / regen_throughput
+    if not _on_gpu(recipe):
+        result.notes.append("runtime is this process's measured resident memory after the training imports")
+    elif cluster.gpu_memory is None:
+        result.notes.append("GPU memory unknown: give --gpu-memory GiB")
+    return result
+
+
+def _forward_bytes(recipe: Recipe, target) -> int:
+    """The target's no-grad forward over one batch: one layer's working set (attention and MLP inputs and outputs)
+    plus the residual stream, in the target's dtype."""
+    config = target.model.config
+    rows = recipe.training.batch_size * (recipe.data.max_length if recipe.data else 2048)
+    width = 4 * target.hidden_size + 3 * int(getattr(config, "intermediate_size", 4 * target.hidden_size))
+    return rows * width * target.model.dtype.itemsize
+
+
+def _regenerated_rows(recipe: Recipe) -> int:
+    weights = [(s.weight, recipe.regenerates(s)) for s in recipe.data.sources]
+    share = sum(w for w, regen in weights if regen) / sum(w for w, _ in weights)
+    return int((recipe.data.num_samples or 0) * share)
+
+
+def _free_disk(recipe: Recipe) -> int | None:
+    from drafttrain.runfolder import RunFolder
+
+    folder = RunFolder.of(recipe.output_dir).root
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free if folder.exists() else None
+
+
+def check_fits(recipe: Recipe, stage: str) -> Plan | None:
+    """Run before ``train`` and ``prepare``: refuse, with the plan, a run that clearly cannot fit here."""
+    if os.environ.get(SKIP_ENV) == "1" or recipe.draft is None or (
+            stage == "prepare" and recipe.training.hidden_states != "offline"):
+        return None
+    try:
+        result = plan(recipe, stage=stage)
+    except DrafttrainError:
+        return None  # the stage itself reports a target or config it cannot read, with its own message
+    if result.clearly_cannot_fit:
+        raise DrafttrainError(f"this run cannot fit here; the plan:\n{result.render()}\n"
+                              f"(set {SKIP_ENV}=1 to start anyway)")
+    return result
+
+
+def write_plan(result: Plan, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.as_dict(), indent=1) + "\n")

@@ -1,0 +1,174 @@
+"""Issue 14's benchmark: distilled draft models on SmolLM2-135M-Instruct at one data set and one wall-clock budget.
+
+    python scripts/bench_distill.py [--minutes 4] [--threads 1] [--num-prompts 16] [--out runs/bench_distill]
+
+Arms, each trained for the same budget on the data of recipes/smollm2_distill.yaml (the longer EAGLE-3 recipe's):
+the cut student before training, plain SFT on the target's answers, KD with each divergence (FKL, RKL, JSD, TVD)
+without and with on-policy data (λ = 0.5), an EAGLE-3 head (the quick recipe's kept levers), and two other student
+sizes. Then one ``drafttrain eval`` run per temperature (T=0 and T=0.7) measures every arm on the same MT-Bench
+first turns, against plain decoding and HF assisted generation with the FKL student (``--hf-reference``), each arm
+with its own depth chosen by ``@auto``. Results: OUT/bench.json and Markdown tables on stdout.
+
+Answers the target regenerated for the longer EAGLE-3 run are reused when OUT/../smollm2_eagle3 holds them (the
+settings file must match, which prepare checks); otherwise the first prepare regenerates them (about an hour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+RECIPE = "recipes/smollm2_distill.yaml"
+EAGLE3_RECIPE = "recipes/smollm2_eagle3.yaml"
+EAGLE3_KEPT = ["draft.init_from_target=[lm_head,layer,fc]", "draft.noise=0.1", "draft.ttt_steps=3"]
+ON_POLICY = ["draft.on_policy=0.5", "draft.on_policy_max_new_tokens=64"]
+# name -> (recipe, overrides); "before" is the cut student as cut, saved without training
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "before": (RECIPE, []),
+    "sft": (RECIPE, ["draft.divergence=sft"]),
+    "fkl": (RECIPE, ["draft.divergence=fkl"]),
+    "rkl": (RECIPE, ["draft.divergence=rkl"]),
+    "jsd": (RECIPE, ["draft.divergence=jsd"]),
+    "tvd": (RECIPE, ["draft.divergence=tvd"]),
+    "fkl_onpolicy": (RECIPE, ["draft.divergence=fkl", *ON_POLICY]),
+    "rkl_onpolicy": (RECIPE, ["draft.divergence=rkl", *ON_POLICY]),
+    "jsd_onpolicy": (RECIPE, ["draft.divergence=jsd", *ON_POLICY]),
+    "tvd_onpolicy": (RECIPE, ["draft.divergence=tvd", *ON_POLICY]),
+    "fkl_3layers": (RECIPE, ["draft.divergence=fkl", "draft.cut=every:10"]),
+    "fkl_10layers": (RECIPE, ["draft.divergence=fkl", "draft.cut=every:3"]),
+    "eagle3": (EAGLE3_RECIPE, EAGLE3_KEPT),
+}
+MAIN = "fkl"  # the eval's method side, the one HF assisted generation is run with
+
+
+def run(command: list[str], env: dict) -> None:
+    print("$", " ".join(command), flush=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+
+
+def save_untrained(recipe: str, overrides: list[str], folder: Path) -> None:
+    """The cut student exactly as cut from the target, saved as a checkpoint the evaluator loads."""
+    from drafttrain.config import load_recipe
+    from drafttrain.drafts import drafter_class
+    from drafttrain.targets import load_target
+
+    config = load_recipe(recipe, overrides)
+    target = load_target(config.target.model, dtype=config.target.dtype, device=config.target.device)
+    drafter = drafter_class(config.draft.kind).build(config.draft, target)
+    drafter.save_pretrained(draft_path(folder), step=0)
+
+
+def draft_path(folder: Path) -> Path:
+    """What the evaluator loads for an arm: the untrained student's folder, else the run (its best checkpoint)."""
+    return folder / "untrained" if folder.name == "before" else folder
+
+
+def last_train_metrics(folder: Path) -> dict:
+    merged = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if not any(k.startswith("eval/") for k in record):
+            merged.update(record)
+    return merged
+
+
+def train_arms(args, env: dict, out: Path, results: dict) -> None:
+    answers = out.parent / "smollm2_eagle3"
+    for name, (recipe, overrides) in ARMS.items():
+        folder = out / name
+        if name in results.get("trained", {}):
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        for answer_file in ("regenerated.jsonl", "regenerated.dropped.jsonl", "regenerated.settings.json"):
+            if (answers / answer_file).is_file() and not (folder / answer_file).exists():
+                shutil.copy(answers / answer_file, folder / answer_file)
+        common = [f"output_dir={folder}", f"training.time_budget_minutes={args.minutes}", "training.epochs=50",
+                  "training.save_every=100000", "training.keep_last=1", "eval.every_checkpoint=false",
+                  "wandb.mode=disabled", *overrides]
+        run(["drafttrain", "prepare", recipe, *common, "--no-progress"], env)
+        if name == "before":
+            save_untrained(recipe, common, folder)
+            logged = {}
+        else:
+            run(["drafttrain", "train", recipe, *common], env)
+            logged = last_train_metrics(folder)
+        results.setdefault("trained", {})[name] = {
+            "overrides": overrides, "steps": logged.get("step"), "tokens_per_s": logged.get("tokens_per_s"),
+            "acceptance": logged.get("acceptance"), "on_policy_s": logged.get("on_policy_s")}
+        (out / "bench.json").write_text(json.dumps(results, indent=1))
+
+
+def evaluate_arms(args, env: dict, out: Path, results: dict) -> None:
+    for temperature in args.temperatures:
+        key = f"T={temperature:g}"
+        if key in results.get("eval", {}):
+            continue
+        eval_dir = out / f"eval_T{temperature:g}"
+        if eval_dir.exists():
+            shutil.rmtree(eval_dir)
+        compare = [item for name in ARMS if name != MAIN for item in ("--compare", f"{draft_path(out / name)}@auto")]
+        run(["drafttrain", "eval", "--target", "smollm2-135m-instruct", "--draft", str(out / MAIN), "--depth", "auto",
+             "--suite", "mt_bench", "--num-prompts", str(args.num_prompts), "--turns", "1", "--max-new-tokens",
+             str(args.max_new_tokens), "--temperature", str(temperature), "--threads", str(args.threads),
+             "--hf-reference", *compare, "--out", str(eval_dir), "--no-progress"], env)
+        report = json.loads((eval_dir / "report.json").read_text())
+        sides = {MAIN: {"tau": report["overall"]["tau"], "speedup": report["overall"]["speedup"],
+                        "depth": report["config"]["depth"], "step_ms": report["overall"].get("step_ms")}}
+        for described in report["config"]["compare"]:
+            line = report["comparisons"][described["label"]]
+            name = Path(described["label"].split("@")[0]).name
+            sides["before" if name == "untrained" else name] = {"tau": line.get("tau"), "speedup": line.get("speedup"),
+                                          "depth": described.get("depth")}
+        results.setdefault("eval", {})[key] = {"sides": sides, "references": report["references"]}
+        (out / "bench.json").write_text(json.dumps(results, indent=1))
+
+
+def _f(value, digits=2, suffix="") -> str:
+    return "—" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def print_tables(results: dict, minutes: float) -> None:
+    temperatures = list(results.get("eval", {}))
+    head = " | ".join(f"τ {t} | speedup {t} | depth {t}" for t in temperatures)
+    print(f"\n| arm | steps in {minutes:g} min | β = 1−TVD (train) | {head} |")
+    print("|---|---|---|" + "---|" * (3 * len(temperatures)))
+    for name, trained in results.get("trained", {}).items():
+        cells = []
+        for t in temperatures:
+            side = results["eval"][t]["sides"].get(name, {})
+            cells += [_f(side.get("tau")), _f(side.get("speedup"), suffix="×"), str(side.get("depth", "—"))]
+        print(f"| {name} | {trained['steps'] or 0} | {_f(trained['acceptance'], 3)} | {' | '.join(cells)} |")
+    for t in temperatures:
+        print(f"\nreferences {t}: {json.dumps(results['eval'][t]['references'])}")
+        print(f"method ({MAIN}) step split {t}: {results['eval'][t]['sides'][MAIN].get('step_ms')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=4.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for every stage (1: steady on a shared CPU)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--out", default="runs/bench_distill")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "bench.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    train_arms(args, env, out, results)
+    evaluate_arms(args, env, out, results)
+    print_tables(results, args.minutes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

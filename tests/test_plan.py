@@ -1,0 +1,106 @@
+"""``drafttrain plan``: memory, disk and regeneration from config files alone, checked against measured runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import small_recipe
+from drafttrain import DrafttrainError
+from drafttrain.config import load_recipe
+from drafttrain.training.plan import GIB, Cluster, check_fits, plan
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "recipes" / "configs"
+EAGLE3 = {"kind": "eagle3", "ttt_steps": 7}
+
+
+def drafttrain(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "drafttrain", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def measured_recipe(tmp_path: Path, **training) -> Path:
+    """The real target, rows cut to 128 tokens (most Alpaca answers are longer), 4 per batch, an EAGLE-3 head with
+    7 unrolled steps over the full 49k vocabulary: activations are a large share of the peak."""
+    path = small_recipe(tmp_path, EAGLE3, training={"batch_size": 4, "log_every": 1, "save_every": 1000,
+                                                    **training},
+                        eval={"every_checkpoint": False})
+    recipe = yaml.safe_load(path.read_text())
+    recipe["data"].update(max_length=128, num_samples=24, validation_fraction=0.1)
+    recipe["data"]["sources"][0]["max_samples"] = 24
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_the_plan_matches_a_measured_cpu_run_within_20_percent(tmp_path):
+    recipe = measured_recipe(tmp_path)
+    drafttrain("prepare", str(recipe), "--no-progress")
+    planned = json.loads(drafttrain("plan", str(recipe), "--json").stdout)
+    assert planned["tokens_measured"] and planned["fits"]
+    drafttrain("train", str(recipe), "--max-steps", "4")
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    peak = max(r["peak_memory_mib"] for r in logged if "peak_memory_mib" in r) * 2**20
+    assert planned["memory"]["activations saved for backward"] > 0.25 * planned["total"]  # not just weights
+    assert abs(planned["total"] - peak) / peak < 0.20, (planned["memory"], peak / 2**20)
+
+
+def test_the_planned_offline_cache_matches_the_written_one(tmp_path):
+    recipe = measured_recipe(tmp_path, hidden_states="offline")
+    drafttrain("prepare", str(recipe), "--no-progress")
+    planned = json.loads(drafttrain("plan", str(recipe), "--json").stdout)
+    written = sum(f.stat().st_size for f in (tmp_path / "run" / "features").iterdir())
+    assert abs(planned["cache_bytes"] - written) / written < 0.20, (planned["cache_bytes"], written)
+    # 4 taps (EAGLE-3's three, and the final one its logits come from) of 576 float32 values per token
+    assert planned["cache_bytes"] == planned["tokens"] * 4 * 576 * 4
+
+
+@pytest.mark.parametrize("recipe, config, gpus", [
+    ("eagle3_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 8),
+    ("medusa2_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 8),
+])
+def test_the_cluster_recipes_fit_their_clusters(recipe, config, gpus):
+    result = plan(load_recipe(REPO / "recipes" / recipe), Cluster(gpus=gpus, gpu_memory=80 * GIB),
+                  config_path=str(CONFIGS / config))
+    assert result.fits, result.render()
+    assert result.memory["target weights"] == pytest.approx(8.03e9 * 2, rel=0.01)  # Llama-3.1-8B in bf16
+    assert "activations saved for backward" in result.memory
+
+
+def test_zero_stages_split_what_they_shard():
+    recipe = load_recipe(REPO / "recipes" / "eagle3_llama3.1_8b.yaml")
+    config = str(CONFIGS / "meta-llama--Llama-3.1-8B-Instruct.json")
+    one = plan(recipe, Cluster(gpus=1, gpu_memory=80 * GIB), config_path=config).memory
+    eight = plan(recipe, Cluster(gpus=8, gpu_memory=80 * GIB), config_path=config).memory
+    assert eight["optimizer states (AdamW)"] == pytest.approx(one["optimizer states (AdamW)"] / 8, rel=1e-3)
+    assert eight["draft gradients"] == pytest.approx(one["draft gradients"] / 8, rel=1e-3)  # ZeRO-2
+    assert eight["draft weights (trainable)"] == one["draft weights (trainable)"]  # whole below ZeRO-3
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_plan(tmp_path, monkeypatch):
+    recipe = load_recipe(measured_recipe(tmp_path), ["training.batch_size=100000"])
+    with pytest.raises(DrafttrainError, match="cannot fit here; the plan:(.|\\n)*activations saved for backward"):
+        check_fits(recipe, "train")
+    monkeypatch.setenv("DRAFTTRAIN_SKIP_PLAN", "1")
+    assert check_fits(recipe, "train") is None
+
+
+def test_an_offline_cache_larger_than_the_disk_is_refused_before_prepare(tmp_path, monkeypatch):
+    recipe_path = measured_recipe(tmp_path, hidden_states="offline")
+    done = subprocess.run([sys.executable, "-m", "drafttrain", "plan", str(recipe_path), "--disk", "0.000001"],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "offline cache" in done.stdout and "DOES NOT FIT" in done.stdout
+    import drafttrain.training.plan as planning
+
+    monkeypatch.setattr(planning, "_free_disk", lambda recipe: 1000)  # a nearly full disk
+    with pytest.raises(DrafttrainError, match="cannot fit here(.|\\n)*offline cache"):
+        check_fits(load_recipe(recipe_path), "prepare")
+    assert not (tmp_path / "run").exists()  # nothing was written

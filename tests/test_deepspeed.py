@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "trainer_helpers.py"
 ZERO2 = "recipes/deepspeed/zero2_cpu.json"
 LAUNCH_CONFIG = "recipes/accelerate/cpu_2proc_zero2.yaml"
+TWO_NODES = "recipes/accelerate/cpu_2node_zero2.yaml"
 STEPS = 8
 
 
@@ -79,6 +80,29 @@ def test_two_process_zero2_resume_matches_the_uninterrupted_run(two_process_run)
         assert sorted(report["losses"], key=int) == ["5", "6", "7", "8"]
         for step, loss in report["losses"].items():
             assert loss == pytest.approx(straight[step], rel=0, abs=1e-5)
+
+
+def test_two_nodes_train_and_resume(tmp_path, two_process_run):
+    """Two `accelerate launch` processes as two machines (--num_machines 2, --machine_rank 0/1, rank 0's address
+    127.0.0.1), one process each: the same losses as two processes on one machine, and resume."""
+    port, out = _free_port(), tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", TWO_NODES, "--machine_rank", str(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), str(HELPER), str(out),
+         "--max-steps", str(STEPS), "--save-every", "4", "--deepspeed", ZERO2, "--rewind-to", "4"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    one_machine = rank_reports(two_process_run)[0]["losses"]
+    for rank, report in enumerate(rank_reports(out)):
+        assert report["rank"] == rank and report["world_size"] == 2 and report["steps"] == STEPS
+        assert report["losses"] == pytest.approx(one_machine, abs=1e-5)
+    for report in rank_reports(out.with_name("run-resumed")):
+        assert report["resumed_from"].endswith("step-000004")
+        assert report["losses"] == pytest.approx({k: one_machine[k] for k in ("5", "6", "7", "8")}, abs=1e-5)
 
 
 def test_one_process_zero2_runs_without_a_launcher(tmp_path):

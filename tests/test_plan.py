@@ -104,3 +104,26 @@ def test_an_offline_cache_larger_than_the_disk_is_refused_before_prepare(tmp_pat
     with pytest.raises(DrafttrainError, match="cannot fit here(.|\\n)*offline cache"):
         check_fits(load_recipe(recipe_path), "prepare")
     assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_a_hostfile_naming_an_unknown_host_is_refused_and_a_good_one_sizes_the_cluster(tmp_path):
+    from drafttrain.training.plan import read_hostfile
+
+    bad = tmp_path / "hostfile"
+    bad.write_text("localhost slots=2\nno-such-node.invalid slots=2\n")
+    with pytest.raises(DrafttrainError, match="line 2: unknown host 'no-such-node.invalid'"):
+        read_hostfile(bad)
+    good = tmp_path / "hostfile_ok"
+    good.write_text("# two nodes\nlocalhost slots=8\n127.0.0.1 slots=8\n")
+    assert read_hostfile(good) == {"localhost": 8, "127.0.0.1": 8}
+    out = drafttrain("plan", str(REPO / "recipes" / "eagle3_llama3.1_8b.yaml"), "--hostfile", str(good),
+                     "--gpu-memory", "80", "--target-config", str(CONFIGS / "meta-llama--Llama-3.1-8B-Instruct.json"))
+    assert "2 node(s) x 8 GPU" in out.stdout and "verdict: fits" in out.stdout
+
+
+def test_the_two_node_cluster_files_agree():
+    launch = yaml.safe_load((REPO / "recipes" / "accelerate" / "gpu_2x8_zero2.yaml").read_text())
+    hostfile = REPO / launch["deepspeed_config"]["deepspeed_hostfile"]
+    slots = [int(line.split("slots=")[1]) for line in hostfile.read_text().splitlines() if line.strip()]
+    assert launch["num_machines"] == len(slots) == 2 and launch["num_processes"] == sum(slots) == 16
+    assert (REPO / launch["deepspeed_config"]["deepspeed_config_file"]).is_file()

@@ -17,8 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides (YAML values)")
     parser.add_argument("--stage", choices=("train", "prepare"), default="train")
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per node (default 1)")
-    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus", type=int, help="GPUs (processes) per node (default 1, or the hostfile's slots)")
+    parser.add_argument("--nodes", type=int, help="nodes (default 1, or the hostfile's hosts)")
+    parser.add_argument("--hostfile", help="a DeepSpeed hostfile: its hosts must resolve; it gives --nodes and --gpus")
     parser.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory per GPU (default: this GPU's, if any)")
     parser.add_argument("--disk", type=float, metavar="GiB", help="free disk for the offline cache (default: the "
                                                                   "output folder's free space)")
@@ -32,13 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from drafttrain.training.plan import GIB, Cluster, plan
+    from drafttrain.training.plan import GIB, Cluster, plan, read_hostfile
 
     recipe = load_recipe(args.recipe, args.overrides)
+    hosts = read_hostfile(args.hostfile) if args.hostfile else {"this machine": 1}
     memory = int(args.gpu_memory * GIB) if args.gpu_memory else None
     if memory is None and recipe.target.device.startswith("cuda") and torch.cuda.is_available():
         memory = torch.cuda.get_device_properties(0).total_memory
-    cluster = Cluster(gpus=args.gpus, nodes=args.nodes, gpu_memory=memory,
+    cluster = Cluster(gpus=args.gpus or next(iter(hosts.values())), nodes=args.nodes or len(hosts), gpu_memory=memory,
                       disk_free=int(args.disk * GIB) if args.disk else None)
     result = plan(recipe, cluster, stage=args.stage, config_path=args.target_config,
                   regen_throughput=args.regen_throughput)

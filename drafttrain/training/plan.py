@@ -142,6 +142,35 @@ def this_machine(recipe: Recipe) -> Cluster:
     return Cluster(gpus=local, nodes=max(world // max(local, 1), 1), gpu_memory=memory)
 
 
+def read_hostfile(path: str | Path) -> dict[str, int]:
+    """A DeepSpeed hostfile (``host slots=N`` per line) as {host: slots}; every host must resolve, so that a typo
+    is named now rather than by a launcher that hangs waiting for it."""
+    import socket
+
+    file = Path(path)
+    if not file.is_file():
+        raise DrafttrainError(f"hostfile not found: {file}")
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(" ")
+        if not slots.strip().startswith("slots=") or not slots.strip()[6:].isdigit():
+            raise DrafttrainError(f"hostfile {file}, line {number}: expected 'HOST slots=N', got {line!r}")
+        try:
+            socket.getaddrinfo(host, None)
+        except OSError:
+            raise DrafttrainError(f"hostfile {file}, line {number}: unknown host {host!r} (it does not resolve "
+                                  "from this machine)") from None
+        hosts[host] = int(slots.strip()[6:])
+    if not hosts:
+        raise DrafttrainError(f"hostfile {file} names no hosts")
+    if len(set(hosts.values())) != 1:
+        raise DrafttrainError(f"hostfile {file}: every node needs the same number of slots (GPUs), got {hosts}")
+    return hosts
+
+
 def _on_gpu(recipe: Recipe) -> bool:
     return recipe.target.device.startswith("cuda")
 

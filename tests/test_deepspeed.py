@@ -18,6 +18,7 @@ from trainer_helpers import StandInDraft, tiny_target
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "trainer_helpers.py"
 ZERO2 = "recipes/deepspeed/zero2_cpu.json"
+ZERO3 = "recipes/deepspeed/zero3_cpu.json"
 LAUNCH_CONFIG = "recipes/accelerate/cpu_2proc_zero2.yaml"
 TWO_NODES = "recipes/accelerate/cpu_2node_zero2.yaml"
 STEPS = 8
@@ -82,6 +83,97 @@ def test_two_process_zero2_resume_matches_the_uninterrupted_run(two_process_run)
             assert loss == pytest.approx(straight[step], rel=0, abs=1e-5)
 
 
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory) -> Path:
+    """As two_process_run, under ZeRO-3: the target partitioned in a frozen engine, the draft partitioned too."""
+    out = tmp_path_factory.mktemp("zero3") / "run"
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", LAUNCH_CONFIG,
+          "--main_process_port", str(_free_port()), str(HELPER), str(out),
+          "--max-steps", str(STEPS), "--save-every", "4", "--deepspeed", ZERO3, "--rewind-to", "4"])
+    return out
+
+
+def test_zero3_partitions_the_target_and_computes_what_one_process_computes(zero3_run, two_process_run):
+    from safetensors.torch import load_file
+    from trainer_helpers import PROBE_IDS
+
+    from drafttrain.targets import TargetNeeds, run_target
+
+    with torch.no_grad():  # the whole target, in this one process
+        whole = run_target(tiny_target(), {"input_ids": PROBE_IDS}, TargetNeeds(layers=(1, 2), logits=True))
+    reports = rank_reports(zero3_run)
+    for rank, report in enumerate(reports):
+        assert report["world_size"] == 2 and report["steps"] == STEPS
+        assert report["target_share"] <= 0.55  # each rank holds about half of the target's weights
+        probe = load_file(str(zero3_run / f"rank-{rank}-probe.safetensors"))
+        torch.testing.assert_close(probe["hidden"], whole.hidden, rtol=0, atol=1e-6)
+        torch.testing.assert_close(probe["logits"], whole.logits, rtol=0, atol=1e-6)
+    assert rank_reports(two_process_run)[0]["target_share"] == 1.0  # ZeRO-2 keeps it whole on every rank
+    # the same losses as ZeRO-2, which holds everything whole (same processes, same rows)
+    assert reports[0]["losses"] == pytest.approx(rank_reports(two_process_run)[0]["losses"], abs=1e-5)
+
+
+def test_zero3_checkpoints_hold_the_whole_draft_and_resume(zero3_run, two_process_run):
+    from safetensors.torch import load_file
+
+    ckpt, reference = (run / "checkpoints" / "step-000008" for run in (zero3_run, two_process_run))
+    saved, expected = load_file(str(ckpt / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in expected.items()}
+    for name in expected:
+        torch.testing.assert_close(saved[name], expected[name], rtol=0, atol=1e-5)
+    draft = StandInDraft.from_pretrained(ckpt, tiny_target())  # one process, no DeepSpeed
+    assert all(torch.isfinite(p).all() for p in draft.parameters())
+    straight = rank_reports(zero3_run)[0]["losses"]
+    for report in rank_reports(zero3_run.with_name("run-resumed")):
+        assert report["resumed_from"].endswith("step-000004")
+        assert report["losses"] == pytest.approx({k: straight[k] for k in ("5", "6", "7", "8")}, abs=1e-5)
+
+
+def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_saves(tmp_path):
+    """`accelerate launch -m drafttrain train` under ZeRO-3: the target (a saved folder) loads partitioned, the
+    EAGLE-3 head starts from its gathered lm_head, last layer and norm, and the run's losses and checkpoint equal
+    those of the same run under ZeRO-2; the checkpoint loads in one process."""
+    from conftest import small_recipe
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from drafttrain.drafts import load_drafter
+    from drafttrain.targets import load_target, load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                     ).save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    runs = {}
+    for name, launch, config in (("zero3", "recipes/accelerate/cpu_2proc_zero3.yaml", ZERO3),
+                                 ("zero2", LAUNCH_CONFIG, ZERO2)):
+        (tmp_path / name).mkdir()
+        recipe = small_recipe(tmp_path / name, {"kind": "eagle3", "ttt_steps": 2,
+                                                "init_from_target": ["lm_head", "layer", "fc"]},
+                              target={"model": str(tmp_path / "target")}, eval={"every_checkpoint": False},
+                              training={"batch_size": 2, "max_steps": 4, "save_every": 4, "log_every": 1,
+                                        "deepspeed": str(REPO / config)})
+        _run([sys.executable, "-m", "drafttrain", "prepare", str(recipe), "--no-progress"])
+        done = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch,
+                     "--main_process_port", str(_free_port()), "-m", "drafttrain", "train", str(recipe)], timeout=300)
+        runs[name] = tmp_path / name / "run"
+        if name == "zero3":
+            assert "frozen (ZeRO-3: partitioned over the processes)" in done.stdout and "2 process(es)" in done.stdout
+            assert done.stderr.count("loaded partitioned over the processes (ZeRO-3)") == 2  # at load, each rank
+    losses = {name: [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+              for name, run in runs.items()}
+    assert losses["zero3"] == pytest.approx(losses["zero2"], abs=1e-5) and len(losses["zero3"]) == 4
+    saved, expected = (load_file(str(run / "checkpoints" / "step-000004" / "model.safetensors"))
+                       for run in (runs["zero3"], runs["zero2"]))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in expected.items()}
+    for key in expected:
+        torch.testing.assert_close(saved[key], expected[key], rtol=0, atol=1e-5)
+    assert load_drafter(runs["zero3"], load_target(str(tmp_path / "target"))).kind == "eagle3"
+
+
 def test_two_nodes_train_and_resume(tmp_path, two_process_run):
     """Two `accelerate launch` processes as two machines (--num_machines 2, --machine_rank 0/1, rank 0's address
     127.0.0.1), one process each: the same losses as two processes on one machine, and resume."""
@@ -124,7 +216,26 @@ def test_deepspeed_auto_values_come_from_the_recipe_and_conflicts_are_refused():
             config["gradient_clipping"], config["train_batch_size"]) == (3, 2, 0.5, 12)
     with pytest.raises(DrafttrainError, match="gradient_accumulation_steps=4 but the recipe implies 2"):
         fill_deepspeed_config({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}, training, 1)
-    with pytest.raises(DrafttrainError, match="ZeRO-3 is not supported"):
-        fill_deepspeed_config({"zero_optimization": {"stage": 3}}, training, 1)
+    zero3 = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    fill_deepspeed_config(zero3, training, 1)  # the draft is gathered whole for every checkpoint
+    assert zero3["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert zero3["bf16"]["enabled"] is False  # "auto" resolved from the recipe (fp32 here)
     with pytest.raises(DrafttrainError, match="has an 'optimizer' section"):
         fill_deepspeed_config({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, training, 1)
+
+
+def test_zero3_refuses_what_it_cannot_do_before_anything_loads(tmp_path):
+    from conftest import small_recipe
+
+    from drafttrain import DrafttrainError
+    from drafttrain.commands.train import check_trainable
+    from drafttrain.config import load_recipe
+
+    medusa2 = {"kind": "medusa", "lora": {"target_modules": ["q_proj"]}}
+    zero3 = {"deepspeed": str(REPO / ZERO3)}
+    recipe = load_recipe(small_recipe(tmp_path, medusa2, training=zero3, eval={"every_checkpoint": False}))
+    with pytest.raises(DrafttrainError, match="trains its target .* cannot run under ZeRO-3"):
+        check_trainable(recipe)
+    recipe = load_recipe(small_recipe(tmp_path, {"kind": "eagle3"}, training=zero3))
+    with pytest.raises(DrafttrainError, match="eval.every_checkpoint .* ZeRO-3 partitions"):
+        check_trainable(recipe)

@@ -63,16 +63,27 @@ def test_the_planned_offline_cache_matches_the_written_one(tmp_path):
     assert planned["cache_bytes"] == planned["tokens"] * 4 * 576 * 4
 
 
-@pytest.mark.parametrize("recipe, config, gpus", [
-    ("eagle3_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 8),
-    ("medusa2_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 8),
+@pytest.mark.parametrize("recipe, config, nodes, target_bytes", [
+    ("eagle3_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),  # bf16, whole
+    ("medusa2_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),
+    ("eagle_llama70b.yaml", "meta-llama--Llama-3.3-70B-Instruct.json", 2, 70.55e9 * 2 / 16),  # ZeRO-3 over 16
 ])
-def test_the_cluster_recipes_fit_their_clusters(recipe, config, gpus):
-    result = plan(load_recipe(REPO / "recipes" / recipe), Cluster(gpus=gpus, gpu_memory=80 * GIB),
+def test_the_cluster_recipes_fit_their_clusters(recipe, config, nodes, target_bytes):
+    result = plan(load_recipe(REPO / "recipes" / recipe), Cluster(gpus=8, nodes=nodes, gpu_memory=80 * GIB),
                   config_path=str(CONFIGS / config))
     assert result.fits, result.render()
-    assert result.memory["target weights"] == pytest.approx(8.03e9 * 2, rel=0.01)  # Llama-3.1-8B in bf16
+    weights = next(v for k, v in result.memory.items() if k.startswith("target weights"))
+    assert weights == pytest.approx(target_bytes, rel=0.01)
     assert "activations saved for backward" in result.memory
+
+
+def test_the_70b_target_does_not_fit_one_gpu_whole():
+    """What ZeRO-3 is for: the same recipe with the target whole on every GPU (ZeRO-2) does not fit."""
+    recipe = load_recipe(REPO / "recipes" / "eagle_llama70b.yaml", ["training.deepspeed=recipes/deepspeed/zero2.json"])
+    result = plan(recipe, Cluster(gpus=8, nodes=2, gpu_memory=80 * GIB),
+                  config_path=str(CONFIGS / "meta-llama--Llama-3.3-70B-Instruct.json"))
+    assert not result.fits and result.clearly_cannot_fit
+    assert result.memory["target weights"] > 130 * GIB
 
 
 def test_zero_stages_split_what_they_shard():
@@ -122,7 +133,7 @@ def test_a_hostfile_naming_an_unknown_host_is_refused_and_a_good_one_sizes_the_c
 
 
 def test_the_two_node_cluster_files_agree():
-    launch = yaml.safe_load((REPO / "recipes" / "accelerate" / "gpu_2x8_zero2.yaml").read_text())
+    launch = yaml.safe_load((REPO / "recipes" / "accelerate" / "gpu_2x8.yaml").read_text())
     hostfile = REPO / launch["deepspeed_config"]["deepspeed_hostfile"]
     slots = [int(line.split("slots=")[1]) for line in hostfile.read_text().splitlines() if line.strip()]
     assert launch["num_machines"] == len(slots) == 2 and launch["num_processes"] == sum(slots) == 16

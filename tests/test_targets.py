@@ -77,3 +77,13 @@ def test_taps_equal_output_hidden_states(smollm2):
 def test_a_tap_beyond_the_target_is_refused(smollm2):
     with pytest.raises(DrafttrainError, match="layer 31 does not exist.*30 layers"):
         HiddenStateTap(smollm2.model, [2, 31])
+
+
+def test_device_auto_places_the_target_with_accelerate_and_computes_the_same(smollm2):
+    """target.device: auto is device_map="auto" (on this CPU-only machine every layer lands on the CPU; spreading
+    over GPUs is accelerate's, untested here); the forward is unchanged."""
+    spread = load_target(TargetConfig(model="smollm2-135m-instruct", device="auto"))
+    assert spread.device == torch.device("cpu")
+    ids = torch.tensor([[1, 20, 300, 4000]])
+    with torch.no_grad():
+        torch.testing.assert_close(spread.model(ids).logits, smollm2.model(ids).logits)

@@ -173,6 +173,7 @@ def main() -> int:
     output_dir = Path(args.output_dir)
     trainer = make_trainer(output_dir, **overrides)
     _report(trainer, trainer.train(resume=args.resume), output_dir / f"rank-{trainer.accelerator.process_index}.json")
+    _probe(trainer, output_dir / f"rank-{trainer.accelerator.process_index}-probe.safetensors")
     if args.rewind_to is not None:
         rewound = output_dir.with_name(output_dir.name + "-resumed")
         if trainer.accelerator.is_main_process:
@@ -186,11 +187,28 @@ def main() -> int:
 
 def _report(trainer, result, path: Path) -> None:
     acc = trainer.accelerator
+    from drafttrain.training.runtime import local_part
+
+    held = sum(local_part(p).numel() for p in trainer.target.model.parameters())
     report = {"rank": acc.process_index, "world_size": acc.num_processes, "distributed_type": str(acc.distributed_type),
+              "target_share": held / sum(getattr(p, "ds_numel", p.numel()) for p in trainer.target.model.parameters()),
               "steps": result.steps, "losses": {str(k): v for k, v in result.losses.items()},
               "resumed_from": str(result.resumed_from), "last_checkpoint": str(result.last_checkpoint)}
     path.write_text(json.dumps(report))
     acc.wait_for_everyone()
+
+
+PROBE_IDS = torch.arange(14).reshape(2, 7) * 5 % VOCAB
+
+
+def _probe(trainer, path: Path) -> None:
+    """The target's taps and logits for PROBE_IDS, as this rank computes them after training (under ZeRO-3, from
+    its partitioned weights: every rank runs it, the gathers are collective)."""
+    from drafttrain.targets import run_target
+
+    with torch.no_grad():
+        out = run_target(trainer.target, {"input_ids": PROBE_IDS}, TargetNeeds(layers=(1, 2), logits=True))
+    save_file({"hidden": out.hidden.contiguous().cpu(), "logits": out.logits.contiguous().cpu()}, str(path))
 
 
 def _rewind_copy(source: Path, destination: Path, step: int) -> None:

@@ -46,6 +46,17 @@ def check_trainable(recipe: Recipe) -> None:
             "data.packing: drafts are trained on unpacked rows (their attention is not document-aware yet); "
             "set data.packing: false"
         )
+    from drafttrain.training.runtime import configured_zero_stage
+
+    if configured_zero_stage(recipe.training) == 3:
+        from drafttrain.training.trainer import check_zero3
+
+        check_zero3(recipe.draft.kind, recipe.draft.trains_target)
+        if recipe.eval.every_checkpoint:
+            raise DrafttrainError(
+                "eval.every_checkpoint decodes with the whole target in one process, which ZeRO-3 partitions over "
+                "all of them: set eval.every_checkpoint: false and measure checkpoints with `drafttrain eval` on a "
+                "machine that holds the target")
     if recipe.eval.every_checkpoint:
         from drafttrain.evaluation.checkpoint_eval import eval_tree
 
@@ -70,18 +81,22 @@ def train(recipe: Recipe, resume: bool = False, target=None):
 
     from drafttrain.drafts import build_drafter
     from drafttrain.targets import load_target
-    from drafttrain.training.trainer import Trainer, online_outputs
-
     from drafttrain.training.plan import check_fits
+    from drafttrain.training.runtime import build_accelerator, configured_zero_stage, gathered
+    from drafttrain.training.trainer import Trainer, online_outputs
 
     run = RunFolder.of(recipe.output_dir)
     check_fits(recipe, "train")  # before the target loads: refuse a run that clearly cannot fit here
     dataset = open_dataset(run.train_split)
+    zero3 = configured_zero_stage(recipe.training) == 3
+    # Under ZeRO-3 the accelerator exists before the target loads, so from_pretrained partitions it (zero.Init).
+    accelerator = build_accelerator(recipe.training) if zero3 else None
     target = target if target is not None else load_target(recipe.target)
     fingerprint = check_split_is_current(run, dataset, target)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
-    drafter = build_drafter(recipe.draft, target, run)
+    with gathered(start_weights(target), zero3):  # what a draft may start from, whole while it is built
+        drafter = build_drafter(recipe.draft, target, run)
     if recipe.training.hidden_states == "offline":
         from drafttrain.training.features import FeatureCache
 
@@ -90,7 +105,8 @@ def train(recipe: Recipe, resume: bool = False, target=None):
         outputs = online_outputs(target, drafter)
     callbacks = checkpoint_callbacks(recipe, target, run)
     best_metric = recipe.training.best_metric or ("tau" if callbacks else None)  # keep the best by real tau
-    trainer = Trainer(recipe, target, drafter, dataset, outputs_fn=outputs, callbacks=callbacks, best_metric=best_metric)
+    trainer = Trainer(recipe, target, drafter, dataset, outputs_fn=outputs, callbacks=callbacks, best_metric=best_metric,
+                      accelerator=accelerator)
     result = trainer.train(resume=resume)
     if trainer.accelerator.is_main_process:
         best = f"; best: {result.best_checkpoint} ({result.best['metric']}={result.best['value']:.4g})" \
@@ -98,6 +114,16 @@ def train(recipe: Recipe, resume: bool = False, target=None):
         loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
         print(f"trained {result.steps} steps, final loss {loss}; checkpoint: {result.last_checkpoint}{best}")
     return result
+
+
+def start_weights(target) -> list:
+    """The target weights drafts start from (init_from_target): its embeddings, lm_head, final norm and last
+    layer. Under ZeRO-3 only these are gathered while the draft is built, never the whole target."""
+    from drafttrain.targets.hidden import decoder_layers, final_norm
+
+    model = target.model
+    parts = [model.get_input_embeddings(), model.get_output_embeddings(), final_norm(model), decoder_layers(model)[-1]]
+    return list(dict.fromkeys(p for part in parts if part is not None for p in part.parameters()))
 
 
 def check_split_is_current(run: RunFolder, dataset, target) -> str:

@@ -73,11 +73,13 @@ class Target:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.get_input_embeddings().weight.shape[0]
+        weight = self.model.get_input_embeddings().weight
+        return getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 keeps the full shape beside the partition
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the input embeddings' device (the first of several under device_map="auto")."""
+        return self.model.get_input_embeddings().weight.device
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -237,12 +239,26 @@ def load_target(cfg: TargetConfig | str, **overrides) -> Target:
             dtype=_DTYPES[cfg.dtype],
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=True,
+            # "auto": spread over this machine's GPUs (then CPU) by accelerate, for stages that only run the target
+            # forward (prepare, regeneration, eval); training shards it with ZeRO-3 instead
+            device_map="auto" if cfg.device == "auto" else None,
         )
     except OSError as err:
         raise DrafttrainError(_missing_model_message(cfg.model, err)) from None
-    model.to(cfg.device).eval().requires_grad_(False)
+    if _partitioned_at_load():
+        log.info("target %s loaded partitioned over the processes (ZeRO-3)", cfg.model)
+    elif cfg.device != "auto":
+        model.to(cfg.device)
+    model.eval().requires_grad_(False)
     tokenizer = load_tokenizer(cfg)
     return Target(name=cfg.model, model=model, tokenizer=tokenizer, source_dir=Path(where) if Path(where).is_dir() else None)
+
+
+def _partitioned_at_load() -> bool:
+    """True under a ZeRO-3 run: from_pretrained loaded the weights partitioned, each on its process's device."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
 
 
 def check_same_tokenizer(target, draft) -> None:

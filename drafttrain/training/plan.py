@@ -32,6 +32,7 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
+from drafttrain.training.runtime import configured_zero_stage
 
 GIB = 2**30
 CUDA_CONTEXT = int(1.0 * GIB)  # CUDA context + cuBLAS workspace + allocator slack: an estimate, not measured here
@@ -318,14 +319,6 @@ def _meta_outputs(target, needs, batch_size: int, seq: int):
 # ------------------------------------------------------------------------------------------------ the plan
 
 
-def zero_stage(recipe: Recipe) -> int:
-    from drafttrain.training.runtime import read_deepspeed_config
-
-    if not recipe.training.deepspeed:
-        return 0
-    return int(read_deepspeed_config(recipe.training.deepspeed)["zero_optimization"].get("stage", 0))
-
-
 def optimizer_bytes(trainable: int, stage: int, world: int, bf16: bool) -> dict[str, int]:
     """AdamW training state per process. Without DeepSpeed (or at stage 0) everything is fp32 and whole: weights 4,
     gradients 4, two moments 8 bytes per parameter. DeepSpeed in bf16 keeps bf16 weights and gradients beside an
@@ -374,7 +367,7 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
         raise DrafttrainError("the recipe has no draft section: nothing to plan")
     cluster = cluster or this_machine(recipe)
     target = meta_target(recipe, target_config(recipe, config_path))
-    zero = zero_stage(recipe)
+    zero = configured_zero_stage(recipe.training)
     bf16 = recipe.training.mixed_precision == "bf16"
     target_bytes = sum(_nbytes(p) for p in target.model.parameters())
     footprint = draft_footprint(recipe, target)
@@ -391,6 +384,11 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
         sharded = zero == 3 and not offline
         memory["target weights" + (" (ZeRO-3 shard)" if sharded else "")] = \
             target_bytes // cluster.world if sharded else target_bytes
+        if sharded:  # each layer is gathered whole for its forward, the next one prefetched meanwhile
+            from drafttrain.targets.hidden import decoder_layers
+
+            layer = max(sum(_nbytes(p) for p in layer.parameters()) for layer in decoder_layers(target.model))
+            memory["target layers gathered (ZeRO-3)"] = 2 * layer
         memory["draft weights (frozen)"] = footprint["frozen_bytes"]
         memory.update(optimizer_bytes(footprint["trainable"], zero, cluster.world, bf16))
         memory["activations saved for backward"] = footprint["saved"]

@@ -11,6 +11,8 @@ DeepSpeed on CPU needs two things accelerate does not do by itself:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import socket
@@ -31,7 +33,10 @@ def build_accelerator(training: TrainingConfig):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
-    plugin = DeepSpeedPlugin(hf_ds_config=read_deepspeed_config(training.deepspeed)) if training.deepspeed else None
+    config = read_deepspeed_config(training.deepspeed) if training.deepspeed else None
+    # ZeRO-3: transformers' from_pretrained partitions the target while it loads (zero.Init) once this exists
+    stage3 = config is not None and int(config["zero_optimization"].get("stage", 0)) == 3
+    plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage3) if config else None
     handlers = []
     if uses_deepspeed(training) and not torch.cuda.is_available():
         _single_process_env_if_unlaunched()
@@ -47,6 +52,48 @@ def build_accelerator(training: TrainingConfig):
     if accelerator.state.deepspeed_plugin is not None:
         fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, training, accelerator.num_processes)
     return accelerator
+
+
+def zero_stage_of(accelerator) -> int:
+    """The ZeRO stage a running accelerator uses (from the recipe's JSON or accelerate's own config)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)) if plugin is not None else 0
+
+
+def configured_zero_stage(training: TrainingConfig) -> int:
+    """The ZeRO stage the recipe's DeepSpeed JSON asks for (0 without one), known before anything starts."""
+    if not training.deepspeed:
+        return 0
+    return int(read_deepspeed_config(training.deepspeed)["zero_optimization"].get("stage", 0))
+
+
+def shard_frozen(model: torch.nn.Module, accelerator):
+    """ZeRO-3 for a frozen model (the target): a DeepSpeed engine with no optimizer, made from the run's stage-3
+    config, so its weights stay partitioned over the processes and each layer's are gathered for its forward
+    only (the pattern TRL uses for reference and teacher models). A model loaded under zero.Init (see
+    ``build_accelerator``) is partitioned already; one built whole is partitioned here."""
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine.eval()
+
+
+def gathered(parameters, enabled: bool):
+    """The whole of ZeRO-3-partitioned ``parameters`` on every process inside the block (collective: every rank
+    enters it); nothing to do otherwise."""
+    if not enabled:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(parameters), modifier_rank=None)
+
+
+def local_part(param: torch.Tensor) -> torch.Tensor:
+    """This process's share of a parameter: its ZeRO-3 partition, or the whole tensor."""
+    return getattr(param, "ds_tensor", param)
 
 
 def read_deepspeed_config(path: str) -> dict[str, Any]:
@@ -65,12 +112,11 @@ def read_deepspeed_config(path: str) -> dict[str, Any]:
 def fill_deepspeed_config(config: dict[str, Any], training: TrainingConfig, world_size: int) -> None:
     """Fill the config's "auto" values from the recipe, and refuse settings that contradict it."""
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
-    if stage == 3:
-        raise DrafttrainError(
-            "DeepSpeed ZeRO-3 is not supported for drafts: it shards the parameters, and the draft is saved whole "
-            "at every checkpoint. Use stage 2 (recipes/deepspeed/zero2_cpu.json): it shards the optimizer "
-            "state and gradients, which are most of a draft's training memory."
-        )
+    if stage == 3:  # a checkpoint holds the whole draft, whatever the number of processes
+        config["zero_optimization"].setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    for half in ("bf16", "fp16"):  # known now: the frozen target's engine is made before accelerate fills them
+        if config.get(half, {}).get("enabled") == "auto":
+            config[half]["enabled"] = training.mixed_precision == half
     for section in ("optimizer", "scheduler"):
         if section in config:
             raise DrafttrainError(

@@ -27,7 +27,7 @@ from drafttrain.targets.outputs import TargetOutputs, run_target
 from drafttrain.training.checkpoint import CheckpointManager, TrainerState, recipe_changes
 from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids
 from drafttrain.training.logging import CheckpointMetrics, MetricsLog, WindowMeter, summarise
-from drafttrain.training.runtime import build_accelerator
+from drafttrain.training.runtime import build_accelerator, gathered, local_part, shard_frozen, zero_stage_of
 from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,14 @@ def online_outputs(target, drafter) -> OutputsFn:
     return lambda batch: run_target(target, batch, needs)
 
 
+def check_zero3(kind: str, trains_target: bool) -> None:
+    """What ZeRO-3 covers today: a frozen target, partitioned, and a draft that trains only its own weights."""
+    if trains_target:
+        raise DrafttrainError(
+            f"a {kind} draft that trains its target (LoRA) cannot run under ZeRO-3 yet: the target is "
+            "partitioned in a frozen engine of its own; use ZeRO-2 (recipes/deepspeed/zero2.json)")
+
+
 class Trainer:
     def __init__(
         self,
@@ -92,8 +100,10 @@ class Trainer:
         outputs_fn: OutputsFn | None = None,
         callbacks: list[CheckpointCallback] | None = None,
         best_metric: str | None = None,
+        accelerator=None,
     ):
         self.recipe, self.training = recipe, recipe.training
+        self._given_accelerator = accelerator  # made before the target loaded (ZeRO-3 partitions it at load)
         self.target, self.drafter, self.dataset = target, drafter, train_dataset
         self.outputs_fn = outputs_fn or online_outputs(target, drafter)
         self.on_checkpoint: list[CheckpointCallback] = list(callbacks or [])
@@ -106,11 +116,16 @@ class Trainer:
     def train(self, resume: bool = False) -> TrainResult:
         from accelerate.utils import set_seed
 
-        self.accelerator = acc = build_accelerator(self.training)
+        self.accelerator = acc = self._given_accelerator or build_accelerator(self.training)
+        self.zero3 = zero_stage_of(acc) == 3
         self.built_from = self._built_from()
         resume_from = self._start_folder(resume)
         set_seed(self.recipe.seed, device_specific=True)
-        self.target.model.to(acc.device)
+        if self.zero3:
+            check_zero3(self.drafter.kind, bool(self.drafter.trainable_target_parameters()))
+            self.target_engine = shard_frozen(self.target.model, acc)  # partitioned over the processes
+        else:
+            self.target.model.to(acc.device)
         draft_params, target_params = select_trainable(self.target.model, self.drafter)
         optimizer = build_optimizer(draft_params, target_params, self.training, *self.drafter.target_learning())
         trainable = sum(p.numel() for p in draft_params + target_params)
@@ -129,7 +144,8 @@ class Trainer:
             self.state = state = self._restore(resume_from, state)
         acc.print(
             f"trainable parameters: {trainable:,}; target parameters: "
-            f"{sum(p.numel() for p in self.target.model.parameters() if not p.requires_grad):,} frozen; "
+            f"{sum(getattr(p, 'ds_numel', p.numel()) for p in self.target.model.parameters() if not p.requires_grad):,}"
+            f" frozen{' (ZeRO-3: partitioned over the processes)' if self.zero3 else ''}; "
             f"{steps} steps of {self.layout.global_batch * self.layout.grad_accum} rows "
             f"({self.layout.steps_per_epoch} per epoch, {acc.num_processes} process(es))"
         )
@@ -335,10 +351,11 @@ class Trainer:
         tmp = self.checkpoints.tmp_dir(state.step)
         acc.save_state(str(tmp / ACCELERATE_DIR))  # every rank: RNG states, and ZeRO shards under DeepSpeed
         acc.wait_for_everyone()
-        if acc.is_main_process:
-            acc.unwrap_model(self.module).drafter.save_pretrained(tmp)
-            (tmp / STATE_FILE).write_text(state.to_json())
-            write_manifest(tmp, self.built_from)  # last: checksums of every file, and what they were built from
+        with gathered(self.module.parameters(), self.zero3):  # ZeRO-3: the whole draft, whatever the world size
+            if acc.is_main_process:
+                acc.unwrap_model(self.module).drafter.save_pretrained(tmp)
+                (tmp / STATE_FILE).write_text(state.to_json())
+                write_manifest(tmp, self.built_from)  # last: checksums of every file, and what they were built from
         acc.wait_for_everyone()
         if acc.is_main_process:
             final = self.checkpoints.commit(state.step)
@@ -349,7 +366,8 @@ class Trainer:
     def _check_weights_finite(self, state: TrainerState) -> None:
         """Refuse to save NaN/inf weights as a checkpoint (a loss can still be finite the step the weights blow up).
         Collective, so every rank stops together."""
-        bad = any(not bool(torch.isfinite(p.detach()).all()) for p in self.module.parameters() if p.requires_grad)
+        bad = any(not bool(torch.isfinite(local_part(p).detach()).all())
+                  for p in self.module.parameters() if p.requires_grad)
         if self.accelerator.num_processes > 1:
             flag = torch.tensor(float(bad), device=self.accelerator.device)
             bad = float(self.accelerator.reduce(flag, reduction="sum")) > 0

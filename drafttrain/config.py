@@ -218,6 +218,7 @@ class TrainingConfig(Section):
     hidden_states: Literal["online", "offline"] = "online"
     # dtype of the offline cache's hidden states; auto = the target's own dtype (nothing lost)
     feature_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    cache_shard_rows: int = Field(256, gt=0)  # rows per offline-cache shard: the unit a rerun after a crash redoes
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
     # Train for this many minutes (training time: checkpoints and their evaluation not counted), the learning-rate

@@ -196,7 +196,7 @@ def offline_rows(n_rows=3, seed=0):
 
     g = torch.Generator().manual_seed(seed)
     return datasets.Dataset.from_list([{"input_ids": torch.randint(0, 96, (n,), generator=g).tolist()}
-                                       for n in (10, 14, 7)[:n_rows]])
+                                       for n in (10, 14, 7, 12, 9)[:n_rows]])
 
 
 @pytest.mark.parametrize("cfg", [Eagle3Config(layers=[2, 4, 5]), EagleConfig()])
@@ -341,3 +341,32 @@ def test_draft_vocabulary_logits_in_chunks_give_the_full_logits_loss(tiny_target
     torch.testing.assert_close(rows.loss, whole.loss)
     assert [int(c) for c in rows.correct] == [int(c) for c in whole.correct]
     assert rows.metrics == pytest.approx(whole.metrics)
+
+
+def test_a_crashed_cache_write_keeps_its_finished_shards(tiny_target, tmp_path):
+    """A process that dies while writing the offline cache loses only the shard it was writing: the rerun writes
+    the missing shards alone (finished ones untouched), and the joined cache equals one written in one go."""
+    from drafttrain.training.features import cache_settings, join_shards, start_cache, write_shards
+
+    dataset, needs = offline_rows(n_rows=5), build_drafter(EagleConfig(), tiny_target).needs()
+    settings = cache_settings(tiny_target, dataset, needs, split_fingerprint="s", dtype=torch.float32,
+                              rows_per_shard=2)
+    out = start_cache(tmp_path / "cache", settings)
+    assert write_shards(tiny_target, dataset, needs, out, settings, rank=0, world=2, progress=False) == 2
+    (out / "shard-00001.safetensors.tmp").write_bytes(b"half a shard")  # rank 1 was killed mid-write
+    with pytest.raises(DrafttrainError, match="1 of 3 shards are not written .*shard-00001.*rerun"):
+        join_shards(out)
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")}
+    assert sorted(finished) == ["shard-00000.safetensors", "shard-00002.safetensors"]
+    start_cache(out, settings)  # the rerun, same settings: keeps them
+    assert write_shards(tiny_target, dataset, needs, out, settings, progress=False) == 1
+    assert all((out / name).stat().st_mtime_ns == mtime for name, mtime in finished.items())
+    join_shards(out)
+    straight = write_feature_cache(tiny_target, dataset, needs, tmp_path / "straight", split_fingerprint="s",
+                                   dtype=torch.float32, rows_per_shard=2, progress=False)
+    for row in range(5):
+        batch = {"input_ids": torch.tensor(dataset[row]["input_ids"]).unsqueeze(0), "row_index": torch.tensor([row])}
+        resumed = FeatureCache(out, tiny_target, needs, "s").outputs(batch)
+        assert torch.equal(resumed.hidden, FeatureCache(straight, tiny_target, needs, "s").outputs(batch).hidden)
+    start_cache(out, {**settings, "dtype": "bfloat16"})  # other settings: nothing of the old cache is kept
+    assert not list(out.glob("shard-*"))

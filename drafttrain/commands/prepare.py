@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
-from drafttrain.runfolder import RunFolder, file_sha256, write_text_atomic
+from drafttrain.runfolder import RunFolder, file_sha256, open_dataset, write_text_atomic
 from drafttrain.config import DataConfig, Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -339,8 +339,10 @@ def prepare(
     target=None,
     progress: bool = True,
     show_summary: bool = True,
+    features: bool = True,
 ) -> PrepareResult:
-    """Run the data pipeline of ``recipe`` (see the module docstring). ``target`` reuses an already loaded target."""
+    """Run the data pipeline of ``recipe`` (see the module docstring). ``target`` reuses an already loaded target.
+    ``features=False`` leaves the offline cache to the caller (every process of a launch writes its shards)."""
     from drafttrain.data.sources import load_mixture
     from drafttrain.targets import load_target, load_tokenizer
 
@@ -399,10 +401,10 @@ def prepare(
     elif run.draft_vocab.exists():
         run.draft_vocab.unlink()  # a mapping from an earlier run would not match this data
 
-    if recipe.training.hidden_states == "offline" and recipe.draft is not None:
+    if features and recipe.training.hidden_states == "offline" and recipe.draft is not None:
         clock = time.perf_counter()
         target = target if target is not None else load_target(recipe.target)
-        _write_features(recipe, target, train_ds, run)
+        _write_features(recipe, target, train_ds, run, progress)
         seconds["features"] = time.perf_counter() - clock
 
     summary = build_summary(
@@ -458,16 +460,53 @@ def write_validation_prompts(conversations: list[dict], path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _write_features(recipe: Recipe, target, train_ds, run: RunFolder) -> None:
+def _write_features(recipe: Recipe, target, train_ds, run: RunFolder, progress: bool = True) -> None:
     """Offline target outputs: run the target once over the train split and store what the draft kind needs."""
+    from drafttrain.training.features import write_feature_cache
+
+    needs, options = _feature_plan(recipe, target, train_ds)
+    write_feature_cache(target, train_ds, needs, run.features, **options, progress=progress)
+
+
+def _feature_plan(recipe: Recipe, target, train_ds):
+    """What the offline cache stores for this recipe's kind, and how (the split's fingerprint, the dtype)."""
     from drafttrain.data.tokenize import split_fingerprint
     from drafttrain.drafts import drafter_class
-    from drafttrain.training.features import cache_dtype, write_feature_cache
+    from drafttrain.training.features import cache_dtype
 
     needs = drafter_class(recipe.draft.kind).target_needs(recipe.draft, target)
-    shutil.rmtree(run.features, ignore_errors=True)  # outputs of an earlier dataset would not line up with these rows
-    write_feature_cache(target, train_ds, needs, run.features, split_fingerprint=split_fingerprint(train_ds),
-                        dtype=cache_dtype(recipe.training.feature_dtype, target))
+    return needs, {"split_fingerprint": split_fingerprint(train_ds),
+                   "dtype": cache_dtype(recipe.training.feature_dtype, target),
+                   "rows_per_shard": recipe.training.cache_shard_rows}
+
+
+def prepare_launched(recipe: Recipe, state, limit: int | None, progress: bool) -> PrepareResult | None:
+    """``accelerate launch -m drafttrain prepare``: the data stages run on the main process; then every process
+    loads the target on its device and writes its own shards of the offline cache; the main process joins them.
+    A rerun after a crash writes only the shards without a record. Returns the result on the main process."""
+    from drafttrain.targets import load_target
+    from drafttrain.training.features import cache_settings, join_shards, start_cache, write_shards
+
+    result = prepare(recipe, limit=limit, progress=progress, features=False) if state.is_main_process else None
+    state.wait_for_everyone()
+    offline = recipe.training.hidden_states == "offline" and recipe.draft is not None
+    if offline:
+        run = RunFolder.of(recipe.output_dir)
+        device = str(state.device) if recipe.target.device.startswith("cuda") else recipe.target.device
+        target = load_target(recipe.target, device=device)
+        train_ds = open_dataset(run.train_split)
+        needs, options = _feature_plan(recipe, target, train_ds)
+        settings = cache_settings(target, train_ds, needs, **options)
+        if state.is_main_process:
+            start_cache(run.features, settings)
+        state.wait_for_everyone()
+        written = write_shards(target, train_ds, needs, run.features, settings, state.process_index,
+                               state.num_processes, progress)
+        log.info("rank %d wrote %d shards", state.process_index, written)
+        state.wait_for_everyone()
+        if state.is_main_process:
+            join_shards(run.features)
+    return result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -483,9 +522,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from drafttrain.training.plan import check_fits
+    from drafttrain.training.runtime import process_state
 
     recipe = load_recipe(args.recipe, args.overrides)  # the whole recipe is validated before any work
     check_fits(recipe, "prepare")  # an offline cache that clearly cannot fit on disk is refused before any work
-    result = prepare(recipe, limit=args.limit, progress=not args.no_progress)
-    print(f"prepared {result.train_rows} train / {result.validation_rows} validation rows -> {result.run.root}")
+    state = process_state()
+    if state.num_processes > 1:
+        result = prepare_launched(recipe, state, args.limit, not args.no_progress)
+    else:
+        result = prepare(recipe, limit=args.limit, progress=not args.no_progress)
+    if result is not None:
+        print(f"prepared {result.train_rows} train / {result.validation_rows} validation rows -> {result.run.root}")
     return 0

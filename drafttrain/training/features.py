@@ -6,9 +6,12 @@ the kind needs it or the logits), in the target's dtype unless the recipe choose
 (``training.feature_dtype``). Logits are not stored (V-wide, ~100x larger): they are recomputed from the final
 hidden state through the target's own output path (drafttrain.targets.outputs.logits_from_final).
 
-Shards are safetensors written to a temporary name and renamed; ``index.json`` records the target, the layers,
-the dtype, a sha256 per shard, the target's fingerprint and the fingerprint of the split the rows come from, so a
-cache built for other data, another target or other layers is refused instead of silently feeding the wrong rows.
+Shards are safetensors written to a temporary name and renamed, each followed by its record (rows, size, sha256);
+``drafttrain prepare`` under a launcher gives every process its own shards, and a rerun writes only the shards
+that have no record (a process that dies loses only the shard it was writing). ``index.json`` joins the records
+with the settings: the target, the layers, the dtype, the target's fingerprint and the fingerprint of the split the
+rows come from, so a cache built for other data, another target or other layers is refused instead of silently
+feeding the wrong rows.
 """
 
 from __future__ import annotations
@@ -37,50 +40,115 @@ def cache_dtype(name: str, target) -> torch.dtype:
     return target.model.dtype if name == "auto" else DTYPES[name]
 
 
-@torch.no_grad()
-def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path, *, split_fingerprint: str,
-                        dtype: torch.dtype, rows_per_shard: int = 256) -> Path:
-    """Run the target over every row of a tokenised split and store what ``needs`` asks for (see module doc)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    layers = needs.stored_layers(target.num_layers)
+SETTINGS = "settings.json"  # what the shards in the folder were written for; a rerun with others starts over
+
+
+def cache_settings(target, dataset, needs: TargetNeeds, *, split_fingerprint: str, dtype: torch.dtype,
+                   rows_per_shard: int) -> dict:
     top_k = needs.logits_top_k if needs.logits else None
-    index = {"format_version": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
-             "layers": layers, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
-             "logits_top_k": top_k, "logits_temperature": needs.logits_temperature if top_k else None,
-             "num_rows": len(dataset), "dtype": str(dtype).removeprefix("torch."),
-             "split_fingerprint": split_fingerprint, "shards": []}
-    shard: dict[str, torch.Tensor] = {}
-    rows: list[int] = []
+    return {"format_version": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
+            "layers": needs.stored_layers(target.num_layers), "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size, "logits_top_k": top_k,
+            "logits_temperature": needs.logits_temperature if top_k else None, "num_rows": len(dataset),
+            "dtype": str(dtype).removeprefix("torch."), "split_fingerprint": split_fingerprint,
+            "rows_per_shard": rows_per_shard}
 
-    def flush():
-        name = f"shard-{len(index['shards']):05d}.safetensors"
-        tmp = out_dir / (name + ".tmp")
-        save_file(shard, str(tmp))
-        os.replace(tmp, out_dir / name)
-        index["shards"].append({"file": name, "sha256": file_sha256(out_dir / name), "rows": list(rows)})
-        shard.clear()
-        rows.clear()
 
-    for row in tqdm(range(len(dataset)), desc="target features", unit="row"):
-        ids = torch.tensor(dataset[row]["input_ids"]).unsqueeze(0)
-        with HiddenStateTap(target.model, layers) as tap:
-            logits = target.model(input_ids=ids.to(target.device), use_cache=False,
-                                  logits_to_keep=0 if top_k else 1).logits
-            for layer, hidden in zip(layers, tap.get()):
-                shard[f"row{row}.layer{layer}"] = hidden[0].to(dtype).cpu().contiguous()
-        if top_k:  # the teacher's distribution as its top-k (float32: log-probabilities lose little, cost k values)
-            kept = top_k_of(logits[0], top_k, needs.logits_temperature)
-            shard[f"row{row}.topk_ids"] = kept.ids.to(torch.int32).cpu().contiguous()
-            shard[f"row{row}.topk_log_probs"] = kept.log_probs.cpu().contiguous()
-            shard[f"row{row}.topk_rest"] = kept.rest.cpu().contiguous()
-        rows.append(row)
-        if len(rows) >= rows_per_shard:
-            flush()
-    if rows:
-        flush()
+def start_cache(out_dir: str | Path, settings: dict) -> Path:
+    """Keep the finished shards of an interrupted run with the same settings; anything else starts over (outputs
+    written for other rows, another target or other layers would not line up). One process calls this."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    if out_dir.is_dir():
+        try:
+            same = read_json(out_dir / SETTINGS) == settings
+        except DrafttrainError:
+            same = False
+        if not same:
+            shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not (out_dir / SETTINGS).is_file():
+        write_text_atomic(out_dir / SETTINGS, json.dumps(settings, indent=1))
+    return out_dir
+
+
+def _shard_name(number: int) -> str:
+    return f"shard-{number:05d}.safetensors"
+
+
+def _finished(out_dir: Path, number: int) -> dict | None:
+    """The record of a shard written completely (the record is written after its file, both atomically)."""
+    record_path = out_dir / (_shard_name(number) + ".json")
+    if not record_path.is_file():
+        return None
+    record = read_json(record_path)
+    path = out_dir / record["file"]
+    return record if path.is_file() and path.stat().st_size == record["bytes"] else None
+
+
+@torch.no_grad()
+def write_shards(target, dataset, needs: TargetNeeds, out_dir: str | Path, settings: dict, rank: int = 0,
+                 world: int = 1, progress: bool = True) -> int:
+    """Write this rank's shards (shard k holds rows [k·R, (k+1)·R) and belongs to rank k mod world), skipping the
+    ones a previous run finished. Each shard lands under a temporary name, is renamed, then gets its record: a
+    process killed mid-way loses at most the shard it was writing. Returns the number of shards written now."""
+    out_dir, per_shard = Path(out_dir), settings["rows_per_shard"]
+    layers, top_k = settings["layers"], settings["logits_top_k"]
+    dtype = DTYPES[settings["dtype"]]
+    mine = [k for k in range(-(-len(dataset) // per_shard)) if k % world == rank and _finished(out_dir, k) is None]
+    rows_todo = [r for k in mine for r in range(k * per_shard, min((k + 1) * per_shard, len(dataset)))]
+    bar = tqdm(total=len(rows_todo), desc=f"target features (rank {rank})", unit="row", disable=not progress)
+    for k in mine:
+        shard: dict[str, torch.Tensor] = {}
+        rows = list(range(k * per_shard, min((k + 1) * per_shard, len(dataset))))
+        for row in rows:
+            ids = torch.tensor(dataset[row]["input_ids"]).unsqueeze(0)
+            with HiddenStateTap(target.model, layers) as tap:
+                logits = target.model(input_ids=ids.to(target.device), use_cache=False,
+                                      logits_to_keep=0 if top_k else 1).logits
+                for layer, hidden in zip(layers, tap.get()):
+                    shard[f"row{row}.layer{layer}"] = hidden[0].to(dtype).cpu().contiguous()
+            if top_k:  # the teacher's distribution as its top-k (float32 log-probabilities: k values per token)
+                kept = top_k_of(logits[0], top_k, needs.logits_temperature)
+                shard[f"row{row}.topk_ids"] = kept.ids.to(torch.int32).cpu().contiguous()
+                shard[f"row{row}.topk_log_probs"] = kept.log_probs.cpu().contiguous()
+                shard[f"row{row}.topk_rest"] = kept.rest.cpu().contiguous()
+            bar.update(1)
+        name = _shard_name(k)
+        save_file(shard, str(out_dir / (name + ".tmp")))
+        os.replace(out_dir / (name + ".tmp"), out_dir / name)
+        record = {"file": name, "sha256": file_sha256(out_dir / name), "rows": rows,
+                  "bytes": (out_dir / name).stat().st_size}
+        write_text_atomic(out_dir / (name + ".json"), json.dumps(record))
+    bar.close()
+    return len(mine)
+
+
+def join_shards(out_dir: str | Path) -> Path:
+    """index.json: the settings and every shard's record, once all ranks are done (one process calls this)."""
+    out_dir = Path(out_dir)
+    settings = read_json(out_dir / SETTINGS)
+    count = -(-settings["num_rows"] // settings["rows_per_shard"])
+    records = [_finished(out_dir, k) for k in range(count)]
+    missing = [_shard_name(k) for k, r in enumerate(records) if r is None]
+    if missing:
+        raise DrafttrainError(f"feature cache {out_dir}: {len(missing)} of {count} shards are not written "
+                              f"({', '.join(missing[:3])}...): rerun `drafttrain prepare` to write only those")
+    index = {**settings, "shards": [{k: r[k] for k in ("file", "sha256", "rows")} for r in records]}
     write_text_atomic(out_dir / INDEX, json.dumps(index, indent=1))
     return out_dir
+
+
+def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path, *, split_fingerprint: str,
+                        dtype: torch.dtype, rows_per_shard: int = 256, progress: bool = True) -> Path:
+    """Run the target over every row of a tokenised split and store what ``needs`` asks for, in one process (see
+    the module doc; ``drafttrain prepare`` under a launcher splits the shards over its processes)."""
+    settings = cache_settings(target, dataset, needs, split_fingerprint=split_fingerprint, dtype=dtype,
+                              rows_per_shard=rows_per_shard)
+    start_cache(out_dir, settings)
+    write_shards(target, dataset, needs, out_dir, settings, progress=progress)
+    return join_shards(out_dir)
 
 
 class FeatureCache:

@@ -96,6 +96,16 @@ def local_part(param: torch.Tensor) -> torch.Tensor:
     return getattr(param, "ds_tensor", param)
 
 
+def process_state():
+    """This process's place in a launch (accelerate's PartialState): one process without a launcher. On CPU the
+    gloo backend is named, or accelerate would count one process per launch (see the module doc)."""
+    from accelerate import PartialState
+
+    if "LOCAL_RANK" in os.environ and not torch.cuda.is_available():
+        return PartialState(backend="gloo")
+    return PartialState()
+
+
 def read_deepspeed_config(path: str) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():

@@ -217,7 +217,8 @@ DraftSection = Annotated[Union[DRAFT_SECTIONS], Field(discriminator="kind")]
 class TrainingConfig(Section):
     hidden_states: Literal["online", "offline"] = "online"
     # dtype of the offline cache's hidden states; auto = the target's own dtype (nothing lost)
-    feature_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # the offline cache's hidden states: the target's dtype (auto), another, or float8 with a per-token scale
+    feature_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8"] = "auto"
     cache_shard_rows: int = Field(256, gt=0)  # rows per offline-cache shard: the unit a rerun after a crash redoes
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)

@@ -370,3 +370,28 @@ def test_a_crashed_cache_write_keeps_its_finished_shards(tiny_target, tmp_path):
         assert torch.equal(resumed.hidden, FeatureCache(straight, tiny_target, needs, "s").outputs(batch).hidden)
     start_cache(out, {**settings, "dtype": "bfloat16"})  # other settings: nothing of the old cache is kept
     assert not list(out.glob("shard-*"))
+
+
+def test_a_float8_cache_keeps_4h_bytes_per_token_and_bounded_error(tiny_target, tmp_path):
+    """feature_dtype float8: each hidden state in float8 (e4m3) with a bfloat16 scale per token, H + 2 bytes; read
+    back within e4m3's precision of the exact value (3 mantissa bits: 1/16 relative, or its subnormal floor)."""
+    from safetensors import safe_open
+
+    dataset = offline_rows(n_rows=3)
+    needs = build_drafter(Eagle3Config(layers=[2, 4, 5]), tiny_target).needs()
+    cache = write_feature_cache(tiny_target, dataset, needs, tmp_path / "fp8", split_fingerprint="s",
+                                dtype=torch.float8_e4m3fn, progress=False)
+    index = json.loads((cache / "index.json").read_text())
+    assert index["dtype"] == "float8" and index["layers"] == [2, 4, 5, 8]
+    with safe_open(str(cache / index["shards"][0]["file"]), framework="pt") as f:
+        stored_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    tokens = sum(len(r["input_ids"]) for r in dataset)
+    assert stored_bytes == tokens * 4 * (32 + 2)  # four hidden states of H = 32, each 1 byte + a 2-byte scale
+    for row in range(3):
+        ids = torch.tensor(dataset[row]["input_ids"]).unsqueeze(0)
+        exact = outputs_of(tiny_target, {"input_ids": ids}, needs)
+        read = FeatureCache(cache, tiny_target, needs, "s").outputs({"input_ids": ids, "row_index": torch.tensor([row])})
+        for a, b in zip(exact.hidden.split(32, -1), read.hidden.split(32, -1)):
+            bound = a.abs() / 16 + a.abs().amax(-1, keepdim=True) / 400
+            assert ((a - b).abs() <= bound).all()
+        assert (read.logits.argmax(-1) == exact.logits.argmax(-1)).float().mean() > 0.8

@@ -32,7 +32,27 @@ from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, target_
 
 INDEX = "index.json"
 FORMAT_VERSION = 3
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float8": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+def stored(hidden: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """How one hidden-state tensor (T, H) is kept: in ``dtype``; float8 with a bfloat16 scale per token (absmax, so
+    a token with a massive activation does not crush the others' precision): H + 2 bytes per token."""
+    if dtype != torch.float8_e4m3fn:
+        return {"": hidden.to(dtype).cpu().contiguous()}
+    absmax = hidden.float().abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    scale = (absmax * (1.01 / FP8_MAX)).to(torch.bfloat16)  # 1% headroom: the bf16 rounding never overflows fp8
+    quantised = (hidden.float() / scale.float()).to(torch.float8_e4m3fn)
+    return {"": quantised.cpu().contiguous(), ".scale": scale.cpu().contiguous()}
+
+
+def restored(read, name: str) -> torch.Tensor:
+    """The inverse of :func:`stored`: ``read(key)`` gives a tensor of the shard."""
+    tensor = read(name)
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor.float() * read(name + ".scale").float()
+    return tensor
 
 
 def cache_dtype(name: str, target) -> torch.dtype:
@@ -50,7 +70,8 @@ def cache_settings(target, dataset, needs: TargetNeeds, *, split_fingerprint: st
             "layers": needs.stored_layers(target.num_layers), "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size, "logits_top_k": top_k,
             "logits_temperature": needs.logits_temperature if top_k else None, "num_rows": len(dataset),
-            "dtype": str(dtype).removeprefix("torch."), "split_fingerprint": split_fingerprint,
+            "dtype": next(name for name, value in DTYPES.items() if value == dtype),
+            "split_fingerprint": split_fingerprint,
             "rows_per_shard": rows_per_shard}
 
 
@@ -108,7 +129,8 @@ def write_shards(target, dataset, needs: TargetNeeds, out_dir: str | Path, setti
                 logits = target.model(input_ids=ids.to(target.device), use_cache=False,
                                       logits_to_keep=0 if top_k else 1).logits
                 for layer, hidden in zip(layers, tap.get()):
-                    shard[f"row{row}.layer{layer}"] = hidden[0].to(dtype).cpu().contiguous()
+                    for suffix, tensor in stored(hidden[0], dtype).items():
+                        shard[f"row{row}.layer{layer}{suffix}"] = tensor
             if top_k:  # the teacher's distribution as its top-k (float32 log-probabilities: k values per token)
                 kept = top_k_of(logits[0], top_k, needs.logits_temperature)
                 shard[f"row{row}.topk_ids"] = kept.ids.to(torch.int32).cpu().contiguous()
@@ -206,7 +228,7 @@ class FeatureCache:
         if row not in self._row_shard:
             raise DrafttrainError(f"feature cache {self.directory} has no row {row}")
         with self._open(self._row_shard[row]) as f:
-            return [f.get_tensor(f"row{row}.{name}") for name in names]
+            return [restored(f.get_tensor, f"row{row}.{name}") for name in names]
 
     @torch.no_grad()
     def outputs(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:

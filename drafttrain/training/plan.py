@@ -354,7 +354,8 @@ def cache_bytes_per_token(recipe: Recipe, target, needs) -> int:
     dtype = recipe.training.feature_dtype
     width = _BYTES[str(target.model.dtype).removeprefix("torch.")] if dtype == "auto" else \
         DTYPES[dtype].itemsize
-    per_token = len(needs.stored_layers(target.num_layers)) * target.hidden_size * width
+    scale = 2 if dtype == "float8" else 0  # its bfloat16 per-token scale
+    per_token = len(needs.stored_layers(target.num_layers)) * (target.hidden_size * width + scale)
     if needs.logits and needs.logits_top_k:  # int32 ids and float32 log-probabilities, plus the rest's
         per_token += needs.logits_top_k * 8 + 4
     return per_token

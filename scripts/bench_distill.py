@@ -71,11 +71,14 @@ def draft_path(folder: Path) -> Path:
 
 
 def last_train_metrics(folder: Path) -> dict:
+    """The last logged training values (β = 1 - TVD is "acceptance"), and the steps from the final checkpoint."""
     merged = {}
     for line in (folder / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if not any(k.startswith("eval/") for k in record):
             merged.update(record)
+    latest = (folder / "checkpoints" / "latest").read_text().strip()
+    merged["step"] = json.loads((folder / "checkpoints" / latest / "trainer_state.json").read_text())["step"]
     return merged
 
 
@@ -90,7 +93,8 @@ def train_arms(args, env: dict, out: Path, results: dict) -> None:
             if (answers / answer_file).is_file() and not (folder / answer_file).exists():
                 shutil.copy(answers / answer_file, folder / answer_file)
         common = [f"output_dir={folder}", f"training.time_budget_minutes={args.minutes}", "training.epochs=50",
-                  "training.save_every=100000", "training.keep_last=1", "eval.every_checkpoint=false",
+                  "training.save_every=100000", "training.keep_last=1", "training.log_every=5",
+                  "eval.every_checkpoint=false",
                   "wandb.mode=disabled", *overrides]
         run(["drafttrain", "prepare", recipe, *common, "--no-progress"], env)
         if name == "before":
@@ -154,7 +158,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=4.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every stage (1: steady on a shared CPU)")
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--out", default="runs/bench_distill")

@@ -30,11 +30,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(command: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+def _env() -> dict[str, str]:
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # a test process must not leak a distributed setup into the launched one
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def _run(command: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -214,14 +218,11 @@ def test_two_nodes_train_and_resume(tmp_path, two_process_run):
     """Two `accelerate launch` processes as two machines (--num_machines 2, --machine_rank 0/1, rank 0's address
     127.0.0.1), one process each: the same losses as two processes on one machine, and resume."""
     port, out = _free_port(), tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", TWO_NODES, "--machine_rank", str(rank),
          "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), str(HELPER), str(out),
          "--max-steps", str(STEPS), "--save-every", "4", "--deepspeed", ZERO2, "--rewind-to", "4"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     logs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     one_machine = rank_reports(two_process_run)[0]["losses"]

@@ -140,3 +140,19 @@ def test_the_two_node_cluster_files_agree():
     slots = [int(line.split("slots=")[1]) for line in hostfile.read_text().splitlines() if line.strip()]
     assert launch["num_machines"] == len(slots) == 2 and launch["num_processes"] == sum(slots) == 16
     assert (REPO / launch["deepspeed_config"]["deepspeed_config_file"]).is_file()
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("smollm2_eagle3_quick.yaml", []),
+    ("smollm2_eagle_quick.yaml", []),
+    ("smollm2_medusa1.yaml", []),
+    ("smollm2_medusa2.yaml", []),
+    ("smollm2_distill.yaml", []),
+    ("smollm2_distill.yaml", ["draft.on_policy=1.0", "draft.divergence=tvd"]),
+])
+def test_every_kind_is_planned(recipe, overrides, tmp_path):
+    """The meta-device step runs for every kind (and on-policy distillation), so train's check never trips."""
+    recipe = load_recipe(REPO / "recipes" / recipe, [f"output_dir={tmp_path}", *overrides])
+    result = plan(recipe, Cluster())
+    assert result.memory["activations saved for backward"] > 0 and result.fits
+    assert result.memory["target weights"] == pytest.approx(134.5e6 * 4, rel=0.01)  # SmolLM2 in float32

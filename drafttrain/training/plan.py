@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import resource
 import shutil
@@ -33,6 +34,8 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
 from drafttrain.training.runtime import configured_zero_stage
+
+log = logging.getLogger(__name__)
 
 GIB = 2**30
 CUDA_CONTEXT = int(1.0 * GIB)  # CUDA context + cuBLAS workspace + allocator slack: an estimate, not measured here
@@ -267,7 +270,9 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
 
     batch_size, seq = recipe.training.batch_size, recipe.data.max_length if recipe.data else 2048
     with _draft_section(recipe, target.vocab_size) as (section, run), _MetaScalars():
-        drafter = drafter_class(section.kind).build(section, target, run).to("meta").train()
+        # eval mode: the step's own computation and its saved tensors, without the random side paths (on-policy
+        # generation, dropout masks) that a meta tensor cannot decide
+        drafter = drafter_class(section.kind).build(section, target, run).to("meta").eval()
         if recipe.training.mixed_precision != "no":  # activations in the half type (autocast, or DeepSpeed's cast)
             drafter.to(torch.bfloat16 if recipe.training.mixed_precision == "bf16" else torch.float16)
         needs = drafter.needs()
@@ -449,6 +454,9 @@ def check_fits(recipe: Recipe, stage: str) -> Plan | None:
         result = plan(recipe, stage=stage)
     except DrafttrainError:
         return None  # the stage itself reports a target or config it cannot read, with its own message
+    except Exception as err:  # noqa: BLE001  (the plan advises; a planner bug must not stop the run itself)
+        log.warning("could not plan this run (%s: %s); starting without the memory check", type(err).__name__, err)
+        return None
     if result.clearly_cannot_fit:
         raise DrafttrainError(f"this run cannot fit here; the plan:\n{result.render()}\n"
                               f"(set {SKIP_ENV}=1 to start anyway)")

@@ -184,6 +184,16 @@ def find_draft(path: str | Path) -> Path:
                           "complete checkpoints")
 
 
+def drafttrain_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint ``path`` means when it is one written by drafttrain (a checkpoint, its run or checkpoints
+    folder; see find_draft), else None (a plain model folder, a built-in name, a Hub id)."""
+    try:
+        directory = find_draft(path)
+    except DrafttrainError:
+        return None
+    return directory if "drafttrain" in read_json(directory / CONFIG_NAME) else None
+
+
 # ------------------------------------------------------------------------------------------------ atomic writes
 
 

@@ -3,6 +3,8 @@ on-policy data, selective distillation, save/load as a plain HF folder, resume, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import logging
 
 import pytest
@@ -238,3 +240,11 @@ def test_distillation_end_to_end_on_smollm2_with_a_teacher_cache_and_on_policy_b
     metrics = json.loads((checkpoint / "eval.json").read_text())
     assert metrics["greedy_match"] == 1.0 and metrics["tau"] >= 1.0
     assert AutoModelForCausalLM.from_pretrained(checkpoint).config.num_hidden_layers == 2
+    # the run folder itself is a --draft for eval (its best checkpoint, loaded as a drafttrain draft)
+    assert main(["eval", "--target", "smollm2-135m-instruct", "--draft", str(tmp_path / "run"), "--num-prompts", "1",
+                 "--turns", "1", "--max-new-tokens", "8", "--depth", "2", "--out", str(tmp_path / "eval"),
+                 "--no-progress"]) == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["config"]["proposer"] == "draft_model" and report["overall"]["greedy_match"] == 1.0
+    measured = report["config"]["draft"]  # the run's best checkpoint, its weights identified
+    assert Path(measured["path"]).parent == tmp_path / "run" / "checkpoints" and len(measured["weights_sha256"]) == 64

@@ -105,17 +105,25 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
 
+    from drafttrain.decoding.proposers import trained_draft
     from drafttrain.evaluation.evaluate import evaluate
     from drafttrain.evaluation.report import print_report, write_report
+    from drafttrain.runfolder import drafttrain_checkpoint
     from drafttrain.targets import load_target
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
+    method, method_kwargs = args.proposer, _proposer_kwargs(args)
+    if args.draft and drafttrain_checkpoint(args.draft) is not None:
+        from drafttrain.drafts import load_drafter
+
+        # a drafttrain draft: loaded (and checked) here, so the report records which weights it measured
+        method, method_kwargs = trained_draft(args.proposer, target, load_drafter(args.draft, target)), {}
     report = evaluate(
-        target, args.proposer, suite,
+        target, method, suite,
         depth=args.depth, tree=tree, min_confidence=args.min_confidence, max_depth=args.max_depth,
         calibration=calibration, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
-        progress=not args.no_progress, proposer_kwargs=_proposer_kwargs(args),
+        progress=not args.no_progress, proposer_kwargs=method_kwargs,
         compare=[_load_compared(side, target) for side in args.compared],
     )
     paths = write_report(report, args.out)
@@ -247,17 +255,12 @@ def _default_proposer(draft: str | None) -> str:
     """The proposer that serves the --draft checkpoint's kind; a folder that is no drafttrain checkpoint (a plain
     model, a built-in name) is served as a draft model. A damaged checkpoint fails here, naming its file."""
     from drafttrain.drafts import saved_kind
-    from drafttrain.runfolder import CONFIG_NAME, find_draft, read_json
+    from drafttrain.runfolder import drafttrain_checkpoint
 
     if not draft:
         raise DrafttrainError("give --proposer (e.g. prompt_lookup), or --draft with a checkpoint written by drafttrain")
-    try:
-        directory = find_draft(draft)
-    except DrafttrainError:
-        return "draft_model"
-    if "drafttrain" not in read_json(directory / CONFIG_NAME):
-        return "draft_model"
-    return saved_kind(directory).proposer
+    directory = drafttrain_checkpoint(draft)
+    return "draft_model" if directory is None else saved_kind(directory).proposer
 
 
 def _proposer_options(name: str) -> set[str]:
@@ -280,7 +283,9 @@ def _looks_like_path(spec: str) -> bool:
 def _proposer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if not args.draft:
         return {}
-    if args.proposer == "draft_model":
+    from drafttrain.runfolder import drafttrain_checkpoint
+
+    if args.proposer == "draft_model" and drafttrain_checkpoint(args.draft) is None:  # a plain model
         from drafttrain.targets import load_target
 
         # The draft runs on the target's device and dtype; build_proposer checks that the tokenizers agree.

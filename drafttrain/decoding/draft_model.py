@@ -8,6 +8,8 @@ drafttrain.decoding.expand.TreeDrafter.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from drafttrain import DrafttrainError
@@ -26,8 +28,11 @@ class DraftModelProposer(TreeDrafter):
             raise DrafttrainError(
                 "the 'draft_model' proposer needs draft=<a built-in name, model folder, .gguf file or Hub id>"
             )
-        if isinstance(draft, Drafter):  # a distilled draft being trained or evaluated: it speaks the target's tokens
-            self.draft = Target(draft.kind, trained_draft(self.name, target, draft).student, target.tokenizer)
+        from drafttrain.runfolder import drafttrain_checkpoint
+
+        if isinstance(draft, Drafter) or (isinstance(draft, (str, Path)) and drafttrain_checkpoint(draft)):
+            # a distilled draft (being trained, or a drafttrain checkpoint or run): it speaks the target's tokens
+            self.draft = Target("draft_model", trained_draft(self.name, target, draft).student, target.tokenizer)
         else:
             self.draft = draft if isinstance(draft, Target) else load_target(str(draft))
             check_same_tokenizer(target, self.draft)

@@ -248,3 +248,21 @@ def test_distillation_end_to_end_on_smollm2_with_a_teacher_cache_and_on_policy_b
     assert report["config"]["proposer"] == "draft_model" and report["overall"]["greedy_match"] == 1.0
     measured = report["config"]["draft"]  # the run's best checkpoint, its weights identified
     assert Path(measured["path"]).parent == tmp_path / "run" / "checkpoints" and len(measured["weights_sha256"]) == 64
+
+
+def test_a_repeated_proposal_without_an_accept_proposes_the_same(smollm2):
+    """--depth auto times proposals back to back on one state: the second must not find an empty input."""
+    from drafttrain.config import DraftModelConfig
+    from drafttrain.decoding.draft_model import DraftModelProposer
+    from drafttrain.decoding.proposers import DraftRequest
+    from drafttrain.decoding.trees import Chain
+    from drafttrain.drafts import build_drafter
+    from drafttrain.sampling import Sampling
+
+    proposer = DraftModelProposer(smollm2, draft=build_drafter(DraftModelConfig(cut="first:3"), smollm2))
+    prompt = smollm2.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    proposer.prefill(prompt, None, torch.tensor([[smollm2.tokenizer.encode(" Paris")[0]]]))
+    request = DraftRequest(Chain(4), Sampling(), torch.Generator().manual_seed(0))
+    first = proposer.propose(request)
+    second = proposer.propose(request)
+    assert torch.equal(first.tokens, second.tokens) and first.tokens.shape == (1, 4)

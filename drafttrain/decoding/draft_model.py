@@ -55,7 +55,11 @@ class DraftModelProposer(TreeDrafter):
     def _root_logits(self) -> torch.Tensor:
         # feed what the draft has not seen yet (the accepted tokens and the root) -> logits for the root's children
         self.ctx = self.ids.shape[1]
-        new = self.ids[:, self.cache.get_seq_length() :]
+        # A proposal repeated without an accept in between (autodepth times proposals) finds the root already in
+        # the cache: re-feed it, since its logits are what the proposal starts from.
+        start = min(self.cache.get_seq_length(), self.ctx - 1)
+        compact_cache(self.cache, start, [])
+        new = self.ids[:, start:]
         return self._aligned(forward(self.model, self.cache, new, logits_to_keep=1)[0, -1])
 
     def _feed(self, nodes, tokens, parents, depths) -> torch.Tensor:

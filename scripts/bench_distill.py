@@ -110,15 +110,22 @@ def train_arms(args, env: dict, out: Path, results: dict) -> None:
 
 
 def evaluate_arms(args, env: dict, out: Path, results: dict) -> None:
-    for temperature in args.temperatures:
-        key = f"T={temperature:g}"
-        if key in results.get("eval", {}):
-            continue
-        eval_dir = out / f"eval_T{temperature:g}"
+    """One eval run per (depth, temperature): "auto" lets every arm choose its own depth (plain decoding when
+    drafting would cost more than it saves); a fixed depth measures every arm's acceptance at the same shape."""
+    for depth in args.depths:
+        for temperature in args.temperatures:
+            evaluate_once(args, env, out, results, depth, temperature)
+
+
+def evaluate_once(args, env: dict, out: Path, results: dict, depth: str, temperature: float) -> None:
+    key = f"T={temperature:g} depth={depth}"
+    if key not in results.get("eval", {}):
+        eval_dir = out / f"eval_depth{depth}_T{temperature:g}"
         if eval_dir.exists():
             shutil.rmtree(eval_dir)
-        compare = [item for name in ARMS if name != MAIN for item in ("--compare", f"{draft_path(out / name)}@auto")]
-        run(["drafttrain", "eval", "--target", "smollm2-135m-instruct", "--draft", str(out / MAIN), "--depth", "auto",
+        shape = "@auto" if depth == "auto" else ""
+        compare = [item for name in ARMS if name != MAIN for item in ("--compare", f"{draft_path(out / name)}{shape}")]
+        run(["drafttrain", "eval", "--target", "smollm2-135m-instruct", "--draft", str(out / MAIN), "--depth", depth,
              "--suite", "mt_bench", "--num-prompts", str(args.num_prompts), "--turns", "1", "--max-new-tokens",
              str(args.max_new_tokens), "--temperature", str(temperature), "--threads", str(args.threads),
              "--hf-reference", *compare, "--out", str(eval_dir), "--no-progress"], env)
@@ -128,8 +135,8 @@ def evaluate_arms(args, env: dict, out: Path, results: dict) -> None:
         for described in report["config"]["compare"]:
             line = report["comparisons"][described["label"]]
             name = Path(described["label"].split("@")[0]).name
-            sides["before" if name == "untrained" else name] = {"tau": line.get("tau"), "speedup": line.get("speedup"),
-                                          "depth": described.get("depth")}
+            sides["before" if name == "untrained" else name] = {
+                "tau": line.get("tau"), "speedup": line.get("speed_vs_baseline"), "depth": described.get("depth")}
         results.setdefault("eval", {})[key] = {"sides": sides, "references": report["references"]}
         (out / "bench.json").write_text(json.dumps(results, indent=1))
 
@@ -161,6 +168,7 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--depths", nargs="+", default=["auto", "2"], help="auto, or fixed chain depths")
     parser.add_argument("--out", default="runs/bench_distill")
     args = parser.parse_args()
     out = Path(args.out)

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import logging
 import os
-import resource
 import shutil
 import tempfile
 from pathlib import Path
@@ -190,9 +189,13 @@ def _capacity(recipe: Recipe, cluster: Cluster) -> int | None:
 def _runtime_bytes(recipe: Recipe) -> int:
     if _on_gpu(recipe):
         return CUDA_CONTEXT
+    import psutil
+
     import drafttrain.training.trainer  # noqa: F401  (what a training process has imported before it loads anything)
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # now, not the process's peak: measured before the plan reads any config (a first conversion of a built-in
+    # target, for one, would count here otherwise)
+    return psutil.Process().memory_info().rss
 
 
 # ------------------------------------------------------------------------------------------------ the models
@@ -371,6 +374,7 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
     """The plan for ``recipe`` on ``cluster`` (default: this machine as launched)."""
     if recipe.draft is None:
         raise DrafttrainError("the recipe has no draft section: nothing to plan")
+    runtime = _runtime_bytes(recipe)  # first, before anything else is loaded
     cluster = cluster or this_machine(recipe)
     target = meta_target(recipe, target_config(recipe, config_path))
     zero = configured_zero_stage(recipe.training)
@@ -381,7 +385,7 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
 
     needs = drafter_class(recipe.draft.kind).target_needs(recipe.draft, target)
     offline = recipe.training.hidden_states == "offline"
-    memory = {"runtime": _runtime_bytes(recipe)}
+    memory = {"runtime": runtime}
     if stage == "prepare":
         memory["target weights"] = target_bytes
         memory["target forward (one row)"] = _forward_bytes(recipe, target)

@@ -112,12 +112,13 @@ def run(args: argparse.Namespace) -> int:
     from drafttrain.targets import load_target
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    method, method_kwargs = args.proposer, _proposer_kwargs(args)
     if args.draft and drafttrain_checkpoint(args.draft) is not None:
         from drafttrain.drafts import load_drafter
 
         # a drafttrain draft: loaded (and checked) here, so the report records which weights it measured
         method, method_kwargs = trained_draft(args.proposer, target, load_drafter(args.draft, target)), {}
+    else:
+        method, method_kwargs = args.proposer, _proposer_kwargs(args)
     report = evaluate(
         target, method, suite,
         depth=args.depth, tree=tree, min_confidence=args.min_confidence, max_depth=args.max_depth,
@@ -283,9 +284,7 @@ def _looks_like_path(spec: str) -> bool:
 def _proposer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if not args.draft:
         return {}
-    from drafttrain.runfolder import drafttrain_checkpoint
-
-    if args.proposer == "draft_model" and drafttrain_checkpoint(args.draft) is None:  # a plain model
+    if args.proposer == "draft_model":  # a plain model folder, built-in name or Hub id
         from drafttrain.targets import load_target
 
         # The draft runs on the target's device and dtype; build_proposer checks that the tokenizers agree.

@@ -401,7 +401,7 @@ def prepare(
     elif run.draft_vocab.exists():
         run.draft_vocab.unlink()  # a mapping from an earlier run would not match this data
 
-    if features and recipe.training.hidden_states == "offline" and recipe.draft is not None:
+    if features and writes_features(recipe):
         clock = time.perf_counter()
         target = target if target is not None else load_target(recipe.target)
         _write_features(recipe, target, train_ds, run, progress)
@@ -468,6 +468,11 @@ def _write_features(recipe: Recipe, target, train_ds, run: RunFolder, progress: 
     write_feature_cache(target, train_ds, needs, run.features, **options, progress=progress)
 
 
+def writes_features(recipe: Recipe) -> bool:
+    """Whether prepare writes an offline cache of target outputs (the draft trains from it, not online)."""
+    return recipe.training.hidden_states == "offline" and recipe.draft is not None
+
+
 def _feature_plan(recipe: Recipe, target, train_ds):
     """What the offline cache stores for this recipe's kind, and how (the split's fingerprint, the dtype)."""
     from drafttrain.data.tokenize import split_fingerprint
@@ -489,8 +494,7 @@ def prepare_launched(recipe: Recipe, state, limit: int | None, progress: bool) -
 
     result = prepare(recipe, limit=limit, progress=progress, features=False) if state.is_main_process else None
     state.wait_for_everyone()
-    offline = recipe.training.hidden_states == "offline" and recipe.draft is not None
-    if offline:
+    if writes_features(recipe):
         run = RunFolder.of(recipe.output_dir)
         device = str(state.device) if recipe.target.device.startswith("cuda") else recipe.target.device
         target = load_target(recipe.target, device=device)

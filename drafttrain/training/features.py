@@ -117,12 +117,12 @@ def write_shards(target, dataset, needs: TargetNeeds, out_dir: str | Path, setti
     out_dir, per_shard = Path(out_dir), settings["rows_per_shard"]
     layers, top_k = settings["layers"], settings["logits_top_k"]
     dtype = DTYPES[settings["dtype"]]
-    mine = [k for k in range(-(-len(dataset) // per_shard)) if k % world == rank and _finished(out_dir, k) is None]
-    rows_todo = [r for k in mine for r in range(k * per_shard, min((k + 1) * per_shard, len(dataset)))]
-    bar = tqdm(total=len(rows_todo), desc=f"target features (rank {rank})", unit="row", disable=not progress)
-    for k in mine:
+    rows_of = {k: list(range(k * per_shard, min((k + 1) * per_shard, len(dataset))))
+               for k in range(-(-len(dataset) // per_shard)) if k % world == rank and _finished(out_dir, k) is None}
+    bar = tqdm(total=sum(map(len, rows_of.values())), desc=f"target features (rank {rank})", unit="row",
+               disable=not progress)
+    for k, rows in rows_of.items():
         shard: dict[str, torch.Tensor] = {}
-        rows = list(range(k * per_shard, min((k + 1) * per_shard, len(dataset))))
         for row in rows:
             ids = torch.tensor(dataset[row]["input_ids"]).unsqueeze(0)
             with HiddenStateTap(target.model, layers) as tap:
@@ -144,7 +144,7 @@ def write_shards(target, dataset, needs: TargetNeeds, out_dir: str | Path, setti
                   "bytes": (out_dir / name).stat().st_size}
         write_text_atomic(out_dir / (name + ".json"), json.dumps(record))
     bar.close()
-    return len(mine)
+    return len(rows_of)
 
 
 def join_shards(out_dir: str | Path) -> Path:

@@ -40,7 +40,6 @@ GIB = 2**30
 CUDA_CONTEXT = int(1.0 * GIB)  # CUDA context + cuBLAS workspace + allocator slack: an estimate, not measured here
 SLACK = 0.8  # the estimate is good to about 20%: a run "clearly cannot fit" when even 80% of it exceeds the memory
 SKIP_ENV = "DRAFTTRAIN_SKIP_PLAN"
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclasses.dataclass
@@ -296,7 +295,6 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
     own = [p for n, p in drafter.named_parameters() if not n.startswith("target.")]
     trainable = sum(p.numel() for p in own if p.requires_grad)
     trainable += sum(p.numel() for n, p in target.model.named_parameters() if n in trained_target)
-    logits_rows = needs.logits_rows.numel() if needs.logits_rows is not None else target.vocab_size
     chunk = min(seq, LOGITS_CHUNK) if needs.logits else 0
     largest = max(saved.values(), default=0)
     return {
@@ -306,7 +304,7 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
         "saved": sum(saved.values()),
         "outputs": sum(_nbytes(t) for t in (outputs.hidden, outputs.final, outputs.logits, outputs.argmax)),
         # one chunk of full logits (and its argmax pass), or the backward's copy of the largest saved tensor
-        "transient": max(2 * batch_size * chunk * target.vocab_size * 4 if logits_rows else 0, 2 * largest),
+        "transient": max(2 * batch_size * chunk * target.vocab_size * 4, 2 * largest),
     }
 
 
@@ -357,11 +355,10 @@ def token_count(recipe: Recipe) -> tuple[int, bool]:
 
 
 def cache_bytes_per_token(recipe: Recipe, target, needs) -> int:
-    from drafttrain.training.features import DTYPES
+    from drafttrain.training.features import cache_dtype
 
     dtype = recipe.training.feature_dtype
-    width = _BYTES[str(target.model.dtype).removeprefix("torch.")] if dtype == "auto" else \
-        DTYPES[dtype].itemsize
+    width = cache_dtype(dtype, target).itemsize
     scale = 2 if dtype == "float8" else 0  # its bfloat16 per-token scale
     per_token = len(needs.stored_layers(target.num_layers)) * (target.hidden_size * width + scale)
     if needs.logits and needs.logits_top_k:  # int32 ids and float32 log-probabilities, plus the rest's

@@ -260,7 +260,13 @@ def test_tree_auto_sizes_a_tree_from_the_drafts_measured_accuracies(smollm2, res
     auto = report.config["tree_auto"]
     assert auto["size"] in TREE_SIZES and set(auto["predicted_speedup_by_size"]) == set(TREE_SIZES)
     assert len(auto["top1_accuracy_by_depth"]) == 3 and report.greedy_match == 1.0
-    assert report.config["tree"]["kind"] == "static" and len(report.config["tree"]["paths"]) == auto["size"]
+    best = max(auto["predicted_speedup_by_size"].values())
+    assert auto["predicted_speedup"] == best and auto["plain_decoding"] == (best < 1.0)
+    if auto["plain_decoding"]:  # no tree pays here (an untrained head usually): plain decoding, not a slowdown
+        assert report.config["tree"] == "chain" and "(tree auto: plain decoding)" in report.config["proposer"]
+        assert report.overall["tau"] == 1.0
+    else:
+        assert report.config["tree"]["kind"] == "static" and len(report.config["tree"]["paths"]) == auto["size"]
 
 
 @pytest.mark.slow
@@ -281,3 +287,33 @@ def test_trained_drafts_share_a_run_with_their_own_shapes_but_a_target_adapter_c
     adapter = build_drafter(MedusaConfig(num_heads=2, lora=LORA), adapted)
     with pytest.raises(DrafttrainError, match="adapts its target cannot share a run"):
         Compared(adapter).decoder(adapted, 2, "chain", 0.0, 4, (), dict(temperature=0.0, top_p=1.0, top_k=0), 0, 8)
+
+
+def test_eval_of_medusa2_reports_how_far_the_adapted_target_moved_from_the_original(smollm2):
+    """The evaluator verifies against the adapted target and adds plain decoding with the adapters off on the same
+    prompts: with fresh adapters (LoRA B = 0) the two agree on every prompt; with adapters that change the model
+    they do not, and speculative decoding is still lossless against the adapted target."""
+    from drafttrain.evaluation import evaluate, load_suite
+    from drafttrain.evaluation.report import render_markdown
+
+    torch.manual_seed(0)  # a tiny random model with SmolLM2's tokenizer, so prompts render; its own peft wrapper
+    config = LlamaConfig(vocab_size=smollm2.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    target = Target("tiny", LlamaForCausalLM(config).eval().requires_grad_(False), smollm2.tokenizer)
+    drafter = build_drafter(MedusaConfig(num_heads=2, lora=LORA), target).eval()
+    prompts = load_suite("gsm8k").select(2, turns="1")
+    fresh = evaluate(target, drafter, prompts, tree=NAMED_TREES["medusa-4"], max_new_tokens=12, progress=False,
+                     warmup=False)
+    assert fresh.original_target["greedy_match_vs_baseline"] == 1.0
+    assert fresh.original_target["method_speedup_vs_original"] > 0
+    with torch.no_grad():
+        for name, param in target.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 2.0)
+    moved = evaluate(target, drafter, prompts, tree=NAMED_TREES["medusa-4"], max_new_tokens=12, progress=False,
+                     warmup=False)
+    assert moved.original_target["greedy_match_vs_baseline"] == 0.0
+    assert moved.greedy_match == 1.0
+    assert "adapted vs original" in render_markdown(moved)
+    plain = evaluate(target, "prompt_lookup", prompts, max_new_tokens=4, progress=False, warmup=False)
+    assert plain.original_target is None  # only a draft that adapts its target gets the line

@@ -211,8 +211,15 @@ class TreeChoice:
     verify_ms: dict[int, float]
     accuracies: list[list[float]]
 
+    @property
+    def plain(self) -> bool:
+        """No tree pays for its verification on this machine: plain decoding is faster (a weak draft costs
+        nothing, as with depth auto's depth 0)."""
+        return self.predicted_speedup < 1.0
+
     def summary(self) -> dict:
-        return {"size": len(self.paths), "predicted_speedup": round(self.predicted_speedup, 3),
+        return {"size": len(self.paths), "plain_decoding": self.plain,
+                "predicted_speedup": round(self.predicted_speedup, 3),
                 "predicted_speedup_by_size": {n: round(s, 3) for n, s in self.by_size.items()},
                 "verify_ms": {n: round(ms, 2) for n, ms in self.verify_ms.items()},
                 "top1_accuracy_by_depth": [round(row[0], 3) for row in self.accuracies]}

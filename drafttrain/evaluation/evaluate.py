@@ -45,6 +45,9 @@ CALIBRATION_NEW_TOKENS = 64  # per calibration prompt, for depth auto
 # generate function of one side: rendered prompt ids (1, L) -> (new tokens, DecodeStats; for HF a dict of counts)
 GenerateFn = Callable[[torch.Tensor], tuple[list[int], Any]]
 COMPARE_PREFIX = "compare:"
+# A draft that adapts its target (Medusa-2) is verified against the adapted target; this side decodes with the
+# adapters off, so the report says how far the served target moved from the original and the speedup against it.
+ORIGINAL_TARGET = "original_target"
 
 
 @dataclasses.dataclass
@@ -60,6 +63,8 @@ class EvalReport:
     references: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # Other proposers run on the same prompts in the same process against the same baseline (``compare=``).
     comparisons: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # Only for a draft that adapts its target: plain decoding of the original target on the same prompts.
+    original_target: dict[str, Any] | None = None
 
     @property
     def greedy_match(self) -> float | None:
@@ -135,6 +140,8 @@ def evaluate(
         target, proposer_obj, depth, tree, min_confidence, max_depth, calibration, sampling, seed, max_new_tokens)
     if (chosen.get("depth_auto") or {}).get("depth") == 0:
         proposer_name = f"{proposer_name} (depth auto: plain decoding)"
+    if (chosen.get("tree_auto") or {}).get("plain_decoding"):
+        proposer_name = f"{proposer_name} (tree auto: plain decoding)"
     decoder = SpeculativeDecoder(target, proposer_obj, depth=depth, tree=tree, min_confidence=min_confidence,
                                  seed=seed, **sampling)
     # The one stop rule (template end-of-turn + EOS), the same for every side, HF references included.
@@ -156,9 +163,12 @@ def evaluate(
             return list(out.tokens), out.stats
         return run
 
+    draft = proposer_kwargs.get("draft")
     sides: dict[str, Callable[[int], GenerateFn]] = {"method": method_fn}
     if baseline:
         sides["baseline"] = baseline_fn
+        if isinstance(draft, Drafter) and draft.adapts_target:
+            sides[ORIGINAL_TARGET] = _with_original_target(draft, baseline_fn)
     if hf_reference:
         sides.update(_hf_sides(target, proposer_obj, depth, stop_ids, **sampling))
     compared_config = []
@@ -176,12 +186,14 @@ def evaluate(
 
     records = []
     extra_runs: dict[str, list[tuple[SideRun, SideRun | None]]] = {
-        name: [] for name in sides if name.startswith(("hf_", COMPARE_PREFIX))}
+        name: [] for name in sides if name.startswith(("hf_", COMPARE_PREFIX, ORIGINAL_TARGET))}
+    method_runs = []
     for index, question in enumerate(_progress(questions, progress)):
         runs = _run_question_interleaved(
             target.tokenizer, question, sides, max_new_tokens, rotation=index, device=target.device
         )
         records.append(_prompt_record(question, runs, temperature))
+        method_runs.append(runs["method"])
         for name in extra_runs:
             extra_runs[name].append((runs[name], runs.get("baseline")))
 
@@ -194,7 +206,6 @@ def evaluate(
         target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
         suite_name, questions, baseline, hf_reference, compared_config, started_at, stop_ids,
     )
-    draft = proposer_kwargs.get("draft")
     config["draft"] = draft.identity() if isinstance(draft, Drafter) else None  # which weights were measured
     config["min_confidence"] = min_confidence
     config["depth_auto"] = chosen.get("depth_auto")
@@ -203,8 +214,10 @@ def evaluate(
                   if name.startswith("hf_")}
     comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
                    for name, pairs in extra_runs.items() if name.startswith(COMPARE_PREFIX)}
+    original = (_original_target_line(extra_runs[ORIGINAL_TARGET], method_runs, temperature)
+                if ORIGINAL_TARGET in extra_runs else None)
     return EvalReport(config=config, overall=overall, categories=categories, prompts=records, references=references,
-                      comparisons=comparisons)
+                      comparisons=comparisons, original_target=original)
 
 
 @dataclasses.dataclass
@@ -245,6 +258,8 @@ def resolve_auto(target, proposer, depth, tree, min_confidence: float, max_depth
     if tree == "auto":  # a static tree sized for this draft and machine (proposers that fill static trees)
         choice = choose_tree(target, proposer, calibration, budget)
         tree, chosen["tree_auto"] = StaticTree(choice.paths), choice.summary()
+        if choice.plain:  # the best tree still loses to plain decoding here
+            proposer, depth, tree = NoDraft(), 1, "chain"
     if depth == "auto":
         choice = choose_depth(target, proposer, calibration, max_depth, Sampling(**sampling), budget, seed)
         depth, min_confidence, chosen["depth_auto"] = choice.depth, choice.min_confidence, choice.summary()
@@ -544,6 +559,28 @@ def _speed_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: float)
             line["greedy_match_vs_baseline"] = metrics.greedy_match_share(
                 [r.turn_tokens == b.turn_tokens for r, b in pairs]
             )
+    return line
+
+
+def _with_original_target(draft, make_baseline: Callable[[int], GenerateFn]) -> Callable[[int], GenerateFn]:
+    def make(budget: int) -> GenerateFn:
+        run = make_baseline(budget)
+
+        def run_original(ids: torch.Tensor):
+            with draft.original_target():
+                return run(ids)
+        return run_original
+    return make
+
+
+def _original_target_line(pairs: list[tuple[SideRun, SideRun | None]], method_runs: list[SideRun],
+                          temperature: float) -> dict[str, Any]:
+    """The original target's plain decoding against the adapted one (greedy agreement: how far the target moved)
+    and the method's speedup against it (what a user who swaps the original for adapted target + heads gets)."""
+    line = _speed_line(pairs, temperature)
+    line["method_speedup_vs_original"] = metrics.speedup(
+        [m.new_tokens for m in method_runs], [m.seconds for m in method_runs],
+        [r.new_tokens for r, _ in pairs], [r.seconds for r, _ in pairs])
     return line
 
 

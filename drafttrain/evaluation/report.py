@@ -86,6 +86,9 @@ def _config_line(c: dict[str, Any]) -> str:
     if c.get("tree_auto"):
         auto = c["tree_auto"]
         tree = f"static, {auto['size']} nodes (auto: predicted {auto['predicted_speedup']:.2f}x on this machine)"
+        if auto.get("plain_decoding"):
+            tree = (f"none: plain decoding (auto: the best tree, {auto['size']} nodes, predicted "
+                    f"{auto['predicted_speedup']:.2f}x on this machine)")
     return (
         f"target `{c['target']}` · proposer `{c['proposer']}` · depth {_depth_text(c)} · tree {tree} · "
         f"T={c['temperature']} top_p={c['top_p']} · suite `{c['suite']}` ({c['num_prompts']} prompts, "
@@ -140,6 +143,15 @@ def render_markdown(report: EvalReport) -> str:
             [[f"`{k}`", fmt(v["tau"]), _pct(v["acceptance_rate"]), fmt(v["tokens_per_s"], 1),
               fmt(v["speed_vs_baseline"], 2, "×"), _pct(v["greedy_match_vs_baseline"])]
              for k, v in report.comparisons.items()],
+        ))
+    if report.original_target:
+        o = report.original_target
+        parts.append("\n## The adapted target against the original (adapters off), same prompts, same run\n")
+        parts.append(_table(
+            ["original target tok/s", "its speed vs the adapted target's plain decoding",
+             "greedy match, adapted vs original", "method speedup vs the original's plain decoding"],
+            [[fmt(o["tokens_per_s"], 1), fmt(o["speed_vs_baseline"], 2, "×"), _pct(o["greedy_match_vs_baseline"]),
+              fmt(o["method_speedup_vs_original"], 2, "×")]],
         ))
     parts.append("\n## Definitions\n\n" + DEFINITIONS)
     return "\n".join(parts)
@@ -216,6 +228,11 @@ def print_report(report: EvalReport, console=None) -> None:
             f"{fmt(line['tokens_per_s'], 1)} tok/s, speedup {fmt(line['speed_vs_baseline'], 2, '×')}, "
             f"greedy match {_pct(line['greedy_match_vs_baseline'])}"
         )
+    if report.original_target:
+        o = report.original_target
+        console.print(f"original target (adapters off): greedy match with the adapted target "
+                      f"{_pct(o['greedy_match_vs_baseline'])}, method speedup against its plain decoding "
+                      f"{fmt(o['method_speedup_vs_original'], 2, '×')}")
     for key, line in report.references.items():
         console.print(
             f"reference {REFERENCE_LABELS.get(key, key)}: {fmt(line['tokens_per_s'], 1)} tok/s, "

@@ -195,6 +195,10 @@ class DraftModelConfig(DraftConfig):
     token_filter: float = Field(0.0, ge=0, lt=1)
     teacher_top_k: int = Field(64, gt=0)  # an offline teacher cache keeps this many logits per position
     lora: StudentLoraConfig | None = None
+    # Served with a draft vocabulary: the draft_model proposer computes logits for these rows only (a cheaper
+    # draft step; verification keeps it lossless). Default: the run's draft_vocab.safetensors when prepare wrote one.
+    # The saved model stays a whole-vocabulary HF model for other engines.
+    draft_vocab: str | None = None
 
     @model_validator(mode="after")
     def _one_student(self) -> "DraftModelConfig":

@@ -329,6 +329,18 @@ def test_engine_end_to_end_samples_the_target(tree):
     assert engine_pvalue(tree) > P_THRESHOLD
 
 
+@pytest.mark.parametrize("tree", [pytest.param([[0], [1], [0, 0]], id="static-tree"), pytest.param("chain", id="chain")])
+def test_a_draft_model_with_a_draft_vocabulary_samples_the_target(tree):
+    """A draft that proposes from 4 of the 6 tokens only (q = 0 on the others): the target still decides every
+    token, so the engine's output keeps the target's distribution."""
+    from drafttrain.decoding import build_proposer
+
+    def narrowed(target):
+        return build_proposer("draft_model", target, draft=_tiny_llama(1), vocab=torch.tensor([0, 2, 3, 5]))
+
+    assert engine_pvalue(tree, proposer=narrowed) > P_THRESHOLD
+
+
 def test_a_stop_rule_that_reads_the_drawn_token_fails_the_engine_test(monkeypatch):
     """Guard for the confidence stop: proposing only the draws the draft is sure of (a rule that reads the drawn
     token, not just the distribution) no longer proposes from q, and the same test must catch the bias."""

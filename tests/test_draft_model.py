@@ -266,3 +266,52 @@ def test_a_repeated_proposal_without_an_accept_proposes_the_same(smollm2):
     first = proposer.propose(request)
     second = proposer.propose(request)
     assert torch.equal(first.tokens, second.tokens) and first.tokens.shape == (1, 4)
+
+
+def test_a_draft_vocabulary_computes_the_drafts_logits_on_its_rows_and_stays_lossless():
+    from drafttrain.decoding import SpeculativeDecoder, StaticTree, build_proposer, plain_decode
+
+    class Tokens:  # the same (dummy) tokenizer on both sides
+        bos_token_id, eos_token_id, pad_token_id, unk_token_id, all_special_tokens = 0, None, None, None, []
+
+        def get_vocab(self):
+            return {f"t{i}": i for i in range(64)}
+
+    target, draft = tiny_target(0, layers=2), tiny_target(1, layers=1)
+    target.tokenizer = draft.tokenizer = Tokens()
+    rows = torch.arange(0, 64, 2)
+    whole = build_proposer("draft_model", target, draft=draft)
+    narrow = build_proposer("draft_model", target, draft=draft, vocab=rows)
+    prompt = torch.tensor([[1, 5, 9, 2, 7]])
+    for proposer in (whole, narrow):
+        proposer.prefill(prompt[:, :-1], None, prompt[:, -1:])
+    with torch.no_grad():
+        full, cut = whole._root_logits(), narrow._root_logits()
+    assert torch.allclose(cut[rows], full[rows], atol=1e-5) and torch.isneginf(cut[1::2]).all()
+    expected = plain_decode(target, prompt, 24).tokens
+    for tree in ("chain", StaticTree([[0], [1], [0, 0], [1, 0]])):
+        assert SpeculativeDecoder(target, narrow, depth=3, tree=tree).generate(prompt, 24).tokens == expected
+    with pytest.raises(DrafttrainError, match="names token 64"):
+        build_proposer("draft_model", target, draft=draft, vocab=torch.tensor([3, 64]))
+
+
+def test_a_distilled_draft_keeps_its_draft_vocabulary_beside_a_plain_hf_folder(tmp_path):
+    from safetensors.torch import save_file
+
+    from drafttrain.data.vocab import build_mapping
+    from drafttrain.decoding import build_proposer
+
+    target = tiny_target()
+    rows = torch.tensor([0, 3, 4, 10, 63])
+    d2t, t2d = build_mapping(rows, 64)
+    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
+    drafter = build_drafter(DraftModelConfig(cut="first:2", draft_vocab=str(tmp_path / "vocab.safetensors")), target)
+    assert torch.equal(drafter.serving_vocab, rows)
+    drafter.save_pretrained(tmp_path / "draft")
+    assert sorted(p.name for p in (tmp_path / "draft").glob("*.safetensors")) == ["model.safetensors"]
+    loaded = load_drafter(tmp_path / "draft", target)
+    assert torch.equal(loaded.serving_vocab, rows)
+    assert torch.equal(build_proposer("draft_model", target, draft=loaded).rows, rows)
+    assert build_proposer("draft_model", target, draft=loaded, vocab=False).rows is None
+    AutoModelForCausalLM.from_pretrained(tmp_path / "draft")  # still a plain HF folder
+    assert build_drafter(DraftModelConfig(cut="first:2"), target).serving_vocab is None  # no vocab: the whole

@@ -20,7 +20,12 @@ from drafttrain.decoding.trees import compact_cache, feed_mask, forward
 
 @register_proposer("draft_model")
 class DraftModelProposer(TreeDrafter):
-    def __init__(self, target, *, draft=None):
+    """``vocab``: draft only from these target token ids (a tensor, or a draft-vocab .safetensors file with
+    d2t/t2d): the draft's logits are computed for those rows of its lm_head alone, which is most of a small draft's
+    cost with a large vocabulary. A distilled drafttrain draft brings its own (``serving_vocab``); ``False``: the
+    whole vocabulary even then. Lossless either way: the target verifies every token."""
+
+    def __init__(self, target, *, draft=None, vocab=None):
         from drafttrain.drafts import Drafter
         from drafttrain.targets import Target, check_same_tokenizer, load_target
 
@@ -32,12 +37,33 @@ class DraftModelProposer(TreeDrafter):
 
         if isinstance(draft, Drafter) or (isinstance(draft, (str, Path)) and drafttrain_checkpoint(draft)):
             # a distilled draft (being trained, or a drafttrain checkpoint or run): it speaks the target's tokens
-            self.draft = Target("draft_model", trained_draft(self.name, target, draft).student, target.tokenizer)
+            distilled = trained_draft(self.name, target, draft)
+            self.draft = Target("draft_model", distilled.student, target.tokenizer)
+            vocab = distilled.serving_vocab if vocab is None else vocab
         else:
             self.draft = draft if isinstance(draft, Target) else load_target(str(draft))
             check_same_tokenizer(target, self.draft)
         self.model = self.draft.model
         self.vocab_size = target.vocab_size
+        self.rows, self.head = self._draft_vocab_head(vocab)
+
+    def _draft_vocab_head(self, vocab) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if vocab is None or vocab is False:
+            return None, None
+        if isinstance(vocab, (str, Path)):
+            from drafttrain.data.vocab import draft_ids, read_vocab_mapping
+
+            vocab = draft_ids(read_vocab_mapping(vocab, self.vocab_size)[0])
+        config, lm_head = self.model.config, self.model.get_output_embeddings()
+        scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(config, k, None)]
+        if scaled or getattr(lm_head, "bias", None) is not None:
+            raise DrafttrainError(f"a draft vocabulary needs a plain linear lm_head; this draft's has "
+                                  f"{', '.join(scaled) or 'a bias'} (serve it with vocab=False)")
+        rows = torch.as_tensor(vocab, dtype=torch.long, device=lm_head.weight.device)
+        if int(rows.max()) >= lm_head.weight.shape[0]:
+            raise DrafttrainError(f"the draft vocabulary names token {int(rows.max())}, the draft's lm_head has "
+                                  f"{lm_head.weight.shape[0]} rows")
+        return rows, lm_head.weight.detach()[rows].contiguous()
 
     def prefill(self, input_ids, hidden, next_token) -> None:
         from transformers import DynamicCache
@@ -60,16 +86,16 @@ class DraftModelProposer(TreeDrafter):
         start = min(self.cache.get_seq_length(), self.ctx - 1)
         compact_cache(self.cache, start, [])
         new = self.ids[:, start:]
-        return self._aligned(forward(self.model, self.cache, new, logits_to_keep=1)[0, -1])
+        return self._aligned(forward(self.model, self.cache, new, logits_to_keep=1, head=self.head)[0, -1])
 
     def _feed(self, nodes, tokens, parents, depths) -> torch.Tensor:
         ids = torch.tensor([[tokens[n] for n in nodes]], device=self.device)
         allowed = feed_mask(parents, self.fed, nodes)
         if bool(allowed.all()):  # a chain: plain causal attention at the next positions, no mask to build
-            logits = forward(self.model, self.cache, ids)
+            logits = forward(self.model, self.cache, ids, head=self.head)
         else:
             pos = torch.tensor([[self.ctx - 1 + depths[n] for n in nodes]], device=self.device)
-            logits = forward(self.model, self.cache, ids, position_ids=pos, allowed=allowed)
+            logits = forward(self.model, self.cache, ids, position_ids=pos, allowed=allowed, head=self.head)
         self.fed.extend(nodes)
         return self._aligned(logits[0])
 
@@ -77,7 +103,12 @@ class DraftModelProposer(TreeDrafter):
         compact_cache(self.cache, self.ctx, [])
 
     def _aligned(self, logits: torch.Tensor) -> torch.Tensor:
-        """The draft's logits over the target's vocabulary size (same tokenizer, differently padded heads)."""
+        """The draft's logits over the target's vocabulary size (same tokenizer, differently padded heads; -inf
+        outside a draft vocabulary)."""
+        if self.rows is not None:
+            out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+            out[..., self.rows] = logits
+            return out
         v = logits.shape[-1]
         if v > self.vocab_size:
             return logits[..., : self.vocab_size]

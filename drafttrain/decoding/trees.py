@@ -307,6 +307,7 @@ def forward(
     position_ids: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
     logits_to_keep: int = 0,
+    head: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The one forward path (prefill, plain decoding, verification, draft models): append ``input_ids`` [B, n]
     to ``cache`` and return logits [B, n or logits_to_keep, V].
@@ -314,20 +315,19 @@ def forward(
     ``allowed`` None means plain causal attention (transformers builds the mask). Otherwise ``allowed`` [n, m]
     says which of the last m keys (earlier tree nodes still in the cache, then these n tokens) each new token
     may see; everything before them in the cache is visible to all. Pass ``position_ids`` with it (depths).
+    ``head`` [V', H]: logits over these output rows only (a draft vocabulary), from the decoder's last hidden
+    state, instead of the model's own full-vocabulary lm_head.
     """
     mask = None
     if allowed is not None:
         prefix = cache.get_seq_length() + input_ids.shape[1] - allowed.shape[1]
         mask = additive_mask(allowed, prefix, model.dtype, input_ids.device)
-    out = model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=mask,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-    )
-    return out.logits
+    inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
+                  use_cache=True)
+    if head is None:
+        return model(**inputs, logits_to_keep=logits_to_keep).logits
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    return torch.nn.functional.linear(hidden[:, -logits_to_keep:], head)
 
 
 def compact_cache(cache, start: int, keep: list[int]) -> None:

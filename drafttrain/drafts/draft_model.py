@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig
+from drafttrain.data.vocab import draft_ids, draft_vocab_for, read_vocab_mapping
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
@@ -38,15 +40,26 @@ from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, run_target
 
 log = logging.getLogger(__name__)
 
+# d2t / t2d of the vocabulary the draft_model proposer drafts from; in a subfolder, since engines (vLLM) load every
+# top-level *.safetensors file of a model folder as weights
+SERVING_VOCAB = "draft_vocab/draft_vocab.safetensors"
+
 
 class DistilledDrafter(Drafter):
     kind = "draft_model"
     config_class = DraftModelConfig
     proposer = "draft_model"
 
-    def __init__(self, config: DraftModelConfig, student: torch.nn.Module):
+    def __init__(self, config: DraftModelConfig, student: torch.nn.Module,
+                 vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(config)
         self.student = student
+        self.vocab = vocab  # (d2t, t2d) of the draft vocabulary it is served with, or None: the whole vocabulary
+
+    @property
+    def serving_vocab(self) -> torch.Tensor | None:
+        """The target ids the draft_model proposer computes logits for (None: all)."""
+        return None if self.vocab is None else draft_ids(self.vocab[0])
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -71,7 +84,9 @@ class DistilledDrafter(Drafter):
         student.requires_grad_(True)
         if config.lora is not None:
             student = with_lora(student, config.lora, "the draft model")
-        return cls(config, student.train()).attach_target(target)
+        d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
+        vocab = (d2t, t2d) if d2t.numel() < t2d.numel() else None
+        return cls(config, student.train(), vocab).attach_target(target)
 
     @classmethod
     def from_pretrained(cls, directory, target) -> "DistilledDrafter":
@@ -80,7 +95,9 @@ class DistilledDrafter(Drafter):
         directory = Path(directory)
         config = DraftModelConfig.model_validate(read_json(directory / CONFIG_NAME)["drafttrain"]["draft"])
         student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
-        return cls(config, student.to(target.device).eval()).attach_target(target)
+        vocab_file = directory / SERVING_VOCAB
+        vocab = read_vocab_mapping(vocab_file, target.vocab_size) if vocab_file.is_file() else None
+        return cls(config, student.to(target.device).eval(), vocab).attach_target(target)
 
     def save_pretrained(self, directory, **meta) -> Path:
         """A plain HF model folder (weights, config, the target's tokenizer) with a ``drafttrain`` section in its
@@ -93,6 +110,9 @@ class DistilledDrafter(Drafter):
             tokenizer.save_pretrained(str(directory))
         config = {**json.loads((directory / CONFIG_NAME).read_text()), **self.checkpoint_config(**meta)}
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+        if self.vocab is not None:  # beside the model, which other engines load whole
+            (directory / SERVING_VOCAB).parent.mkdir(exist_ok=True)
+            save_file({"d2t": self.vocab[0].cpu(), "t2d": self.vocab[1].cpu()}, str(directory / SERVING_VOCAB))
         return directory
 
     def interchange_config(self) -> dict:

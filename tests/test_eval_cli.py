@@ -105,11 +105,33 @@ def test_a_compared_proposer_runs_on_the_same_prompts_against_the_same_baseline(
         (["--proposer", "prompt_lookup", "--compare", "magic"], "--compare magic: 'magic' is neither a draft-free"),
         (["--proposer", "prompt_lookup", "--compare", "draft_model"], "give the draft's checkpoint or run folder"),
         (["--proposer", "prompt_lookup", "--compare", "prompt_lookup@deep"], "neither a depth"),
+        (["--proposer", "prompt_lookup", "--draft-vocab", "none"], "--draft-vocab is for the draft_model proposer"),
+        (["--proposer", "draft_model", "--draft", "smollm2-135m-instruct", "--draft-vocab", "/no/vocab.safetensors"],
+         "--draft-vocab: no such file /no/vocab.safetensors"),
     ],
 )
 def test_bad_input_exits_2_naming_the_cause(tmp_path, capsys, args, cause):
     assert _eval(tmp_path, *args) == 2
     assert cause in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_draft_model_served_from_a_draft_vocabulary_stays_lossless(tmp_path, capsys, restore_threads):
+    """The target as its own draft, drafting from half the vocabulary: still the target's greedy text, and the
+    report records the vocabulary file it was served with."""
+    from safetensors.torch import save_file
+
+    from drafttrain.data.vocab import build_mapping
+
+    d2t, t2d = build_mapping(torch.arange(0, 49152, 2), 49152)
+    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
+    code = _eval(tmp_path, "--proposer", "draft_model", "--draft", "smollm2-135m-instruct", "--draft-vocab",
+                 str(tmp_path / "vocab.safetensors"), "--suite", "gsm8k", "--num-prompts", "1", "--turns", "1",
+                 "--max-new-tokens", "12", "--depth", "2", "--threads", "1", "--strict")
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["overall"]["greedy_match"] == 1.0
+    assert report["config"]["proposer_kwargs"]["vocab"] == str(tmp_path / "vocab.safetensors")
 
 
 def test_empty_prompt_set_exits_2(tmp_path, capsys):

@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a draft-free proposer (prompt_lookup) or a trained draft's checkpoint/run folder; @SHAPE "
                              "gives it its own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); "
                              "repeatable")
+    parser.add_argument("--draft-vocab", metavar="FILE|none",
+                        help="draft_model proposer: draft only from this draft vocabulary (a draft_vocab.safetensors "
+                             "from `drafttrain prepare`; its lm_head rows alone are computed), or 'none' for the whole "
+                             "vocabulary (default: a distilled drafttrain draft's own, else the whole)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if greedy output differs from the baseline")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is far steadier on a busy shared CPU)")
@@ -119,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         method, method_kwargs = trained_draft(args.proposer, target, load_drafter(args.draft, target)), {}
     else:
         method, method_kwargs = args.proposer, _proposer_kwargs(args)
+    if args.draft_vocab is not None:
+        method_kwargs["vocab"] = False if args.draft_vocab == "none" else args.draft_vocab
     report = evaluate(
         target, method, suite,
         depth=args.depth, tree=tree, min_confidence=args.min_confidence, max_depth=args.max_depth,
@@ -206,6 +212,11 @@ def _check_proposer(args: argparse.Namespace) -> None:
         raise DrafttrainError(f"--draft is not used by proposer {args.proposer!r} (it needs no draft model)")
     if args.proposer == "draft_model" and not args.draft:
         raise DrafttrainError("proposer draft_model needs --draft (a draft model: built-in name, folder or .gguf)")
+    if args.draft_vocab is not None:
+        if args.proposer != "draft_model":
+            raise DrafttrainError(f"--draft-vocab is for the draft_model proposer, not {args.proposer!r}")
+        if args.draft_vocab != "none" and not Path(args.draft_vocab).is_file():
+            raise DrafttrainError(f"--draft-vocab: no such file {args.draft_vocab}")
     args.compared = [_compared_side(item, known) for item in args.compare]
 
 

@@ -94,6 +94,24 @@ def test_medusa2_trains_only_the_named_adapters_and_keeps_the_base_bit_identical
     reset_accelerate()
 
 
+def test_medusa2_sees_the_adapted_targets_own_logits_and_no_kl_while_its_adapters_are_fresh():
+    """The target outputs a Medusa-2 step trains on come from the peft-wrapped target: its logits equal the adapted
+    model's own forward (a wrapper once hid the decoder from the logits path, which then scored dummy input), and
+    the KL to the original is zero until the adapters change."""
+    target = tiny_target()
+    drafter = build_drafter(MedusaConfig(num_heads=2, lora=dict(LORA, dropout=0.0)), target)
+    batch = batch_of(target)
+    with torch.no_grad():
+        assert drafter.training_step(batch, run_target(target, batch, drafter.needs())).metrics["loss_kl"] == 0.0
+        for name, param in target.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+        outputs = run_target(target, batch, drafter.needs())
+        own = target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        assert torch.allclose(outputs.logits, own, atol=1e-5)
+        assert drafter.training_step(batch, outputs).metrics["loss_kl"] > 0
+
+
 def test_medusa2_checkpoint_round_trip_adapts_a_fresh_target(tmp_path):
     target = tiny_target(vocab=64)
     drafter = build_drafter(MedusaConfig(num_heads=2, lora=dict(LORA, save_merged=True)), target)

@@ -152,6 +152,8 @@ def logits_from_final(target, final: torch.Tensor) -> torch.Tensor:
     """Next-token logits from the final hidden state, through the model's own forward after its decoder stack
     (lm_head, then whatever scaling or softcapping the architecture applies), not a re-implementation of it."""
     model = target.model
+    if hasattr(model, "get_base_model"):  # peft's wrapper (Medusa-2's adapters): its attributes are not the model's
+        model = model.get_base_model()
     prefix = model.base_model_prefix
     decoder = getattr(model, prefix)
     dummy_ids = torch.zeros(final.shape[:2], dtype=torch.long, device=final.device)

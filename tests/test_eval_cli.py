@@ -134,6 +134,23 @@ def test_a_draft_model_served_from_a_draft_vocabulary_stays_lossless(tmp_path, c
     assert report["config"]["proposer_kwargs"]["vocab"] == str(tmp_path / "vocab.safetensors")
 
 
+@pytest.mark.slow
+def test_a_compared_draft_takes_a_named_tree(tmp_path, capsys, smollm2, restore_threads):
+    """``--compare DRAFT@tree:medusa-4``: the named tree is resolved (it once reached the engine as a string)."""
+    from drafttrain.config import MedusaConfig
+    from drafttrain.drafts import build_drafter
+
+    build_drafter(MedusaConfig(num_heads=2), smollm2).save_pretrained(tmp_path / "medusa")
+    code = _eval(tmp_path, "--proposer", "prompt_lookup", "--suite", "gsm8k", "--num-prompts", "1", "--turns", "1",
+                 "--max-new-tokens", "8", "--depth", "2", "--threads", "1",
+                 "--compare", f"{tmp_path / 'medusa'}@tree:medusa-4")
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    described = report["config"]["compare"][0]
+    assert described["tree"]["kind"] == "static" and len(described["tree"]["paths"]) == 4
+    assert report["comparisons"]["medusa@tree:medusa-4"]["greedy_match_vs_baseline"] == 1.0
+
+
 def test_empty_prompt_set_exits_2(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

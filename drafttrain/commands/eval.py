@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         calibration=calibration, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
         progress=not args.no_progress, proposer_kwargs=method_kwargs,
-        compare=[_load_compared(side, target) for side in args.compared],
+        compare=[_load_compared(side, target, args) for side in args.compared],
     )
     paths = write_report(report, args.out)
     print_report(report)
@@ -255,12 +255,16 @@ def _compared_side(item: str, known: set[str]) -> Side:
     return Side(spec, True, depth, tree, Path(spec).name + (f"@{shape}" if shape else ""))
 
 
-def _load_compared(side: Side, target):
+def _load_compared(side: Side, target, args: argparse.Namespace):
     from drafttrain.drafts import load_drafter
     from drafttrain.evaluation.evaluate import Compared
 
     proposer = load_drafter(side.spec, target) if side.is_draft else side.spec
-    return Compared(proposer, depth=side.depth, tree=side.tree, label=side.label)
+    tree = side.tree
+    if tree not in (None, "auto"):  # a spec (named tree, paths, file, dynamic) -> the tree itself
+        depth = side.depth if isinstance(side.depth, int) else args.depth if isinstance(args.depth, int) else 1
+        tree = parse_tree(tree, depth, args.total_tokens, args.top_k)
+    return Compared(proposer, depth=side.depth, tree=tree, label=side.label)
 
 
 def _default_proposer(draft: str | None) -> str:

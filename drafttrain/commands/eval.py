@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         calibration=calibration, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
         progress=not args.no_progress, proposer_kwargs=method_kwargs,
-        compare=[_load_compared(side, target, args) for side in args.compared],
+        compare=[_load_compared(side, target) for side in args.compared],
     )
     paths = write_report(report, args.out)
     print_report(report)
@@ -217,7 +217,7 @@ def _check_proposer(args: argparse.Namespace) -> None:
             raise DrafttrainError(f"--draft-vocab is for the draft_model proposer, not {args.proposer!r}")
         if args.draft_vocab != "none" and not Path(args.draft_vocab).is_file():
             raise DrafttrainError(f"--draft-vocab: no such file {args.draft_vocab}")
-    args.compared = [_compared_side(item, known) for item in args.compare]
+    args.compared = [_compared_side(item, known, args) for item in args.compare]
 
 
 class Side(NamedTuple):
@@ -228,8 +228,8 @@ class Side(NamedTuple):
     label: str  # the name in the report: the proposer or the draft folder's, with the shape given
 
 
-def _compared_side(item: str, known: set[str]) -> Side:
-    """``PROPOSER_OR_DRAFT[@SHAPE]`` -> the side, checked now."""
+def _compared_side(item: str, known: set[str], args: argparse.Namespace) -> Side:
+    """``PROPOSER_OR_DRAFT[@SHAPE]`` -> the side, checked now (a tree spec parsed as the main side's is)."""
     from drafttrain.drafts import saved_kind
 
     spec, _, shape = item.partition("@")
@@ -237,7 +237,8 @@ def _compared_side(item: str, known: set[str]) -> Side:
     if shape.startswith("tree:"):
         tree = shape.removeprefix("tree:")
         if tree != "auto":
-            parse_tree(tree, 1, 60, 10)
+            depth_limit = args.max_depth if args.depth == "auto" else args.depth
+            tree = parse_tree(tree, depth_limit, args.total_tokens, args.top_k)
     elif shape:
         depth = _depth(shape) if shape == "auto" or shape.isdigit() else None
         if depth is None or depth == 0:
@@ -255,16 +256,12 @@ def _compared_side(item: str, known: set[str]) -> Side:
     return Side(spec, True, depth, tree, Path(spec).name + (f"@{shape}" if shape else ""))
 
 
-def _load_compared(side: Side, target, args: argparse.Namespace):
+def _load_compared(side: Side, target):
     from drafttrain.drafts import load_drafter
     from drafttrain.evaluation.evaluate import Compared
 
     proposer = load_drafter(side.spec, target) if side.is_draft else side.spec
-    tree = side.tree
-    if tree not in (None, "auto"):  # a spec (named tree, paths, file, dynamic) -> the tree itself
-        depth = side.depth if isinstance(side.depth, int) else args.depth if isinstance(args.depth, int) else 1
-        tree = parse_tree(tree, depth, args.total_tokens, args.top_k)
-    return Compared(proposer, depth=side.depth, tree=tree, label=side.label)
+    return Compared(proposer, depth=side.depth, tree=side.tree, label=side.label)
 
 
 def _default_proposer(draft: str | None) -> str:

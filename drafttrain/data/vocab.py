@@ -293,8 +293,13 @@ def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Te
     """Draft-vocabulary logits scattered into the target vocabulary, -inf elsewhere, so proposers speak target ids."""
     if d2t.numel() == t2d.numel():
         return draft_logits
-    out = draft_logits.new_full((*draft_logits.shape[:-1], t2d.numel()), float("-inf"))
-    out[..., draft_ids(d2t)] = draft_logits
+    return scatter_to_vocab(draft_logits, draft_ids(d2t), t2d.numel())
+
+
+def scatter_to_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over target ids ``ids`` placed at those ids of a ``vocab_size`` vocabulary, -inf elsewhere."""
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., ids] = logits
     return out
 
 

@@ -106,9 +106,9 @@ class DraftModelProposer(TreeDrafter):
         """The draft's logits over the target's vocabulary size (same tokenizer, differently padded heads; -inf
         outside a draft vocabulary)."""
         if self.rows is not None:
-            out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-            out[..., self.rows] = logits
-            return out
+            from drafttrain.data.vocab import scatter_to_vocab
+
+            return scatter_to_vocab(logits, self.rows, self.vocab_size)
         v = logits.shape[-1]
         if v > self.vocab_size:
             return logits[..., : self.vocab_size]

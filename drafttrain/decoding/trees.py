@@ -327,7 +327,7 @@ def forward(
     if head is None:
         return model(**inputs, logits_to_keep=logits_to_keep).logits
     hidden = model.get_decoder()(**inputs).last_hidden_state
-    return torch.nn.functional.linear(hidden[:, -logits_to_keep:], head)
+    return torch.nn.functional.linear(hidden[:, -logits_to_keep:], head)  # 0 keeps all, as in HF
 
 
 def compact_cache(cache, start: int, keep: list[int]) -> None:

@@ -187,13 +187,11 @@ def evaluate(
     records = []
     extra_runs: dict[str, list[tuple[SideRun, SideRun | None]]] = {
         name: [] for name in sides if name.startswith(("hf_", COMPARE_PREFIX, ORIGINAL_TARGET))}
-    method_runs = []
     for index, question in enumerate(_progress(questions, progress)):
         runs = _run_question_interleaved(
             target.tokenizer, question, sides, max_new_tokens, rotation=index, device=target.device
         )
         records.append(_prompt_record(question, runs, temperature))
-        method_runs.append(runs["method"])
         for name in extra_runs:
             extra_runs[name].append((runs[name], runs.get("baseline")))
 
@@ -214,7 +212,7 @@ def evaluate(
                   if name.startswith("hf_")}
     comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
                    for name, pairs in extra_runs.items() if name.startswith(COMPARE_PREFIX)}
-    original = (_original_target_line(extra_runs[ORIGINAL_TARGET], method_runs, temperature)
+    original = (_original_target_line(extra_runs[ORIGINAL_TARGET], records, temperature)
                 if ORIGINAL_TARGET in extra_runs else None)
     return EvalReport(config=config, overall=overall, categories=categories, prompts=records, references=references,
                       comparisons=comparisons, original_target=original)
@@ -573,13 +571,13 @@ def _with_original_target(draft, make_baseline: Callable[[int], GenerateFn]) -> 
     return make
 
 
-def _original_target_line(pairs: list[tuple[SideRun, SideRun | None]], method_runs: list[SideRun],
+def _original_target_line(pairs: list[tuple[SideRun, SideRun | None]], records: list[dict[str, Any]],
                           temperature: float) -> dict[str, Any]:
     """The original target's plain decoding against the adapted one (greedy agreement: how far the target moved)
     and the method's speedup against it (what a user who swaps the original for adapted target + heads gets)."""
     line = _speed_line(pairs, temperature)
     line["method_speedup_vs_original"] = metrics.speedup(
-        [m.new_tokens for m in method_runs], [m.seconds for m in method_runs],
+        [r["new_tokens"] for r in records], [r["wall_time_s"] for r in records],
         [r.new_tokens for r, _ in pairs], [r.seconds for r, _ in pairs])
     return line
 

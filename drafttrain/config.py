@@ -199,6 +199,11 @@ class DraftModelConfig(DraftConfig):
     # draft step; verification keeps it lossless). Default: the run's draft_vocab.safetensors when prepare wrote one.
     # The saved model stays a whole-vocabulary HF model for other engines.
     draft_vocab: str | None = None
+    # "draft": train on the draft vocabulary's rows alone, as EAGLE-3 heads are: the student's logits and the
+    # target's (renormalised) at those rows, at positions whose target argmax is one of them. The student's
+    # lm_head and the divergence cost a fraction of the whole vocabulary's; the rows outside are left untrained,
+    # so serve it with its draft vocabulary. "full": the whole vocabulary (engines without draft vocabularies).
+    loss_vocab: Literal["full", "draft"] = "full"
 
     @model_validator(mode="after")
     def _one_student(self) -> "DraftModelConfig":

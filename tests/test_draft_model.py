@@ -315,3 +315,85 @@ def test_a_distilled_draft_keeps_its_draft_vocabulary_beside_a_plain_hf_folder(t
     assert build_proposer("draft_model", target, draft=loaded, vocab=False).rows is None
     AutoModelForCausalLM.from_pretrained(tmp_path / "draft")  # still a plain HF folder
     assert build_drafter(DraftModelConfig(cut="first:2"), target).serving_vocab is None  # no vocab: the whole
+
+
+def vocab_file(tmp_path, rows, vocab=64):
+    from safetensors.torch import save_file
+
+    from drafttrain.data.vocab import build_mapping
+
+    d2t, t2d = build_mapping(torch.as_tensor(rows), vocab)
+    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
+    return str(tmp_path / "vocab.safetensors")
+
+
+@pytest.mark.parametrize("divergence", ["fkl", "rkl", "jsd", "tvd", "sft"])
+def test_a_loss_over_the_draft_vocabulary_is_the_divergence_on_its_rows(tmp_path, divergence):
+    """loss_vocab: draft takes the divergence between the student's and the target's logits at the draft
+    vocabulary's rows (both renormalised over them), at positions whose target argmax (sft: label) is one of them;
+    the student's other lm_head rows get no gradient."""
+    from drafttrain.drafts import losses
+
+    target = tiny_target()
+    rows = torch.arange(0, 64, 2)
+    drafter = build_drafter(DraftModelConfig(cut="first:2", divergence=divergence, loss_vocab="draft",
+                                             draft_vocab=vocab_file(tmp_path, rows)), target)
+    with torch.no_grad():
+        for p in drafter.student.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    batch = batch_of()
+    needs = drafter.needs()
+    assert divergence == "sft" or torch.equal(needs.logits_rows, rows)
+    out = drafter.training_step(batch, run_target(target, batch, needs))
+    out.loss.backward()
+    with torch.no_grad():
+        q = drafter.student(batch["input_ids"]).logits[..., rows]
+        full_p = target.model(batch["input_ids"]).logits
+        weight = torch.nn.functional.pad(batch["loss_mask"][:, 1:], (0, 1))
+        if divergence == "sft":
+            labels = torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1))
+            weight = weight * (labels % 2 == 0)
+            want = losses.cross_entropy(q, (labels // 2), weight)
+        else:
+            weight = weight * (full_p.argmax(-1) % 2 == 0)
+            want = losses.divergence(divergence, q, full_p[..., rows], weight)
+    assert 0 < weight.sum() < batch["loss_mask"].sum()  # some positions are left out, some trained
+    assert float(out.loss.detach()) == pytest.approx(float(want), rel=1e-5)
+    assert not drafter.student.config.tie_word_embeddings
+    head = drafter.student.get_output_embeddings().weight.grad
+    assert head[1::2].abs().sum() == 0 and head[0::2].abs().sum() > 0
+
+
+def test_a_student_equal_to_its_target_has_zero_loss_over_the_draft_vocabulary(tmp_path):
+    target = tiny_target()
+    drafter = build_drafter(DraftModelConfig(cut="every:1", loss_vocab="draft",
+                                             draft_vocab=vocab_file(tmp_path, range(0, 64, 3))), target)
+    batch = batch_of()
+    out = drafter.training_step(batch, run_target(target, batch, drafter.needs()))
+    assert float(out.loss) == pytest.approx(0.0, abs=1e-5)
+    assert out.metrics["acceptance"] == pytest.approx(1.0, abs=1e-5) and out.correct == out.counted
+
+
+def test_a_loss_over_the_draft_vocabulary_needs_one_and_keeps_the_teacher_cache_recomputable(tmp_path):
+    target = tiny_target()
+    with pytest.raises(DrafttrainError, match="loss_vocab: draft needs a draft vocabulary"):
+        build_drafter(DraftModelConfig(cut="first:2", loss_vocab="draft"), target)
+    config = DraftModelConfig(cut="first:2", loss_vocab="draft", draft_vocab=vocab_file(tmp_path, [1, 2, 3]))
+    needs = type(build_drafter(config, target)).target_needs(config, target)
+    assert needs.logits_top_k is None and needs.stored_layers(4) == [4]  # an offline cache keeps the final hidden
+
+
+def test_on_policy_answers_over_the_draft_vocabulary_use_only_its_tokens(tmp_path):
+    from drafttrain.targets import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    vocab = len(tokenizer)
+    target = Target("tiny", tiny_target(vocab=vocab).model, tokenizer)
+    rows = torch.arange(0, vocab, 7)
+    drafter = build_drafter(DraftModelConfig(cut="first:2", on_policy=1.0, on_policy_max_new_tokens=12,
+                                             loss_vocab="draft", draft_vocab=vocab_file(tmp_path, rows, vocab)),
+                            target)
+    batch = batch_of(vocab=vocab, rows=2)
+    answered = drafter.on_policy_batch(batch)
+    tokens = answered["input_ids"][answered["loss_mask"].bool()]
+    assert tokens.numel() > 0 and bool((tokens % 7 == 0).all())

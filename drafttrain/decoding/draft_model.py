@@ -16,6 +16,7 @@ from drafttrain import DrafttrainError
 from drafttrain.decoding.expand import TreeDrafter
 from drafttrain.decoding.proposers import register_proposer, trained_draft
 from drafttrain.decoding.trees import compact_cache, feed_mask, forward
+from drafttrain.targets.outputs import plain_lm_head
 
 
 @register_proposer("draft_model")
@@ -54,15 +55,8 @@ class DraftModelProposer(TreeDrafter):
             from drafttrain.data.vocab import draft_ids, read_vocab_mapping
 
             vocab = draft_ids(read_vocab_mapping(vocab, self.vocab_size)[0])
-        config, lm_head = self.model.config, self.model.get_output_embeddings()
-        scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(config, k, None)]
-        if scaled or getattr(lm_head, "bias", None) is not None:
-            raise DrafttrainError(f"a draft vocabulary needs a plain linear lm_head; this draft's has "
-                                  f"{', '.join(scaled) or 'a bias'} (serve it with vocab=False)")
-        rows = torch.as_tensor(vocab, dtype=torch.long, device=lm_head.weight.device)
-        if int(rows.max()) >= lm_head.weight.shape[0]:
-            raise DrafttrainError(f"the draft vocabulary names token {int(rows.max())}, the draft's lm_head has "
-                                  f"{lm_head.weight.shape[0]} rows")
+        rows = torch.as_tensor(vocab, dtype=torch.long, device=self.model.device)
+        lm_head = plain_lm_head(self.model, rows)
         return rows, lm_head.weight.detach()[rows].contiguous()
 
     def prefill(self, input_ids, hidden, next_token) -> None:

@@ -12,7 +12,11 @@ then taken over the k tokens and one bucket for the rest). Options:
 
 * on-policy data (DistillSpec / GKD's λ): a share of batches is answered by the current draft, sampled in one
   batched ``generate``, and scored by the target; the time it costs is logged (``on_policy_s``);
-* AdaSPEC-style selective distillation: each batch's hardest tokens for the draft are left out.
+* AdaSPEC-style selective distillation: each batch's hardest tokens for the draft are left out;
+* ``loss_vocab: draft``: the loss over the draft vocabulary's rows alone (EAGLE-3's rule: both distributions
+  renormalised over them, positions whose target argmax is outside left out). With a large vocabulary and a small
+  student, the lm_head and the divergence are most of a training step; the draft_model proposer drafts from those
+  rows anyway. On-policy answers are then sampled from them too.
 
 Logged per step: the exact per-token acceptance under speculative sampling at T=1, 1 - TVD(p, q) (``acceptance``),
 and the top-1 agreement with the target (what greedy drafting is paid for).
@@ -20,6 +24,7 @@ and the top-1 agreement with the target (what greedy drafting is paid for).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -36,7 +41,7 @@ from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, wit
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets.hidden import decoder_layers
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, run_target
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, plain_lm_head, rows_and_argmax, run_target
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,10 @@ class DistilledDrafter(Drafter):
     def target_needs(cls, config: DraftModelConfig, target) -> TargetNeeds:
         if config.divergence == "sft":
             return TargetNeeds()  # the data's tokens alone
-        return TargetNeeds(logits=True, logits_top_k=config.teacher_top_k, logits_temperature=config.temperature)
+        # a loss over the draft vocabulary needs the target's logits at its rows: a teacher cache keeps the final
+        # hidden state to recompute them, not a top-k that may fall outside them
+        top_k = None if config.loss_vocab == "draft" else config.teacher_top_k
+        return TargetNeeds(logits=True, logits_top_k=top_k, logits_temperature=config.temperature)
 
     @classmethod
     def build(cls, config: DraftModelConfig, target, run: RunFolder | None = None) -> "DistilledDrafter":
@@ -86,6 +94,11 @@ class DistilledDrafter(Drafter):
             student = with_lora(student, config.lora, "the draft model")
         d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         vocab = (d2t, t2d) if d2t.numel() < t2d.numel() else None
+        if config.loss_vocab == "draft":
+            if vocab is None:
+                raise DrafttrainError("draft.loss_vocab: draft needs a draft vocabulary: enable draft_vocab in the "
+                                      "recipe (prepare builds it) or give draft.draft_vocab")
+            plain_lm_head(student, draft_ids(d2t))
         return cls(config, student.train(), vocab).attach_target(target)
 
     @classmethod
@@ -132,30 +145,59 @@ class DistilledDrafter(Drafter):
         return config, tensors
 
     # -- training ------------------------------------------------------------------------------------------
+    @property
+    def loss_rows(self) -> torch.Tensor | None:
+        """The target ids the loss is taken over (``loss_vocab: draft``), or None: the whole vocabulary."""
+        return self.serving_vocab if self.config.loss_vocab == "draft" else None
+
+    def needs(self) -> TargetNeeds:
+        needs = super().needs()
+        if self.loss_rows is not None and needs.logits:  # the target's logits at those rows, its argmax over all
+            needs = dataclasses.replace(needs, logits_rows=self.loss_rows.to(self.target.device))
+        return needs
+
+    def student_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The student's logits over the target's vocabulary, or over the loss rows alone (its lm_head's rows for
+        them on its last hidden state: the other rows are never computed)."""
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+        rows = self.loss_rows
+        if rows is None:
+            return self.aligned(self.student(**inputs).logits)
+        hidden = self.student.get_decoder()(**inputs).last_hidden_state
+        weight = plain_lm_head(self.student, rows).weight
+        return torch.nn.functional.linear(hidden, weight[rows.to(weight.device)])
+
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
-        cfg, metrics = self.config, {}
+        cfg, metrics, rows = self.config, {}, self.loss_rows
+        rows = None if rows is None else rows.to(batch["input_ids"].device)
         if cfg.on_policy > 0 and self.training and float(torch.rand(())) < cfg.on_policy:
             started = time.perf_counter()
             batch = self.on_policy_batch(batch)
             metrics["on_policy_s"] = time.perf_counter() - started
             with torch.no_grad():
-                outputs = run_target(self.target, batch, TargetNeeds(logits=True))
-        logits = self.aligned(self.student(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                                           use_cache=False).logits)
+                outputs = run_target(self.target, batch, dataclasses.replace(self.needs(), logits_top_k=None))
+        logits = self.student_logits(batch)
         weight = shift_left(batch["loss_mask"].float(), 1)  # position t predicts token t+1
         labels = shift_left(batch["input_ids"], 1)
         if cfg.divergence == "sft":
-            per = -losses.log_probs(logits, cfg.temperature).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-            teacher_top1 = labels
+            teacher_top1, targets = labels, labels
+            if rows is not None:  # tokens outside the rows are not trained
+                targets = self.row_index(rows)[labels]
+                weight = weight * (targets >= 0)
+            per = -losses.log_probs(logits, cfg.temperature).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         elif outputs.top_k is not None:
             per = losses.per_position(cfg.divergence, losses.top_k_buckets(logits, outputs.top_k.ids, cfg.temperature),
                                       outputs.top_k.buckets, cfg.beta)
             teacher_top1 = outputs.top_k.ids[..., 0]
         else:
-            teacher = outputs.logits.detach()
+            if rows is None:
+                teacher = outputs.logits.detach()
+                teacher_top1 = teacher.argmax(-1)
+            else:  # renormalised over the rows, where the target's own choice is one of them (as EAGLE-3)
+                teacher_top1, teacher = rows_and_argmax(outputs, rows)
+                weight = weight * (self.row_index(rows)[teacher_top1] >= 0)
             per = losses.per_position(cfg.divergence, losses.log_probs(logits, cfg.temperature),
                                       losses.log_probs(teacher, cfg.temperature), cfg.beta)
-            teacher_top1 = teacher.argmax(-1)
             with torch.no_grad():
                 metrics["acceptance"] = float(losses.masked_mean(
                     1 - losses.per_position("tvd", losses.log_probs(logits), losses.log_probs(teacher)), weight))
@@ -163,7 +205,9 @@ class DistilledDrafter(Drafter):
             weight = weight * keep_learnable(per.detach(), weight, cfg.token_filter)
         loss = losses.masked_mean(per, weight)
         with torch.no_grad():
-            correct, counted = top1_hits(logits.argmax(-1), teacher_top1, weight)
+            drafted = logits.argmax(-1)
+            correct, counted = top1_hits(drafted if rows is None else rows[drafted],
+                                         teacher_top1, weight)
         metrics["loss_" + cfg.divergence] = float(loss.detach())
         return StepOutput(loss=loss, metrics=metrics, correct=[correct], counted=[counted])
 
@@ -175,6 +219,20 @@ class DistilledDrafter(Drafter):
         if v < target_v:
             return torch.nn.functional.pad(logits, (0, target_v - v), value=float("-inf"))
         return logits
+
+    def _within_loss_rows(self):
+        from transformers import LogitsProcessorList
+
+        rows = self.loss_rows  # the rows outside are untrained: sampling them would teach nothing it is served with
+        return LogitsProcessorList([_OnlyRows(rows)] if rows is not None else [])
+
+    def row_index(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each target id's position among ``rows`` (-1 when it is not one of them)."""
+        if getattr(self, "_row_index", None) is None:
+            index = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
+            index[rows.cpu()] = torch.arange(rows.numel())
+            self._row_index = index
+        return self._row_index.to(rows.device)
 
     @torch.no_grad()
     def on_policy_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -201,7 +259,7 @@ class DistilledDrafter(Drafter):
             generated = self.student.generate(
                 input_ids=left, attention_mask=attention, max_new_tokens=cfg.on_policy_max_new_tokens,
                 do_sample=cfg.on_policy_temperature > 0, temperature=cfg.on_policy_temperature or None, top_p=None,
-                top_k=None, eos_token_id=stops, pad_token_id=pad)[:, width:]
+                top_k=None, eos_token_id=stops, pad_token_id=pad, logits_processor=self._within_loss_rows())[:, width:]
         finally:
             self.student.train(was_training)
         rows = []
@@ -217,6 +275,18 @@ class DistilledDrafter(Drafter):
             out["attention_mask"][i, : len(p) + len(a)] = 1
             out["loss_mask"][i, len(p): len(p) + len(a)] = 1
         return out
+
+
+class _OnlyRows:
+    """A generate logits processor: tokens outside ``rows`` get -inf (the student drafts from its loss rows)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        allowed = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+        allowed[self.rows.to(scores.device)] = True
+        return scores.masked_fill(~allowed, float("-inf"))
 
 
 def keep_learnable(per_token: torch.Tensor, weight: torch.Tensor, share: float) -> torch.Tensor:

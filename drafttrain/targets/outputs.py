@@ -148,6 +148,22 @@ class _GivenHidden(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=self.hidden)
 
 
+def plain_lm_head(model: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """The model's lm_head when its logits are ``hidden @ weight.T`` and nothing else, so that some rows of them can
+    be computed alone (a draft vocabulary); a clear error otherwise, or when ``rows`` name a row it does not have."""
+    from drafttrain import DrafttrainError
+
+    config, lm_head = model.config, model.get_output_embeddings()
+    scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(config, k, None)]
+    if scaled or getattr(lm_head, "bias", None) is not None:
+        raise DrafttrainError(f"a draft vocabulary needs a plain linear lm_head; this draft's has "
+                              f"{', '.join(scaled) or 'a bias'} (use the whole vocabulary)")
+    if int(rows.max()) >= lm_head.weight.shape[0]:
+        raise DrafttrainError(f"the draft vocabulary names token {int(rows.max())}, the draft's lm_head has "
+                              f"{lm_head.weight.shape[0]} rows")
+    return lm_head
+
+
 def logits_from_final(target, final: torch.Tensor) -> torch.Tensor:
     """Next-token logits from the final hidden state, through the model's own forward after its decoder stack
     (lm_head, then whatever scaling or softcapping the architecture applies), not a re-implementation of it."""

@@ -127,10 +127,13 @@ def test_a_draft_model_served_from_a_draft_vocabulary_stays_lossless(tmp_path, c
     save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
     code = _eval(tmp_path, "--proposer", "draft_model", "--draft", "smollm2-135m-instruct", "--draft-vocab",
                  str(tmp_path / "vocab.safetensors"), "--suite", "gsm8k", "--num-prompts", "1", "--turns", "1",
-                 "--max-new-tokens", "12", "--depth", "2", "--threads", "1", "--strict")
+                 "--max-new-tokens", "12", "--depth", "2", "--threads", "1", "--strict", "--hf-reference")
     assert code == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["overall"]["greedy_match"] == 1.0
+    # HF assisted generation with the same draft: pinned to our draft length, and with HF's own defaults
+    assert set(report["references"]) == {"hf_generate", "hf_assisted", "hf_assisted_default"}
+    assert all(line["greedy_match_vs_baseline"] == 1.0 for line in report["references"].values())
     assert report["config"]["proposer_kwargs"]["vocab"] == str(tmp_path / "vocab.safetensors")
 
 

@@ -464,10 +464,16 @@ def _hf_sides(target, proposer_obj, depth, stop_ids, **sampling):
     """HF ``generate`` runners: greedy/sampled plain decoding, plus HF's own version of the proposer if it has one."""
     sides: dict[str, Callable[[int], GenerateFn]] = {"hf_generate": lambda n: _hf_generate_fn(target, n, stop_ids, sampling)}
     equivalent = proposer_obj.hf_equivalent(depth)
-    if equivalent is not None:
-        name, extra = equivalent
-        pin = depth if "assistant_model" in extra else None
-        sides[name] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra, assistant_k=pin)
+    if equivalent is None:
+        return sides
+    name, extra = equivalent
+    if "assistant_model" not in extra:
+        sides[name] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra)
+        return sides
+    if depth:  # HF at our draft length, constant; depth 0 is plain decoding, which HF cannot be pinned to
+        sides[name] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra, assistant_k=depth)
+    # ... and as a new user gets it: HF's own schedule (the draft length adapts) and confidence stop
+    sides[name + "_default"] = lambda n: _hf_generate_fn(target, n, stop_ids, sampling, extra)
     return sides
 
 

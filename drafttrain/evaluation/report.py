@@ -17,7 +17,8 @@ REQUIRED_METRIC_KEYS: tuple[str, ...] = (
 REFERENCE_LABELS = {
     "hf_generate": "HF generate (plain)",
     "hf_prompt_lookup": "HF generate, prompt lookup",
-    "hf_assisted": "HF generate, assisted (draft model)",
+    "hf_assisted": "HF generate, assisted (draft model), our draft length",
+    "hf_assisted_default": "HF generate, assisted (draft model), HF's default schedule and confidence stop",
 }
 
 DEFINITIONS = """\

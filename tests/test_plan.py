@@ -149,6 +149,8 @@ def test_the_two_node_cluster_files_agree():
     ("smollm2_medusa2.yaml", []),
     ("smollm2_distill.yaml", []),
     ("smollm2_distill.yaml", ["draft.on_policy=1.0", "draft.divergence=tvd"]),
+    ("smollm2_distill.yaml", ["draft.loss_vocab=draft", "draft.divergence=sft"]),
+    ("smollm2_distill.yaml", ["draft.loss_vocab=draft"]),
 ])
 def test_every_kind_is_planned(recipe, overrides, tmp_path):
     """The meta-device step runs for every kind (and on-policy distillation), so train's check never trips."""

@@ -289,6 +289,13 @@ def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
 
 
+def target_to_draft(ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Draft ids of target ids ``ids`` (-1 for those outside the draft vocabulary)."""
+    t2d = t2d.to(ids.device)
+    index = torch.cumsum(t2d.long(), 0) - 1
+    return torch.where(t2d[ids], index[ids], torch.full_like(ids, -1))
+
+
 def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """Draft-vocabulary logits scattered into the target vocabulary, -inf elsewhere, so proposers speak target ids."""
     if d2t.numel() == t2d.numel():

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig
-from drafttrain.data.vocab import draft_ids, draft_vocab_for, read_vocab_mapping
+from drafttrain.data.vocab import draft_ids, draft_vocab_for, read_vocab_mapping, target_to_draft
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
@@ -163,8 +163,8 @@ class DistilledDrafter(Drafter):
         rows = self.loss_rows
         if rows is None:
             return self.aligned(self.student(**inputs).logits)
-        hidden = self.student.get_decoder()(**inputs).last_hidden_state
-        weight = plain_lm_head(self.student, rows).weight
+        hidden = self.student.get_decoder()(**inputs).last_hidden_state  # build checked the lm_head is plain
+        weight = self.student.get_output_embeddings().weight
         return torch.nn.functional.linear(hidden, weight[rows.to(weight.device)])
 
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
@@ -182,7 +182,7 @@ class DistilledDrafter(Drafter):
         if cfg.divergence == "sft":
             teacher_top1, targets = labels, labels
             if rows is not None:  # tokens outside the rows are not trained
-                targets = self.row_index(rows)[labels]
+                targets = target_to_draft(labels, self.vocab[1])
                 weight = weight * (targets >= 0)
             per = -losses.log_probs(logits, cfg.temperature).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         elif outputs.top_k is not None:
@@ -195,7 +195,7 @@ class DistilledDrafter(Drafter):
                 teacher_top1 = teacher.argmax(-1)
             else:  # renormalised over the rows, where the target's own choice is one of them (as EAGLE-3)
                 teacher_top1, teacher = rows_and_argmax(outputs, rows)
-                weight = weight * (self.row_index(rows)[teacher_top1] >= 0)
+                weight = weight * self.vocab[1].to(teacher_top1.device)[teacher_top1]
             per = losses.per_position(cfg.divergence, losses.log_probs(logits, cfg.temperature),
                                       losses.log_probs(teacher, cfg.temperature), cfg.beta)
             with torch.no_grad():
@@ -225,14 +225,6 @@ class DistilledDrafter(Drafter):
 
         rows = self.loss_rows  # the rows outside are untrained: sampling them would teach nothing it is served with
         return LogitsProcessorList([_OnlyRows(rows)] if rows is not None else [])
-
-    def row_index(self, rows: torch.Tensor) -> torch.Tensor:
-        """Each target id's position among ``rows`` (-1 when it is not one of them)."""
-        if getattr(self, "_row_index", None) is None:
-            index = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
-            index[rows.cpu()] = torch.arange(rows.numel())
-            self._row_index = index
-        return self._row_index.to(rows.device)
 
     @torch.no_grad()
     def on_policy_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

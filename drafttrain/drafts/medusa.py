@@ -29,7 +29,7 @@ from torch import nn
 
 from drafttrain import DrafttrainError
 from drafttrain.config import MedusaConfig
-from drafttrain.data.vocab import draft_ids, draft_vocab_for, to_target_vocab
+from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
@@ -136,11 +136,6 @@ class MedusaDrafter(Drafter):
     def draft_to_target(self) -> torch.Tensor:
         return draft_ids(self.d2t)
 
-    def _target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft ids of target ids (-1 outside the draft vocabulary)."""
-        index = torch.cumsum(self.t2d.long(), 0) - 1
-        return torch.where(self.t2d[ids], index[ids], torch.full_like(ids, -1))
-
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., K, V_target]: each head's logits over the target vocabulary (-inf outside the draft vocab)."""
         out = torch.stack([head(block(hidden)) for block, head in zip(self.blocks, self.lm_heads)], dim=-2)
@@ -194,7 +189,7 @@ class MedusaDrafter(Drafter):
         total, metrics, correct, counted = 0.0, {}, [], []
         for i, (block, head) in enumerate(zip(self.blocks, self.lm_heads)):
             logits = head(block(hidden))
-            labels = self._target_to_draft(shift_left(input_ids, 2 + i))  # head i at t: token t+2+i
+            labels = target_to_draft(shift_left(input_ids, 2 + i), self.t2d)  # head i at t: token t+2+i
             weight = shift_left(loss_mask, 2 + i) * (labels >= 0).float()
             if cfg.self_distill:  # the target's distribution over token t+2+i sits at position t+1+i
                 soft = shift_left(rows_and_argmax(outputs, self.draft_to_target)[1], 1 + i).detach()

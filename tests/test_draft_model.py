@@ -379,8 +379,11 @@ def test_a_loss_over_the_draft_vocabulary_needs_one_and_keeps_the_teacher_cache_
     with pytest.raises(DrafttrainError, match="loss_vocab: draft needs a draft vocabulary"):
         build_drafter(DraftModelConfig(cut="first:2", loss_vocab="draft"), target)
     config = DraftModelConfig(cut="first:2", loss_vocab="draft", draft_vocab=vocab_file(tmp_path, [1, 2, 3]))
-    needs = type(build_drafter(config, target)).target_needs(config, target)
+    drafter = build_drafter(config, target)
+    needs = type(drafter).target_needs(config, target)
     assert needs.logits_top_k is None and needs.stored_layers(4) == [4]  # an offline cache keeps the final hidden
+    assert "draft vocabulary only" in drafter.exported("hf").notes[0]  # the model card says how to serve it
+    assert build_drafter(DraftModelConfig(cut="first:2"), target).exported("hf").notes == []
 
 
 def test_on_policy_answers_over_the_draft_vocabulary_use_only_its_tokens(tmp_path):

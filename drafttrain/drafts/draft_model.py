@@ -137,8 +137,11 @@ class DistilledDrafter(Drafter):
     def exported(self, fmt: str) -> Exported:
         """A plain HF model folder: the checkpoint already is one; vLLM, SGLang, HF assisted generation and
         llama.cpp (after conversion) take it as a draft model."""
+        notes = ["trained on its draft vocabulary only (loss_vocab: draft): engines that draft from the whole "
+                 "vocabulary (vLLM, HF assisted generation) accept fewer of its tokens than drafttrain's proposer, "
+                 "which reads draft_vocab/ (BENCHMARKS.md)"] if self.loss_rows is not None else []
         return Exported({"drafttrain": self.checkpoint_config(export={"format": fmt})["drafttrain"]},
-                        folders={"": self.save_pretrained})
+                        folders={"": self.save_pretrained}, notes=notes)
 
     @classmethod
     def imported(cls, fmt, config, tensors):

@@ -82,7 +82,8 @@ def test_auto_depth_on_the_real_target(smollm2, restore_threads):
         choice = choose(costs, calibration, D)
         assert choice.depth in depths, choice.summary()
         assert choice.predicted_speedup >= max(choice.by_depth.values()) / 1.005  # the best of what it measured
-        assert choice.predicted_speedup > 1.5 if right else choice.predicted_speedup <= 1.0
+        # never accepted: no real gain predicted (with a few % allowed for the timing noise of a shared CPU)
+        assert choice.predicted_speedup > 1.5 if right else choice.predicted_speedup <= 1.05, choice.summary()
 
 
 def test_a_chain_never_drafts_past_its_threshold():

@@ -69,6 +69,18 @@ def template_variant(base, template: str, specials: list[str], bos: str | None =
     return tok
 
 
+def draft_vocab_file(folder: Path, keep, vocab: int) -> Path:
+    """A draft_vocab.safetensors (d2t / t2d) keeping target ids ``keep`` of a ``vocab``-token vocabulary."""
+    from safetensors.torch import save_file
+
+    from drafttrain.data.vocab import build_mapping
+
+    d2t, t2d = build_mapping(torch.as_tensor(sorted(keep)), vocab)
+    path = folder / "draft_vocab.safetensors"
+    save_file({"d2t": d2t, "t2d": t2d}, str(path))
+    return path
+
+
 def small_recipe(folder: Path, draft: dict, **sections) -> Path:
     """A recipe for an end-to-end test on the real target: 12 Alpaca conversations with their written answers, 9
     to train on, saved as ``folder/recipe.yaml`` (``sections`` add or replace recipe sections)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, small_recipe
+from conftest import REPO, draft_vocab_file, small_recipe
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig, load_recipe
 from drafttrain.decoding.verify import expected_acceptance_rate
@@ -296,16 +296,12 @@ def test_a_draft_vocabulary_computes_the_drafts_logits_on_its_rows_and_stays_los
 
 
 def test_a_distilled_draft_keeps_its_draft_vocabulary_beside_a_plain_hf_folder(tmp_path):
-    from safetensors.torch import save_file
-
-    from drafttrain.data.vocab import build_mapping
     from drafttrain.decoding import build_proposer
 
     target = tiny_target()
     rows = torch.tensor([0, 3, 4, 10, 63])
-    d2t, t2d = build_mapping(rows, 64)
-    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
-    drafter = build_drafter(DraftModelConfig(cut="first:2", draft_vocab=str(tmp_path / "vocab.safetensors")), target)
+    drafter = build_drafter(DraftModelConfig(cut="first:2", draft_vocab=str(draft_vocab_file(tmp_path, rows, 64))),
+                            target)
     assert torch.equal(drafter.serving_vocab, rows)
     drafter.save_pretrained(tmp_path / "draft")
     assert sorted(p.name for p in (tmp_path / "draft").glob("*.safetensors")) == ["model.safetensors"]
@@ -315,16 +311,6 @@ def test_a_distilled_draft_keeps_its_draft_vocabulary_beside_a_plain_hf_folder(t
     assert build_proposer("draft_model", target, draft=loaded, vocab=False).rows is None
     AutoModelForCausalLM.from_pretrained(tmp_path / "draft")  # still a plain HF folder
     assert build_drafter(DraftModelConfig(cut="first:2"), target).serving_vocab is None  # no vocab: the whole
-
-
-def vocab_file(tmp_path, rows, vocab=64):
-    from safetensors.torch import save_file
-
-    from drafttrain.data.vocab import build_mapping
-
-    d2t, t2d = build_mapping(torch.as_tensor(rows), vocab)
-    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
-    return str(tmp_path / "vocab.safetensors")
 
 
 @pytest.mark.parametrize("divergence", ["fkl", "rkl", "jsd", "tvd", "sft"])
@@ -337,7 +323,7 @@ def test_a_loss_over_the_draft_vocabulary_is_the_divergence_on_its_rows(tmp_path
     target = tiny_target()
     rows = torch.arange(0, 64, 2)
     drafter = build_drafter(DraftModelConfig(cut="first:2", divergence=divergence, loss_vocab="draft",
-                                             draft_vocab=vocab_file(tmp_path, rows)), target)
+                                             draft_vocab=str(draft_vocab_file(tmp_path, rows, 64))), target)
     with torch.no_grad():
         for p in drafter.student.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -367,7 +353,7 @@ def test_a_loss_over_the_draft_vocabulary_is_the_divergence_on_its_rows(tmp_path
 def test_a_student_equal_to_its_target_has_zero_loss_over_the_draft_vocabulary(tmp_path):
     target = tiny_target()
     drafter = build_drafter(DraftModelConfig(cut="every:1", loss_vocab="draft",
-                                             draft_vocab=vocab_file(tmp_path, range(0, 64, 3))), target)
+                                             draft_vocab=str(draft_vocab_file(tmp_path, range(0, 64, 3), 64))), target)
     batch = batch_of()
     out = drafter.training_step(batch, run_target(target, batch, drafter.needs()))
     assert float(out.loss) == pytest.approx(0.0, abs=1e-5)
@@ -378,7 +364,7 @@ def test_a_loss_over_the_draft_vocabulary_needs_one_and_keeps_the_teacher_cache_
     target = tiny_target()
     with pytest.raises(DrafttrainError, match="loss_vocab: draft needs a draft vocabulary"):
         build_drafter(DraftModelConfig(cut="first:2", loss_vocab="draft"), target)
-    config = DraftModelConfig(cut="first:2", loss_vocab="draft", draft_vocab=vocab_file(tmp_path, [1, 2, 3]))
+    config = DraftModelConfig(cut="first:2", loss_vocab="draft", draft_vocab=str(draft_vocab_file(tmp_path, [1, 2, 3], 64)))
     drafter = build_drafter(config, target)
     needs = type(drafter).target_needs(config, target)
     assert needs.logits_top_k is None and needs.stored_layers(4) == [4]  # an offline cache keeps the final hidden
@@ -394,7 +380,7 @@ def test_on_policy_answers_over_the_draft_vocabulary_use_only_its_tokens(tmp_pat
     target = Target("tiny", tiny_target(vocab=vocab).model, tokenizer)
     rows = torch.arange(0, vocab, 7)
     drafter = build_drafter(DraftModelConfig(cut="first:2", on_policy=1.0, on_policy_max_new_tokens=12,
-                                             loss_vocab="draft", draft_vocab=vocab_file(tmp_path, rows, vocab)),
+                                             loss_vocab="draft", draft_vocab=str(draft_vocab_file(tmp_path, rows, vocab))),
                             target)
     batch = batch_of(vocab=vocab, rows=2)
     answered = drafter.on_policy_batch(batch)

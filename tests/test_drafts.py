@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import draft_vocab_file
+
 from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config, EagleConfig, parse_recipe
 from drafttrain.drafts import build_drafter, load_drafter
@@ -34,16 +36,6 @@ def batch_of(target, batch=2, seq=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (batch, seq), generator=g)
     return {"input_ids": ids, "loss_mask": torch.ones(batch, seq), "attention_mask": torch.ones(batch, seq, dtype=torch.long)}
-
-
-def vocab_file(tmp_path, vocab: int, keep: list[int]):
-    keep = sorted(keep)
-    d2t = torch.tensor([t - i for i, t in enumerate(keep)], dtype=torch.long)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[keep] = True
-    path = tmp_path / "draft_vocab.safetensors"
-    save_file({"d2t": d2t, "t2d": t2d}, str(path))
-    return path
 
 
 @pytest.mark.parametrize("cfg", [Eagle3Config(ttt_steps=3), Eagle3Config(num_layers=2, ttt_steps=2), EagleConfig()])
@@ -136,7 +128,7 @@ def test_gradients_reach_only_draft_parameters(tiny_target, cfg):
 
 
 def test_eagle3_checkpoint_uses_the_interchange_layout(tiny_target, tmp_path):
-    vocab = vocab_file(tmp_path, 96, keep=list(range(0, 96, 3)))
+    vocab = draft_vocab_file(tmp_path, range(0, 96, 3), 96)
     draft = build_drafter(Eagle3Config(draft_vocab=str(vocab)), tiny_target)
     draft.save_pretrained(tmp_path / "ckpt")
     names = set(load_file(str(tmp_path / "ckpt" / "model.safetensors")))
@@ -155,7 +147,7 @@ def test_eagle3_checkpoint_uses_the_interchange_layout(tiny_target, tmp_path):
 
 def test_eagle3_draft_vocab_restricts_logits_to_kept_ids(tiny_target, tmp_path):
     keep = list(range(5, 96, 4))
-    draft = build_drafter(Eagle3Config(draft_vocab=str(vocab_file(tmp_path, 96, keep))), tiny_target)
+    draft = build_drafter(Eagle3Config(draft_vocab=str(draft_vocab_file(tmp_path, keep, 96))), tiny_target)
     assert draft.draft_to_target.tolist() == keep
     h = torch.randn(1, 3, 32)
     _, logits = draft.step(h, torch.tensor([[1, 2, 3]]), torch.arange(3).unsqueeze(0), draft.new_caches())
@@ -284,7 +276,7 @@ def test_a_passthrough_fc_reproduces_the_last_tap(tiny_target):
 
 def test_an_lm_head_from_the_target_gives_the_targets_logits_on_the_draft_vocab(tiny_target, tmp_path):
     keep = list(range(3, 96, 2))
-    head = build_drafter(Eagle3Config(draft_vocab=str(vocab_file(tmp_path, 96, keep)), init_from_target=["lm_head"]),
+    head = build_drafter(Eagle3Config(draft_vocab=str(draft_vocab_file(tmp_path, keep, 96)), init_from_target=["lm_head"]),
                          tiny_target)
     hidden = torch.randn(2, 5, 32)
     model = tiny_target.model
@@ -320,7 +312,7 @@ def test_draft_vocabulary_logits_in_chunks_give_the_full_logits_loss(tiny_target
     from drafttrain.targets.outputs import TargetOutputs
 
     keep = list(range(3, 96, 3))
-    draft = build_drafter(Eagle3Config(ttt_steps=3, draft_vocab=str(vocab_file(tmp_path, 96, keep))), tiny_target)
+    draft = build_drafter(Eagle3Config(ttt_steps=3, draft_vocab=str(draft_vocab_file(tmp_path, keep, 96))), tiny_target)
     batch = batch_of(tiny_target, batch=2, seq=20, seed=4)
     needs = draft.needs()
     assert needs.logits_rows.tolist() == keep

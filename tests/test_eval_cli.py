@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from conftest import draft_vocab_file
+
 from drafttrain.commands import main
 from drafttrain.evaluation.report import REQUIRED_METRIC_KEYS
 
@@ -119,14 +121,9 @@ def test_bad_input_exits_2_naming_the_cause(tmp_path, capsys, args, cause):
 def test_a_draft_model_served_from_a_draft_vocabulary_stays_lossless(tmp_path, capsys, restore_threads):
     """The target as its own draft, drafting from half the vocabulary: still the target's greedy text, and the
     report records the vocabulary file it was served with."""
-    from safetensors.torch import save_file
-
-    from drafttrain.data.vocab import build_mapping
-
-    d2t, t2d = build_mapping(torch.arange(0, 49152, 2), 49152)
-    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
+    vocab = draft_vocab_file(tmp_path, range(0, 49152, 2), 49152)
     code = _eval(tmp_path, "--proposer", "draft_model", "--draft", "smollm2-135m-instruct", "--draft-vocab",
-                 str(tmp_path / "vocab.safetensors"), "--suite", "gsm8k", "--num-prompts", "1", "--turns", "1",
+                 str(vocab), "--suite", "gsm8k", "--num-prompts", "1", "--turns", "1",
                  "--max-new-tokens", "12", "--depth", "2", "--threads", "1", "--strict", "--hf-reference")
     assert code == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -134,7 +131,7 @@ def test_a_draft_model_served_from_a_draft_vocabulary_stays_lossless(tmp_path, c
     # HF assisted generation with the same draft: pinned to our draft length, and with HF's own defaults
     assert set(report["references"]) == {"hf_generate", "hf_assisted", "hf_assisted_default"}
     assert all(line["greedy_match_vs_baseline"] == 1.0 for line in report["references"].values())
-    assert report["config"]["proposer_kwargs"]["vocab"] == str(tmp_path / "vocab.safetensors")
+    assert report["config"]["proposer_kwargs"]["vocab"] == str(vocab)
 
 
 @pytest.mark.slow

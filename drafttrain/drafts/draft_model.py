@@ -159,16 +159,14 @@ class DistilledDrafter(Drafter):
             needs = dataclasses.replace(needs, logits_rows=self.loss_rows.to(self.target.device))
         return needs
 
-    def student_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The student's logits over the target's vocabulary, or over the loss rows alone (its lm_head's rows for
-        them on its last hidden state: the other rows are never computed)."""
+    def student_logits(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
+        """The student's logits over the target's vocabulary, or over ``rows`` alone (its lm_head's rows for them
+        on its last hidden state: the other rows are never computed)."""
         inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
-        rows = self.loss_rows
         if rows is None:
             return self.aligned(self.student(**inputs).logits)
         hidden = self.student.get_decoder()(**inputs).last_hidden_state  # build checked the lm_head is plain
-        weight = self.student.get_output_embeddings().weight
-        return torch.nn.functional.linear(hidden, weight[rows.to(weight.device)])
+        return torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])
 
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
         cfg, metrics, rows = self.config, {}, self.loss_rows
@@ -177,9 +175,9 @@ class DistilledDrafter(Drafter):
             started = time.perf_counter()
             batch = self.on_policy_batch(batch)
             metrics["on_policy_s"] = time.perf_counter() - started
-            with torch.no_grad():
-                outputs = run_target(self.target, batch, dataclasses.replace(self.needs(), logits_top_k=None))
-        logits = self.student_logits(batch)
+            with torch.no_grad():  # run_target computes the logits online (a teacher cache's top-k is not used)
+                outputs = run_target(self.target, batch, self.needs())
+        logits = self.student_logits(batch, rows)
         weight = shift_left(batch["loss_mask"].float(), 1)  # position t predicts token t+1
         labels = shift_left(batch["input_ids"], 1)
         if cfg.divergence == "sft":
@@ -209,8 +207,7 @@ class DistilledDrafter(Drafter):
         loss = losses.masked_mean(per, weight)
         with torch.no_grad():
             drafted = logits.argmax(-1)
-            correct, counted = top1_hits(drafted if rows is None else rows[drafted],
-                                         teacher_top1, weight)
+            correct, counted = top1_hits(drafted if rows is None else rows[drafted], teacher_top1, weight)
         metrics["loss_" + cfg.divergence] = float(loss.detach())
         return StepOutput(loss=loss, metrics=metrics, correct=[correct], counted=[counted])
 
@@ -276,12 +273,13 @@ class _OnlyRows:
     """A generate logits processor: tokens outside ``rows`` get -inf (the student drafts from its loss rows)."""
 
     def __init__(self, rows: torch.Tensor):
-        self.rows = rows
+        self.rows, self.outside = rows, None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        allowed = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
-        allowed[self.rows.to(scores.device)] = True
-        return scores.masked_fill(~allowed, float("-inf"))
+        if self.outside is None:  # once per generate: every step has the same vocabulary and device
+            self.outside = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            self.outside[self.rows.to(scores.device)] = False
+        return scores.masked_fill(self.outside, float("-inf"))
 
 
 def keep_learnable(per_token: torch.Tensor, weight: torch.Tensor, share: float) -> torch.Tensor:

@@ -1,13 +1,20 @@
 """Issue 14's benchmark: distilled draft models on SmolLM2-135M-Instruct at one data set and one wall-clock budget.
 
     python scripts/bench_distill.py [--minutes 4] [--threads 1] [--num-prompts 16] [--out runs/bench_distill]
+        [--arms sft fkl ...] [--set KEY=VALUE ...] [--set-students KEY=VALUE ...] [--side-by-side]
 
 Arms, each trained for the same budget on the data of recipes/smollm2_distill.yaml (the longer EAGLE-3 recipe's):
 the cut student before training, plain SFT on the target's answers, KD with each divergence (FKL, RKL, JSD, TVD)
 without and with on-policy data (λ = 0.5), an EAGLE-3 head (the quick recipe's kept levers), and two other student
 sizes. Then one ``drafttrain eval`` run per temperature (T=0 and T=0.7) measures every arm on the same MT-Bench
 first turns, against plain decoding and HF assisted generation with the FKL student (``--hf-reference``), each arm
-with its own depth chosen by ``@auto``. Results: OUT/bench.json and Markdown tables on stdout.
+with its own depth chosen by ``@auto``. After training, each arm's last checkpoint is also measured on the run's
+held-out rows: β = 1 - TVD (the acceptance speculative sampling pays for, no timing) and top-1 agreement with the
+target. Results: OUT/bench.json and Markdown tables on stdout.
+
+``--set`` overrides every arm's recipe (e.g. ``data.num_samples=600``), ``--set-students`` the draft-model arms'
+only (e.g. ``draft.loss_vocab=draft``); ``--side-by-side`` trains two arms at once (use with ``--threads 1`` on the
+2-core CPU: each pair then shares the same conditions).
 
 Answers the target regenerated for the longer EAGLE-3 run are reused when OUT/../smollm2_eagle3 holds them (the
 settings file must match, which prepare checks); otherwise the first prepare regenerates them (about an hour).
@@ -82,31 +89,75 @@ def last_train_metrics(folder: Path) -> dict:
     return merged
 
 
-def train_arms(args, env: dict, out: Path, results: dict) -> None:
+def held_out_measures(recipe: str, overrides: list[str], folder: Path) -> dict:
+    """β = 1 - TVD and top-1 agreement of the arm's draft on the run's held-out rows (what checkpoint evaluation
+    logs as val_beta and val_acc_0)."""
+    from drafttrain.config import load_recipe
+    from drafttrain.drafts import load_drafter
+    from drafttrain.evaluation.checkpoint_eval import held_out
+    from drafttrain.runfolder import RunFolder, open_dataset
+    from drafttrain.targets import load_target
+
+    config = load_recipe(recipe, overrides)
+    target = load_target(config.target.model, dtype=config.target.dtype, device=config.target.device)
+    drafter = load_drafter(draft_path(folder), target).eval()
+    accuracies, measures = held_out(drafter, target, open_dataset(RunFolder.of(folder).validation_split))
+    return {"held_out_beta": measures.get("beta"), "held_out_top1": accuracies[0] if accuracies else None}
+
+
+def arm_overrides(args, name: str, folder: Path) -> tuple[str, list[str]]:
+    recipe, overrides = ARMS[name]
+    students = args.set_students if recipe == RECIPE else []
+    return recipe, [f"output_dir={folder}", f"training.time_budget_minutes={args.minutes}", "training.epochs=50",
+                    "training.save_every=100000", "training.keep_last=1", "training.log_every=5",
+                    "eval.every_checkpoint=false", "wandb.mode=disabled", *args.set, *students, *overrides]
+
+
+def prepare_arm(args, env: dict, out: Path, name: str) -> list[str] | None:
+    """Prepare the arm's folder (answers from the answer store or an earlier run); its training command, or None
+    for the untrained arm, saved as cut."""
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
     answers = out.parent / "smollm2_eagle3"
-    for name, (recipe, overrides) in ARMS.items():
-        folder = out / name
-        if name in results.get("trained", {}):
-            continue
-        folder.mkdir(parents=True, exist_ok=True)
-        for answer_file in ("regenerated.jsonl", "regenerated.dropped.jsonl", "regenerated.settings.json"):
-            if (answers / answer_file).is_file() and not (folder / answer_file).exists():
-                shutil.copy(answers / answer_file, folder / answer_file)
-        common = [f"output_dir={folder}", f"training.time_budget_minutes={args.minutes}", "training.epochs=50",
-                  "training.save_every=100000", "training.keep_last=1", "training.log_every=5",
-                  "eval.every_checkpoint=false",
-                  "wandb.mode=disabled", *overrides]
-        run(["drafttrain", "prepare", recipe, *common, "--no-progress"], env)
-        if name == "before":
-            save_untrained(recipe, common, folder)
-            logged = {}
-        else:
-            run(["drafttrain", "train", recipe, *common], env)
-            logged = last_train_metrics(folder)
-        results.setdefault("trained", {})[name] = {
-            "overrides": overrides, "steps": logged.get("step"), "tokens_per_s": logged.get("tokens_per_s"),
-            "acceptance": logged.get("acceptance"), "on_policy_s": logged.get("on_policy_s")}
-        (out / "bench.json").write_text(json.dumps(results, indent=1))
+    for answer_file in ("regenerated.jsonl", "regenerated.dropped.jsonl", "regenerated.settings.json"):
+        if (answers / answer_file).is_file() and not (folder / answer_file).exists():
+            shutil.copy(answers / answer_file, folder / answer_file)
+    recipe, common = arm_overrides(args, name, folder)
+    run(["drafttrain", "prepare", recipe, *common, "--no-progress"], env)
+    if name == "before":
+        save_untrained(recipe, common, folder)
+        return None
+    return ["drafttrain", "train", recipe, *common]
+
+
+def record_arm(args, out: Path, name: str, results: dict) -> None:
+    folder = out / name
+    recipe, common = arm_overrides(args, name, folder)
+    logged = {} if name == "before" else last_train_metrics(folder)
+    results.setdefault("trained", {})[name] = {
+        "overrides": ARMS[name][1], "steps": logged.get("step"), "tokens_per_s": logged.get("tokens_per_s"),
+        "acceptance": logged.get("acceptance"), "on_policy_s": logged.get("on_policy_s"),
+        **held_out_measures(recipe, common, folder)}
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+
+
+def train_arms(args, env: dict, out: Path, results: dict) -> None:
+    todo = [name for name in args.arms if name not in results.get("trained", {})]
+    width = 2 if args.side_by_side else 1
+    while todo:
+        group, todo = todo[:width], todo[width:]
+        commands = {name: prepare_arm(args, env, out, name) for name in group}  # all prepared before any trains
+        jobs = {}
+        for name, command in commands.items():
+            if command is not None:
+                print("$", " ".join(command), flush=True)
+                jobs[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env,
+                                              stderr=(out / name / "train.stderr").open("w"))
+        for name, job in jobs.items():
+            if job.wait() != 0:
+                raise SystemExit(f"training {name} failed:\n{(out / name / 'train.stderr').read_text()[-3000:]}")
+        for name in group:
+            record_arm(args, out, name, results)
 
 
 def evaluate_arms(args, env: dict, out: Path, results: dict) -> None:
@@ -124,11 +175,13 @@ def evaluate_once(args, env: dict, out: Path, results: dict, depth: str, tempera
         if eval_dir.exists():
             shutil.rmtree(eval_dir)
         shape = "@auto" if depth == "auto" else ""
-        compare = [item for name in ARMS if name != MAIN for item in ("--compare", f"{draft_path(out / name)}{shape}")]
+        compare = [item for name in args.arms if name != MAIN
+                   for item in ("--compare", f"{draft_path(out / name)}{shape}")]
         run(["drafttrain", "eval", "--target", "smollm2-135m-instruct", "--draft", str(out / MAIN), "--depth", depth,
              "--suite", "mt_bench", "--num-prompts", str(args.num_prompts), "--turns", "1", "--max-new-tokens",
-             str(args.max_new_tokens), "--temperature", str(temperature), "--threads", str(args.threads),
-             "--hf-reference", *compare, "--out", str(eval_dir), "--no-progress"], env)
+             str(args.max_new_tokens), "--temperature", str(temperature), "--threads", str(args.eval_threads),
+             "--hf-reference", *compare, "--out", str(eval_dir), "--no-progress"],
+            {**env, "OMP_NUM_THREADS": str(args.eval_threads), "MKL_NUM_THREADS": str(args.eval_threads)})
         report = json.loads((eval_dir / "report.json").read_text())
         sides = {MAIN: {"tau": report["overall"]["tau"], "speedup": report["overall"]["speedup"],
                         "depth": report["config"]["depth"], "step_ms": report["overall"].get("step_ms")}}
@@ -148,14 +201,15 @@ def _f(value, digits=2, suffix="") -> str:
 def print_tables(results: dict, minutes: float) -> None:
     temperatures = list(results.get("eval", {}))
     head = " | ".join(f"τ {t} | speedup {t} | depth {t}" for t in temperatures)
-    print(f"\n| arm | steps in {minutes:g} min | β = 1−TVD (train) | {head} |")
-    print("|---|---|---|" + "---|" * (3 * len(temperatures)))
+    print(f"\n| arm | steps in {minutes:g} min | β (train) | β (held out) | top-1 (held out) | {head} |")
+    print("|---|---|---|---|---|" + "---|" * (3 * len(temperatures)))
     for name, trained in results.get("trained", {}).items():
         cells = []
         for t in temperatures:
             side = results["eval"][t]["sides"].get(name, {})
             cells += [_f(side.get("tau")), _f(side.get("speedup"), suffix="×"), str(side.get("depth", "—"))]
-        print(f"| {name} | {trained['steps'] or 0} | {_f(trained['acceptance'], 3)} | {' | '.join(cells)} |")
+        print(f"| {name} | {trained['steps'] or 0} | {_f(trained['acceptance'], 3)} | "
+              f"{_f(trained.get('held_out_beta'), 3)} | {_f(trained.get('held_out_top1'), 3)} | {' | '.join(cells)} |")
     for t in temperatures:
         print(f"\nreferences {t}: {json.dumps(results['eval'][t]['references'])}")
         print(f"method ({MAIN}) step split {t}: {results['eval'][t]['sides'][MAIN].get('step_ms')}")
@@ -165,12 +219,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=4.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every stage (1: steady on a shared CPU)")
+    parser.add_argument("--eval-threads", type=int, default=2, help="torch threads for the evaluation runs")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--depths", nargs="+", default=["auto", "2"], help="auto, or fixed chain depths")
     parser.add_argument("--out", default="runs/bench_distill")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--set", nargs="*", default=[], help="recipe overrides for every arm")
+    parser.add_argument("--set-students", nargs="*", default=[], help="recipe overrides for the draft-model arms")
+    parser.add_argument("--side-by-side", action="store_true", help="train two arms at once")
     args = parser.parse_args()
+    if MAIN not in args.arms:
+        parser.error(f"--arms must include {MAIN!r}: the eval's method side and HF assisted generation's pair")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "bench.json"

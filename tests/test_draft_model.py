@@ -84,6 +84,38 @@ def test_the_logged_acceptance_is_the_exact_acceptance_of_a_one_token_chain():
     assert exact < 0.95  # a real disagreement is measured
 
 
+def test_held_out_beta_adds_up_exactly_over_rows_and_is_measured_for_sft_too():
+    """β on held-out rows, as checkpoint evaluation logs it (val_beta): 1 - TVD(p, q) averaged over every trainable
+    token of every row; an SFT student, which trains on the data's tokens alone, is measured the same way."""
+    from drafttrain.evaluation.checkpoint_eval import held_out
+
+    target = tiny_target()
+    fkl = build_drafter(DraftModelConfig(cut="first:2"), target)
+    with torch.no_grad():
+        for p in fkl.student.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # a draft that disagrees
+    sft = build_drafter(DraftModelConfig(cut="first:2", divergence="sft"), target)
+    sft.student.load_state_dict(fkl.student.state_dict())
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(0, 64, (n,), generator=g).tolist(), "loss_mask": [0] * 3 + [1] * (n - 3)}
+            for n in (7, 12)]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row["input_ids"]])
+            p = torch.softmax(target.model(ids).logits[0], -1)
+            q = torch.softmax(fkl.student(ids).logits[0], -1)
+            for t in range(len(row["input_ids"]) - 1):
+                if row["loss_mask"][t + 1]:  # position t predicts token t+1
+                    total += 1 - 0.5 * float((p[t] - q[t]).abs().sum())
+                    count += 1
+    accuracies, measured = held_out(fkl, target, rows)
+    sft_accuracies, sft_measured = held_out(sft, target, rows)
+    assert measured["beta"] == pytest.approx(total / count, abs=1e-5) and total / count < 0.95
+    assert sft_measured["beta"] == pytest.approx(total / count, abs=1e-5)
+    assert sft_accuracies == pytest.approx(accuracies)  # top-1 against the target's choice on both
+
+
 def test_gradients_reach_only_the_student():
     target = tiny_target()
     drafter = build_drafter(DraftModelConfig(cut="first:2", divergence="jsd"), target)
@@ -239,6 +271,7 @@ def test_distillation_end_to_end_on_smollm2_with_a_teacher_cache_and_on_policy_b
     checkpoint = tmp_path / "run" / "checkpoints" / "step-000004"
     metrics = json.loads((checkpoint / "eval.json").read_text())
     assert metrics["greedy_match"] == 1.0 and metrics["tau"] >= 1.0
+    assert 0.0 < metrics["val_beta"] <= 1.0  # the held-out acceptance β, logged for every checkpoint
     assert AutoModelForCausalLM.from_pretrained(checkpoint).config.num_hidden_layers == 2
     # the run folder itself is a --draft for eval (its best checkpoint, loaded as a drafttrain draft)
     assert main(["eval", "--target", "smollm2-135m-instruct", "--draft", str(tmp_path / "run"), "--num-prompts", "1",

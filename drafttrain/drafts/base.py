@@ -56,6 +56,8 @@ class StepOutput:
     metrics: dict[str, float]  # loss parts, logged as they are (acc_k come from correct / counted)
     correct: list[float]
     counted: list[float]
+    # name -> (sum, weight) of a per-token measure, which held-out evaluation adds up over rows exactly (val_<name>)
+    measures: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def accuracies(self) -> list[float]:
@@ -140,6 +142,10 @@ class Drafter(nn.Module):
 
     def needs(self) -> TargetNeeds:
         return self.target_needs(self.config, self.target)
+
+    def held_out_needs(self) -> TargetNeeds:
+        """What held-out evaluation runs the target for: what training needs, unless a measure needs more."""
+        return self.needs()
 
     adapts_target = False  # True when loading the draft changed the target (adapters): see original_target()
 

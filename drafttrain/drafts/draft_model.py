@@ -154,7 +154,14 @@ class DistilledDrafter(Drafter):
         return self.serving_vocab if self.config.loss_vocab == "draft" else None
 
     def needs(self) -> TargetNeeds:
-        needs = super().needs()
+        return self._at_loss_rows(super().needs())
+
+    def held_out_needs(self) -> TargetNeeds:
+        """The target's logits even for SFT, so that β is measured on held-out rows whatever the divergence."""
+        needs = self.needs()
+        return needs if needs.logits else self._at_loss_rows(TargetNeeds(logits=True))
+
+    def _at_loss_rows(self, needs: TargetNeeds) -> TargetNeeds:
         if self.loss_rows is not None and needs.logits:  # the target's logits at those rows, its argmax over all
             needs = dataclasses.replace(needs, logits_rows=self.loss_rows.to(self.target.device))
         return needs
@@ -180,8 +187,12 @@ class DistilledDrafter(Drafter):
         logits = self.student_logits(batch, rows)
         weight = shift_left(batch["loss_mask"].float(), 1)  # position t predicts token t+1
         labels = shift_left(batch["input_ids"], 1)
+        teacher_top1 = teacher = None
+        if outputs.logits is not None and outputs.top_k is None:  # SFT is given them on held-out rows, for beta
+            teacher_top1, teacher = self._teacher(outputs, rows)
         if cfg.divergence == "sft":
-            teacher_top1, targets = labels, labels
+            targets = labels
+            teacher_top1 = labels if teacher_top1 is None else teacher_top1
             if rows is not None:  # tokens outside the rows are not trained
                 targets = target_to_draft(labels, self.vocab[1])
                 weight = weight * (targets >= 0)
@@ -191,17 +202,16 @@ class DistilledDrafter(Drafter):
                                       outputs.top_k.buckets, cfg.beta)
             teacher_top1 = outputs.top_k.ids[..., 0]
         else:
-            if rows is None:
-                teacher = outputs.logits.detach()
-                teacher_top1 = teacher.argmax(-1)
-            else:  # renormalised over the rows, where the target's own choice is one of them (as EAGLE-3)
-                teacher_top1, teacher = rows_and_argmax(outputs, rows)
+            if rows is not None:  # where the target's own choice is one of the rows (as EAGLE-3)
                 weight = weight * self.vocab[1].to(teacher_top1.device)[teacher_top1]
             per = losses.per_position(cfg.divergence, losses.log_probs(logits, cfg.temperature),
                                       losses.log_probs(teacher, cfg.temperature), cfg.beta)
-            with torch.no_grad():
-                metrics["acceptance"] = float(losses.masked_mean(
-                    1 - losses.per_position("tvd", losses.log_probs(logits), losses.log_probs(teacher)), weight))
+        measures = {}
+        if teacher is not None:
+            with torch.no_grad():  # what speculative sampling at T=1 accepts per token: beta = 1 - TVD(p, q)
+                beta = 1 - losses.per_position("tvd", losses.log_probs(logits), losses.log_probs(teacher))
+                measures["beta"] = (float((beta * weight).sum()), float(weight.sum()))
+                metrics["acceptance"] = measures["beta"][0] / max(measures["beta"][1], 1e-9)
         if cfg.token_filter > 0:
             weight = weight * keep_learnable(per.detach(), weight, cfg.token_filter)
         loss = losses.masked_mean(per, weight)
@@ -209,7 +219,15 @@ class DistilledDrafter(Drafter):
             drafted = logits.argmax(-1)
             correct, counted = top1_hits(drafted if rows is None else rows[drafted], teacher_top1, weight)
         metrics["loss_" + cfg.divergence] = float(loss.detach())
-        return StepOutput(loss=loss, metrics=metrics, correct=[correct], counted=[counted])
+        return StepOutput(loss=loss, metrics=metrics, correct=[correct], counted=[counted], measures=measures)
+
+    @staticmethod
+    def _teacher(outputs: TargetOutputs, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the target's top-1 over its whole vocabulary, its logits over the loss's vocabulary)."""
+        if rows is None:
+            teacher = outputs.logits.detach()
+            return teacher.argmax(-1), teacher
+        return rows_and_argmax(outputs, rows)
 
     def aligned(self, logits: torch.Tensor) -> torch.Tensor:
         """The student's logits over the target's vocabulary size (same tokenizer, differently padded heads)."""

@@ -97,16 +97,6 @@ class CheckpointEvaluator:
                         "chosen by it (set data.validation_fraction > 0)", recipe.output_dir)
 
     @torch.no_grad()
-    def held_out_accuracies(self, drafter) -> list[float]:
-        """Per draft position, the share of held-out trainable tokens where the draft's top-1 is the target's."""
-        needs, correct, counted = drafter.needs(), [], []
-        for row in range(len(self.validation)):
-            batch = pad_collate([{**self.validation[row], ROW_INDEX: row}])
-            out = drafter.training_step(batch, run_target(self.target, batch, needs))
-            correct, counted = add_positions(correct, out.correct), add_positions(counted, out.counted)
-        return [c / n if n else 0.0 for c, n in zip(correct, counted)]
-
-    @torch.no_grad()
     def target_drift(self, drafter) -> dict[str, float]:
         """How far a draft that adapts its target (Medusa-2) moved it from the original: perplexity on the
         held-out rows with and without the adapters, and how many held-out prompts get the same greedy answer."""
@@ -145,9 +135,10 @@ class CheckpointEvaluator:
         metrics: dict[str, float] = {}
         measured = CheckpointMetrics(metrics)
         if self.validation is not None and len(self.validation):
-            accs = self.held_out_accuracies(drafter)
+            accs, measures = held_out(drafter, self.target, self.validation)
             metrics["sim_tau"] = simulated_tau(accs)
             metrics.update({f"val_acc_{i}": a for i, a in enumerate(accs)})
+            metrics.update({f"val_{name}": value for name, value in measures.items()})
         if drafter.adapts_target:
             metrics.update(self.target_drift(drafter))
         if self.questions is not None:
@@ -156,8 +147,24 @@ class CheckpointEvaluator:
             paths = write_report(report, checkpoint / EVAL_DIR)
             measured.merge(dashboard_metrics(report, paths["plot"]))
         log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()
-                                                if not k.startswith(("val_", "acceptance_"))))
+                                                if not k.startswith(("val_acc_", "acceptance_"))))
         return measured
+
+
+@torch.no_grad()
+def held_out(drafter, target, rows) -> tuple[list[float], dict[str, float]]:
+    """On held-out ``rows`` (tokenised rows, a dataset): per draft position, the share of trainable tokens where the
+    draft's top-1 is the target's; and each per-token measure the kind reports (a draft model's β = 1 - TVD), over
+    all the rows' tokens."""
+    needs, correct, counted, sums = drafter.held_out_needs(), [], [], {}
+    for row in range(len(rows)):
+        batch = pad_collate([{**rows[row], ROW_INDEX: row}])
+        out = drafter.training_step(batch, run_target(target, batch, needs))
+        correct, counted = add_positions(correct, out.correct), add_positions(counted, out.counted)
+        for name, (total, weight) in out.measures.items():
+            sums[name] = [a + b for a, b in zip(sums.get(name, (0.0, 0.0)), (total, weight))]
+    accuracies = [c / n if n else 0.0 for c, n in zip(correct, counted)]
+    return accuracies, {name: total / weight for name, (total, weight) in sums.items() if weight}
 
 
 def dashboard_metrics(report: EvalReport, plot: Path | None = None) -> CheckpointMetrics:

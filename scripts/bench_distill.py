@@ -63,12 +63,13 @@ def run(command: list[str], env: dict) -> None:
 def save_untrained(recipe: str, overrides: list[str], folder: Path) -> None:
     """The cut student exactly as cut from the target, saved as a checkpoint the evaluator loads."""
     from drafttrain.config import load_recipe
-    from drafttrain.drafts import drafter_class
+    from drafttrain.drafts import build_drafter
+    from drafttrain.runfolder import RunFolder
     from drafttrain.targets import load_target
 
     config = load_recipe(recipe, overrides)
     target = load_target(config.target.model, dtype=config.target.dtype, device=config.target.device)
-    drafter = drafter_class(config.draft.kind).build(config.draft, target)
+    drafter = build_drafter(config.draft, target, RunFolder.of(folder))  # the run's draft vocabulary, as train
     drafter.save_pretrained(draft_path(folder), step=0)
 
 

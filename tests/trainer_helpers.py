@@ -175,6 +175,9 @@ def main() -> int:
     _report(trainer, trainer.train(resume=args.resume), output_dir / f"rank-{trainer.accelerator.process_index}.json")
     _probe(trainer, output_dir / f"rank-{trainer.accelerator.process_index}-probe.safetensors")
     if args.rewind_to is not None:
+        # every rank's probe file is complete before rank 0 copies the folder (safetensors writes through a
+        # hidden temporary file that vanishes under a copy that starts early)
+        trainer.accelerator.wait_for_everyone()
         rewound = output_dir.with_name(output_dir.name + "-resumed")
         if trainer.accelerator.is_main_process:
             _rewind_copy(output_dir, rewound, args.rewind_to)

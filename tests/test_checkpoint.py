@@ -101,6 +101,14 @@ def test_resume_refuses_a_different_data_layout(tmp_path):
         make_trainer(tmp_path, max_steps=4, batch_size=2).train(resume=True)
 
 
+def test_a_tie_for_best_goes_to_the_newer_checkpoint(tmp_path):
+    """Checkpoints that `--depth auto` serves as plain decoding all measure tau 1.0: the last trained is kept."""
+    tau_by_step = {2: 1.0, 4: 1.0, 6: 0.9}
+    trainer = make_trainer(tmp_path, max_steps=6, save_every=2, keep_last=1, best_metric="tau",
+                           callbacks=[lambda step, ckpt: {"tau": tau_by_step[step]}])
+    assert trainer.train().best_checkpoint == tmp_path / "checkpoints" / "step-000004"
+
+
 def test_a_run_folder_resolves_to_its_best_checkpoint_then_its_newest(tmp_path):
     from drafttrain.runfolder import find_draft
 

@@ -178,7 +178,9 @@ class CheckpointManager:
             return False
         value = float(metrics[self.best_metric])
         current = self.best()
-        if current is not None and current["metric"] == self.best_metric and not value > current["value"]:
+        # a tie goes to the newer checkpoint, trained longer: with `--depth auto` every checkpoint that is served
+        # as plain decoding measures tau 1.0, and the first of them is not the one to keep
+        if current is not None and current["metric"] == self.best_metric and value < current["value"]:
             return False
         record = {"checkpoint": checkpoint.name, "step": step, "metric": self.best_metric, "value": value}
         write_text_atomic(self.root / BEST, json.dumps(record, indent=2))

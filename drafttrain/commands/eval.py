@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true", help="exit 1 if greedy output differs from the baseline")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is far steadier on a busy shared CPU)")
+    parser.add_argument("--cpu-linear", choices=("packed", "default"), default=None,
+                        help="linear layers on a CPU: oneDNN with pre-packed weights (default; much cheaper for the "
+                             "few-token forwards of verification) or PyTorch's own kernel; every side of the run "
+                             "uses the same (env DRAFTTRAIN_CPU_LINEAR)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -131,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         calibration=calibration, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
         progress=not args.no_progress, proposer_kwargs=method_kwargs,
-        compare=[_load_compared(side, target) for side in args.compared],
+        compare=[_load_compared(side, target) for side in args.compared], cpu_linear=args.cpu_linear,
     )
     paths = write_report(report, args.out)
     print_report(report)

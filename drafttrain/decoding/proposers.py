@@ -63,6 +63,10 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None: ...
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The torch modules it runs (the evaluator packs their CPU linear layers, decoding.cpu_linear)."""
+        return [value for value in vars(self).values() if isinstance(value, torch.nn.Module)]
+
     def rank_accuracies(self, target, prompts: list[torch.Tensor], max_new_tokens: int,
                         stop_token_ids: set[int]) -> list[list[float]] | None:
         """``[depth][rank]``: how often its rank-r candidate at each depth is the target's token, for proposers

@@ -34,6 +34,7 @@ from drafttrain.evaluation import metrics
 from drafttrain.evaluation.suites import Question, Suite
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding import NoDraft, SpeculativeDecoder, StaticTree, build_proposer, plain_decode
+from drafttrain.decoding.cpu_linear import PackedLinears
 from drafttrain.drafts import Drafter
 from drafttrain.sampling import Sampling, check_sampling
 
@@ -112,6 +113,7 @@ def evaluate(
     proposer_kwargs: dict[str, Any] | None = None,
     warmup: bool = True,
     compare: Sequence[str | Compared] = (),
+    cpu_linear: str | None = None,
 ) -> EvalReport:
     """Run ``proposer`` (a registered name, or a proposer object) through :class:`SpeculativeDecoder` on every
     prompt, with ``plain_decode`` as the baseline, and return the metrics (see :mod:`metrics` for definitions).
@@ -125,97 +127,103 @@ def evaluate(
     ``depth="auto"`` (chains) chooses the depth and confidence threshold from this machine's measured costs and
     the draft's acceptance on the ``calibration`` questions (never the reported ones), up to ``max_depth``
     (drafttrain.decoding.autodepth); depth 0 means plain decoding. The choice is in ``report.config``.
+
+    ``cpu_linear``: on a CPU every side runs its linear layers through oneDNN with pre-packed weights ("packed",
+    the default) or PyTorch's own kernel ("default"); see drafttrain.decoding.cpu_linear.
     """
     auto = depth == "auto"
     _check_settings(max_depth if auto else depth, temperature, top_p, top_k, max_new_tokens)
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     suite_name, questions = _as_questions(prompts)
-    proposer_kwargs = dict(proposer_kwargs or {})
-    if isinstance(proposer, Drafter):  # a trained draft: its kind says which proposer serves it
-        proposer, proposer_kwargs = proposer.proposer, {**proposer_kwargs, "draft": proposer}
-    proposer_name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
-    proposer_obj = build_proposer(proposer, target, **proposer_kwargs) if isinstance(proposer, str) else proposer
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    proposer_obj, depth, tree, min_confidence, chosen = resolve_auto(
-        target, proposer_obj, depth, tree, min_confidence, max_depth, calibration, sampling, seed, max_new_tokens)
-    if (chosen.get("depth_auto") or {}).get("depth") == 0:
-        proposer_name = f"{proposer_name} (depth auto: plain decoding)"
-    if (chosen.get("tree_auto") or {}).get("plain_decoding"):
-        proposer_name = f"{proposer_name} (tree auto: plain decoding)"
-    decoder = SpeculativeDecoder(target, proposer_obj, depth=depth, tree=tree, min_confidence=min_confidence,
-                                 seed=seed, **sampling)
-    # The one stop rule (template end-of-turn + EOS), the same for every side, HF references included.
-    stop_ids = stop_token_ids(target.tokenizer, target.model.generation_config)
+    with PackedLinears(target.model, mode=cpu_linear) as kernels:
+        proposer_kwargs = dict(proposer_kwargs or {})
+        if isinstance(proposer, Drafter):  # a trained draft: its kind says which proposer serves it
+            proposer, proposer_kwargs = proposer.proposer, {**proposer_kwargs, "draft": proposer}
+        proposer_name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
+        proposer_obj = build_proposer(proposer, target, **proposer_kwargs) if isinstance(proposer, str) else proposer
+        kernels.add(*proposer_obj.modules())
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        proposer_obj, depth, tree, min_confidence, chosen = resolve_auto(
+            target, proposer_obj, depth, tree, min_confidence, max_depth, calibration, sampling, seed, max_new_tokens)
+        if (chosen.get("depth_auto") or {}).get("depth") == 0:
+            proposer_name = f"{proposer_name} (depth auto: plain decoding)"
+        if (chosen.get("tree_auto") or {}).get("plain_decoding"):
+            proposer_name = f"{proposer_name} (tree auto: plain decoding)"
+        decoder = SpeculativeDecoder(target, proposer_obj, depth=depth, tree=tree, min_confidence=min_confidence,
+                                     seed=seed, **sampling)
+        # The one stop rule (template end-of-turn + EOS), the same for every side, HF references included.
+        stop_ids = stop_token_ids(target.tokenizer, target.model.generation_config)
 
-    def speculative_fn(spec_decoder) -> Callable[[int], GenerateFn]:
-        def make(budget: int) -> GenerateFn:
+        def speculative_fn(spec_decoder) -> Callable[[int], GenerateFn]:
+            def make(budget: int) -> GenerateFn:
+                def run(ids: torch.Tensor):
+                    out = spec_decoder.generate(ids, budget, stop_token_ids=set(stop_ids))
+                    return list(out.tokens), out.stats
+                return run
+            return make
+
+        method_fn = speculative_fn(decoder)
+
+        def baseline_fn(budget: int) -> GenerateFn:
             def run(ids: torch.Tensor):
-                out = spec_decoder.generate(ids, budget, stop_token_ids=set(stop_ids))
+                out = plain_decode(target, ids, budget, seed=seed, stop_token_ids=set(stop_ids), **sampling)
                 return list(out.tokens), out.stats
             return run
-        return make
 
-    method_fn = speculative_fn(decoder)
+        draft = proposer_kwargs.get("draft")
+        sides: dict[str, Callable[[int], GenerateFn]] = {"method": method_fn}
+        if baseline:
+            sides["baseline"] = baseline_fn
+            if isinstance(draft, Drafter) and draft.adapts_target:
+                sides[ORIGINAL_TARGET] = _with_original_target(draft, baseline_fn)
+        if hf_reference:
+            sides.update(_hf_sides(target, proposer_obj, depth, stop_ids, **sampling))
+        compared_config = []
+        for item in compare:
+            other = item if isinstance(item, Compared) else Compared(item)
+            decoder_other, described = other.decoder(target, depth, tree, min_confidence, max_depth, calibration,
+                                                     sampling, seed, max_new_tokens, kernels)
+            if COMPARE_PREFIX + described["label"] in sides:  # one would silently replace the other
+                raise DrafttrainError(f"two compared sides are both labelled {described['label']!r}: give them labels")
+            sides[COMPARE_PREFIX + described["label"]] = speculative_fn(decoder_other)
+            compared_config.append(described)
 
-    def baseline_fn(budget: int) -> GenerateFn:
-        def run(ids: torch.Tensor):
-            out = plain_decode(target, ids, budget, seed=seed, stop_token_ids=set(stop_ids), **sampling)
-            return list(out.tokens), out.stats
-        return run
+        if warmup:
+            _warm_up(target.tokenizer, questions[0], sides, min(WARMUP_NEW_TOKENS, max_new_tokens), target.device)
 
-    draft = proposer_kwargs.get("draft")
-    sides: dict[str, Callable[[int], GenerateFn]] = {"method": method_fn}
-    if baseline:
-        sides["baseline"] = baseline_fn
-        if isinstance(draft, Drafter) and draft.adapts_target:
-            sides[ORIGINAL_TARGET] = _with_original_target(draft, baseline_fn)
-    if hf_reference:
-        sides.update(_hf_sides(target, proposer_obj, depth, stop_ids, **sampling))
-    compared_config = []
-    for item in compare:
-        other = item if isinstance(item, Compared) else Compared(item)
-        decoder_other, described = other.decoder(target, depth, tree, min_confidence, max_depth, calibration,
-                                                 sampling, seed, max_new_tokens)
-        if COMPARE_PREFIX + described["label"] in sides:  # one would silently replace the other
-            raise DrafttrainError(f"two compared sides are both labelled {described['label']!r}: give them labels")
-        sides[COMPARE_PREFIX + described["label"]] = speculative_fn(decoder_other)
-        compared_config.append(described)
+        records = []
+        extra_runs: dict[str, list[tuple[SideRun, SideRun | None]]] = {
+            name: [] for name in sides if name.startswith(("hf_", COMPARE_PREFIX, ORIGINAL_TARGET))}
+        for index, question in enumerate(_progress(questions, progress)):
+            runs = _run_question_interleaved(
+                target.tokenizer, question, sides, max_new_tokens, rotation=index, device=target.device
+            )
+            records.append(_prompt_record(question, runs, temperature))
+            for name in extra_runs:
+                extra_runs[name].append((runs[name], runs.get("baseline")))
 
-    if warmup:
-        _warm_up(target.tokenizer, questions[0], sides, min(WARMUP_NEW_TOKENS, max_new_tokens), target.device)
-
-    records = []
-    extra_runs: dict[str, list[tuple[SideRun, SideRun | None]]] = {
-        name: [] for name in sides if name.startswith(("hf_", COMPARE_PREFIX, ORIGINAL_TARGET))}
-    for index, question in enumerate(_progress(questions, progress)):
-        runs = _run_question_interleaved(
-            target.tokenizer, question, sides, max_new_tokens, rotation=index, device=target.device
+        overall = metrics.summarize(records, depth)
+        categories = {
+            name: metrics.summarize([r for r in records if r["category"] == name], depth)
+            for name in dict.fromkeys(r["category"] for r in records)  # first-seen order
+        }
+        config = _config(
+            target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
+            suite_name, questions, baseline, hf_reference, compared_config, started_at, stop_ids,
         )
-        records.append(_prompt_record(question, runs, temperature))
-        for name in extra_runs:
-            extra_runs[name].append((runs[name], runs.get("baseline")))
-
-    overall = metrics.summarize(records, depth)
-    categories = {
-        name: metrics.summarize([r for r in records if r["category"] == name], depth)
-        for name in dict.fromkeys(r["category"] for r in records)  # first-seen order
-    }
-    config = _config(
-        target, proposer_name, proposer_kwargs, depth, tree, temperature, top_p, top_k, max_new_tokens, seed,
-        suite_name, questions, baseline, hf_reference, compared_config, started_at, stop_ids,
-    )
-    config["draft"] = draft.identity() if isinstance(draft, Drafter) else None  # which weights were measured
-    config["min_confidence"] = min_confidence
-    config["depth_auto"] = chosen.get("depth_auto")
-    config["tree_auto"] = chosen.get("tree_auto")
-    references = {name: _reference_line(pairs, temperature) for name, pairs in extra_runs.items()
-                  if name.startswith("hf_")}
-    comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
-                   for name, pairs in extra_runs.items() if name.startswith(COMPARE_PREFIX)}
-    original = (_original_target_line(extra_runs[ORIGINAL_TARGET], records, temperature)
-                if ORIGINAL_TARGET in extra_runs else None)
-    return EvalReport(config=config, overall=overall, categories=categories, prompts=records, references=references,
-                      comparisons=comparisons, original_target=original)
+        config["draft"] = draft.identity() if isinstance(draft, Drafter) else None  # which weights were measured
+        config["min_confidence"] = min_confidence
+        config["depth_auto"] = chosen.get("depth_auto")
+        config["tree_auto"] = chosen.get("tree_auto")
+        config["cpu_linear"] = {"mode": kernels.mode, "packed_layers": kernels.count}
+        references = {name: _reference_line(pairs, temperature) for name, pairs in extra_runs.items()
+                      if name.startswith("hf_")}
+        comparisons = {name.removeprefix(COMPARE_PREFIX): _comparison_line(pairs, temperature)
+                       for name, pairs in extra_runs.items() if name.startswith(COMPARE_PREFIX)}
+        original = (_original_target_line(extra_runs[ORIGINAL_TARGET], records, temperature)
+                    if ORIGINAL_TARGET in extra_runs else None)
+        return EvalReport(config=config, overall=overall, categories=categories, prompts=records,
+                          references=references, comparisons=comparisons, original_target=original)
 
 
 @dataclasses.dataclass
@@ -229,7 +237,7 @@ class Compared:
     label: str | None = None
 
     def decoder(self, target, depth, tree, min_confidence, max_depth, calibration, sampling: dict, seed: int,
-                max_new_tokens: int) -> tuple[SpeculativeDecoder, dict[str, Any]]:
+                max_new_tokens: int, kernels: PackedLinears | None = None) -> tuple[SpeculativeDecoder, dict[str, Any]]:
         proposer, kwargs = self.proposer, {}
         if isinstance(proposer, Drafter):
             if proposer.adapts_target:
@@ -237,6 +245,8 @@ class Compared:
                                       "other drafts (it changes the target they are measured on): evaluate it alone")
             proposer, kwargs = proposer.proposer, {"draft": proposer}
         built = build_proposer(proposer, target, **kwargs) if isinstance(proposer, str) else proposer
+        if kernels is not None:
+            kernels.add(*built.modules())
         depth = depth if self.depth is None else self.depth
         tree = tree if self.tree is None else self.tree
         described = {"label": self.label or built.name, "proposer": built.name}

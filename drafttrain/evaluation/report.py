@@ -94,9 +94,14 @@ def _config_line(c: dict[str, Any]) -> str:
         f"target `{c['target']}` · proposer `{c['proposer']}` · depth {_depth_text(c)} · tree {tree} · "
         f"T={c['temperature']} top_p={c['top_p']} · suite `{c['suite']}` ({c['num_prompts']} prompts, "
         f"{c['num_turns']} turns) · max_new_tokens {c['max_new_tokens']} · seed {c['seed']} · "
-        f"{c['dtype']} on {c['device']}, {c['threads']} threads · torch {c['versions']['torch']}, "
+        f"{c['dtype']} on {c['device']}, {c['threads']} threads{_kernel_text(c)} · torch {c['versions']['torch']}, "
         f"transformers {c['versions']['transformers']}, drafttrain {c['versions']['drafttrain']}"
     )
+
+
+def _kernel_text(c: dict[str, Any]) -> str:
+    kernels = c.get("cpu_linear") or {}
+    return f", {kernels['packed_layers']} linear layers packed (oneDNN)" if kernels.get("packed_layers") else ""
 
 
 def _depth_text(c: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@
     python scripts/bench_verify_width.py [--target smollm2-135m-instruct] [--max-width 16] [--threads 2]
 
 Both CPU linear kernels are timed in the same process on the same prompt, alternating (PyTorch's own, then oneDNN
-with pre-packed weights, drafttrain.decoding.cpu_linear, what the evaluator uses by default), twice each.
+with pre-packed weights, drafttrain.cpu_linear, what the evaluator uses by default), twice each.
 
 The cost that decides speculative decoding on a CPU: one target forward of w tokens (w = depth + 1 for a chain,
 the node count for a tree) with the KV cache of a 120-token prompt, timed exactly as ``--depth auto`` times it
@@ -29,7 +29,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from drafttrain.decoding.autodepth import measure_costs
-    from drafttrain.decoding.cpu_linear import PackedLinears
+    from drafttrain.cpu_linear import PackedLinears
     from drafttrain.decoding.proposers import build_proposer
     from drafttrain.targets import load_target
 

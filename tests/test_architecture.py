@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
 LAYERS = ["foundation", "data", "targets", "drafts", "training", "decoding", "evaluation", "export", "commands", "main"]
-FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.runfolder", "drafttrain.sampling"}
+FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear"}
 
 
 def module_name(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""Linear layers with pre-packed oneDNN weights (drafttrain.decoding.cpu_linear): the same function as nn.Linear,
+"""Linear layers with pre-packed oneDNN weights (drafttrain.cpu_linear): the same function as nn.Linear,
 never stale, restored on exit, and lossless speculative decoding through them on the real target."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
-from drafttrain.decoding.cpu_linear import ENV_VAR, PackedLinears, packing_available
+from drafttrain.cpu_linear import ENV_VAR, PackedLinears, packing_available
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN (mkldnn)")
 

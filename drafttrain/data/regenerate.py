@@ -52,6 +52,7 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.config import RegenerateConfig
+from drafttrain.cpu_linear import PackedLinears
 from drafttrain.data.chat import (
     chat_template_text,
     prompt_ids,
@@ -408,12 +409,13 @@ class HFGenerator:
         processors = LogitsProcessorList()
         if self.settings.temperature > 0:
             processors.append(SeededGumbelSampling(seeds, self.settings.temperature, self.settings.top_p))
-        output = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=self.generation_config,
-            logits_processor=processors,
-        )
+        with PackedLinears(self.model):  # on a CPU, oneDNN's packed kernels: faster at every batch width here
+            output = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self.generation_config,
+                logits_processor=processors,
+            )
         return [self._decode(seq) for seq in output[:, width:].tolist()]
 
     def _decode(self, new_tokens: list[int]) -> Generation:

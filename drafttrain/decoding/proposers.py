@@ -64,7 +64,7 @@ class Proposer(abc.ABC):
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None: ...
 
     def modules(self) -> list[torch.nn.Module]:
-        """The torch modules it runs (the evaluator packs their CPU linear layers, decoding.cpu_linear)."""
+        """The torch modules it runs (the evaluator packs their CPU linear layers, drafttrain.cpu_linear)."""
         return [value for value in vars(self).values() if isinstance(value, torch.nn.Module)]
 
     def rank_accuracies(self, target, prompts: list[torch.Tensor], max_new_tokens: int,

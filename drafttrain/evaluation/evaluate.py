@@ -34,7 +34,7 @@ from drafttrain.evaluation import metrics
 from drafttrain.evaluation.suites import Question, Suite
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding import NoDraft, SpeculativeDecoder, StaticTree, build_proposer, plain_decode
-from drafttrain.decoding.cpu_linear import PackedLinears
+from drafttrain.cpu_linear import PackedLinears
 from drafttrain.drafts import Drafter
 from drafttrain.sampling import Sampling, check_sampling
 
@@ -129,7 +129,7 @@ def evaluate(
     (drafttrain.decoding.autodepth); depth 0 means plain decoding. The choice is in ``report.config``.
 
     ``cpu_linear``: on a CPU every side runs its linear layers through oneDNN with pre-packed weights ("packed",
-    the default) or PyTorch's own kernel ("default"); see drafttrain.decoding.cpu_linear.
+    the default) or PyTorch's own kernel ("default"); see drafttrain.cpu_linear.
     """
     auto = depth == "auto"
     _check_settings(max_depth if auto else depth, temperature, top_p, top_k, max_new_tokens)

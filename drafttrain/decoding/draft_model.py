@@ -48,7 +48,7 @@ class DraftModelProposer(TreeDrafter):
         self.vocab_size = target.vocab_size
         self.rows, self.head = self._draft_vocab_head(vocab)
 
-    def _draft_vocab_head(self, vocab) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _draft_vocab_head(self, vocab) -> tuple[torch.Tensor | None, torch.nn.Linear | None]:
         if vocab is None or vocab is False:
             return None, None
         if isinstance(vocab, (str, Path)):
@@ -56,8 +56,11 @@ class DraftModelProposer(TreeDrafter):
 
             vocab = draft_ids(read_vocab_mapping(vocab, self.vocab_size)[0])
         rows = torch.as_tensor(vocab, dtype=torch.long, device=self.model.device)
-        lm_head = plain_lm_head(self.model, rows)
-        return rows, lm_head.weight.detach()[rows].contiguous()
+        weight = plain_lm_head(self.model, rows).weight.detach()[rows].contiguous()
+        # a module, not a bare matrix, so that the evaluator's CPU kernel packing reaches it (drafttrain.cpu_linear)
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        head.weight = torch.nn.Parameter(weight, requires_grad=False)
+        return rows, head
 
     def prefill(self, input_ids, hidden, next_token) -> None:
         from transformers import DynamicCache

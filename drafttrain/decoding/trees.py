@@ -307,7 +307,7 @@ def forward(
     position_ids: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
     logits_to_keep: int = 0,
-    head: torch.Tensor | None = None,
+    head: torch.nn.Linear | None = None,
 ) -> torch.Tensor:
     """The one forward path (prefill, plain decoding, verification, draft models): append ``input_ids`` [B, n]
     to ``cache`` and return logits [B, n or logits_to_keep, V].
@@ -315,7 +315,7 @@ def forward(
     ``allowed`` None means plain causal attention (transformers builds the mask). Otherwise ``allowed`` [n, m]
     says which of the last m keys (earlier tree nodes still in the cache, then these n tokens) each new token
     may see; everything before them in the cache is visible to all. Pass ``position_ids`` with it (depths).
-    ``head`` [V', H]: logits over these output rows only (a draft vocabulary), from the decoder's last hidden
+    ``head`` (H -> V'): logits over these output rows only (a draft vocabulary), from the decoder's last hidden
     state, instead of the model's own full-vocabulary lm_head.
     """
     mask = None
@@ -327,7 +327,7 @@ def forward(
     if head is None:
         return model(**inputs, logits_to_keep=logits_to_keep).logits
     hidden = model.get_decoder()(**inputs).last_hidden_state
-    return torch.nn.functional.linear(hidden[:, -logits_to_keep:], head)  # 0 keeps all, as in HF
+    return head(hidden[:, -logits_to_keep:])  # 0 keeps all, as in HF
 
 
 def compact_cache(cache, start: int, keep: list[int]) -> None:

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import functools
 import os
+
 import torch
+
+from drafttrain import DrafttrainError
 
 ENV_VAR = "DRAFTTRAIN_CPU_LINEAR"  # "packed" (default) or "default": PyTorch's own kernel, for comparisons
 MODES = ("packed", "default")
@@ -32,7 +35,7 @@ def cpu_linear_mode(requested: str | None = None) -> str:
     """The kernel choice: the argument, else $DRAFTTRAIN_CPU_LINEAR, else "packed"."""
     mode = requested or os.environ.get(ENV_VAR) or "packed"
     if mode not in MODES:
-        raise ValueError(f"cpu linear kernel {mode!r}: expected one of {', '.join(MODES)} (from {ENV_VAR} or the "
+        raise DrafttrainError(f"cpu linear kernel {mode!r}: expected one of {', '.join(MODES)} (from {ENV_VAR} or the "
                          "command line)")
     return mode
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from drafttrain import DrafttrainError
 from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
 from drafttrain.cpu_linear import ENV_VAR, PackedLinears, packing_available
 
@@ -92,7 +93,7 @@ def test_the_default_kernel_packs_nothing_and_a_bad_choice_is_named(monkeypatch)
     with PackedLinears(net, mode="default") as kernels:
         assert kernels.count == 0 and not any("forward" in vars(layer) for layer in net)
     monkeypatch.setenv(ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=ENV_VAR):
+    with pytest.raises(DrafttrainError, match=ENV_VAR):
         PackedLinears(net)
 
 

@@ -144,8 +144,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
+    from drafttrain.cpu_linear import cpu_linear_mode
     from drafttrain.sampling import check_sampling
 
+    cpu_linear_mode(args.cpu_linear)  # a bad DRAFTTRAIN_CPU_LINEAR fails here, before the target loads
     check_sampling(args.temperature, args.top_p)
     if args.depth != "auto" and args.depth <= 0:
         raise DrafttrainError(f"--depth (k) must be positive, got {args.depth}")

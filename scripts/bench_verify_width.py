@@ -28,8 +28,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from drafttrain.decoding.autodepth import measure_costs
     from drafttrain.cpu_linear import PackedLinears
+    from drafttrain.decoding.autodepth import measure_costs
     from drafttrain.decoding.proposers import build_proposer
     from drafttrain.targets import load_target
 

@@ -30,11 +30,11 @@ import torch
 
 import drafttrain
 from drafttrain import DrafttrainError
+from drafttrain.cpu_linear import PackedLinears
 from drafttrain.evaluation import metrics
 from drafttrain.evaluation.suites import Question, Suite
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding import NoDraft, SpeculativeDecoder, StaticTree, build_proposer, plain_decode
-from drafttrain.cpu_linear import PackedLinears
 from drafttrain.drafts import Drafter
 from drafttrain.sampling import Sampling, check_sampling
 

@@ -7,13 +7,16 @@ dotted path of the offending field. ``key.sub=value`` overrides from the CLI are
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from drafttrain import DrafttrainError
+from drafttrain.sampling import check_sampling
 
 
 class Section(BaseModel):
@@ -70,6 +73,15 @@ class RegenerateConfig(Section):
     keep_original_on_empty: bool = False
     # Reuse answers the same target gave with the same settings in earlier runs (the answer store in the cache).
     reuse_answers: bool = True
+
+    @model_validator(mode="after")
+    def _server_named(self) -> "RegenerateConfig":
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("base_url is required when backend is 'openai' (the server, e.g. "
+                             "http://localhost:8000/v1)")
+        if self.base_url is not None and not re.match(r"https?://[^/\s]+", self.base_url):
+            raise ValueError(f"base_url {self.base_url!r} is not an http(s) URL")
+        return self
 
 
 class DraftVocabConfig(Section):
@@ -217,10 +229,17 @@ class DraftModelConfig(DraftConfig):
         return self
 
 
-# The draft section is one of the kinds' sections, chosen by its ``kind`` (a new kind adds its class here).
-DRAFT_SECTIONS = (Eagle3Config, EagleConfig, MedusaConfig, DraftModelConfig)
-DRAFT_KINDS = tuple(section.model_fields["kind"].default for section in DRAFT_SECTIONS)
-DraftSection = Annotated[Union[DRAFT_SECTIONS], Field(discriminator="kind")]
+# The draft section is one of the kinds' sections, chosen by its ``kind``: the built-in kinds' here, and any other
+# kind's added when drafttrain.drafts.registry.register_kind registers it (tests tie these to the registry).
+DRAFT_SECTIONS: list[type[DraftConfig]] = [Eagle3Config, EagleConfig, MedusaConfig, DraftModelConfig]
+DRAFT_KINDS: list[str] = [section.model_fields["kind"].default for section in DRAFT_SECTIONS]
+
+
+def _draft_section() -> Any:
+    return Annotated[Union[tuple(DRAFT_SECTIONS)], Field(discriminator="kind")]
+
+
+DraftSection = _draft_section()
 
 
 class TrainingConfig(Section):
@@ -252,18 +271,115 @@ class TrainingConfig(Section):
     num_workers: int = Field(0, ge=0)
 
 
-class EvalConfig(Section):
-    suite: str = "mt_bench"
-    num_prompts: int = Field(8, gt=0)
-    max_new_tokens: int = Field(64, gt=0)
-    temperature: float = Field(0.0, ge=0)
+SETTING_ERROR = "setting"  # pydantic error type whose message continues the setting's name ("--depth (k) must ...")
+
+
+def _setting_error(message: str) -> PydanticCustomError:
+    return PydanticCustomError(SETTING_ERROR, message)
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _setting_error(f"must be positive, got {value!r}")
+    return value
+
+
+class DecodeSettings(Section):
+    """How speculative decoding runs, built and validated once: from a recipe's eval section or from the flags of
+    ``drafttrain eval`` (which fill this schema), or with :meth:`of` by a library caller. The engine, the auto
+    choice and ``evaluate()`` take it as it is."""
+
+    # inf / nan reach check_sampling, whose message names the rule; tree shapes from library callers are objects
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True,
+                              allow_inf_nan=True)
+
     # chain length / tree depth; "auto" chooses the chain depth and a confidence threshold from this machine's
     # measured costs and the draft's acceptance on held-out prompts (drafttrain.decoding.autodepth)
-    depth: Annotated[int, Field(gt=0)] | Literal["auto"] = 5
-    max_depth: int = Field(8, gt=0)  # the deepest chain "auto" considers
-    min_confidence: float = Field(0.0, ge=0, lt=1)  # stop a chain once the draft is this unsure (0: never)
-    # chain | dynamic (EAGLE-2) | a named static tree (medusa-16, ...) | a .json file of paths (Medusa's format)
-    tree: str = "chain"
+    depth: int | Literal["auto"] = 5
+    max_depth: int = 8  # the deepest chain "auto" considers
+    min_confidence: float = 0.0  # stop a chain once the draft is this unsure (0: never)
+    # chain | dynamic (EAGLE-2) | auto | a named static tree (medusa-16, ...) | a .json file of paths | static:PATHS;
+    # library callers may also give a list of paths or a shape object (drafttrain.decoding.trees)
+    tree: Any = "chain"
+    total_tokens: int = 60  # dynamic tree: nodes verified per step
+    tree_top_k: int = 10  # dynamic tree: children expanded per node
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # sampling's top-k (0: off)
+    seed: int = 0
+    max_new_tokens: int = 64  # per turn
+
+    @field_validator("depth", mode="before")
+    @classmethod
+    def _depth(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise _setting_error(f"(k) must be positive, or 'auto'; got {value!r}")
+        return value
+
+    _positive = field_validator("max_depth", "total_tokens", "tree_top_k", "max_new_tokens", mode="before")(
+        classmethod(lambda cls, value: _positive_int(value)))
+
+    @field_validator("min_confidence")
+    @classmethod
+    def _confidence(cls, value: float) -> float:
+        if not 0 <= value < 1:
+            raise _setting_error(f"must be in [0, 1), got {value!r}")
+        return value
+
+    @field_validator("tree")
+    @classmethod
+    def _tree(cls, value: Any) -> Any:
+        if not isinstance(value, (str, list, tuple)) and not hasattr(value, "depth"):
+            raise _setting_error(f"must be a tree spec (chain, dynamic, auto, medusa-16, ...), a list of paths or a "
+                                 f"tree shape, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "DecodeSettings":
+        try:
+            check_sampling(self.temperature, self.top_p, self.top_k)
+        except DrafttrainError as err:
+            raise _setting_error(str(err)) from None
+        if self.depth == "auto" and self.tree != "chain":
+            raise _setting_error("depth auto chooses chain depths: use tree chain (the default), or give a depth")
+        return self
+
+    @property
+    def deepest(self) -> int:
+        """The deepest chain these settings may draft: the depth, or under "auto" the deepest it considers."""
+        return self.max_depth if self.depth == "auto" else self.depth
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+    @classmethod
+    def of(cls, settings: "DecodeSettings | None" = None, /, **changes: Any) -> "DecodeSettings":
+        """``settings`` (or the defaults) with ``changes``, validated; a bad value is a DrafttrainError naming it."""
+        values = {name: getattr(settings, name) for name in cls.model_fields} if settings is not None else {}
+        try:
+            return cls.model_validate({**values, **changes})
+        except ValidationError as err:
+            raise DrafttrainError(describe_errors(err, lambda loc: ".".join(map(str, loc)))) from None
+
+    def decode_settings(self) -> "DecodeSettings":
+        """Only the decode settings (a subclass's other fields left out)."""
+        return DecodeSettings.of(self)
+
+
+class EvalConfig(DecodeSettings):
+    """The recipe's eval section: the prompts, and how to decode them."""
+
+    suite: str = "mt_bench"
+    num_prompts: int | None = 8  # None: every question of the suite
+
+    @field_validator("num_prompts", mode="before")
+    @classmethod
+    def _num_prompts(cls, value: Any) -> Any:
+        return None if value is None else _positive_int(value)
+
     every_checkpoint: bool = True
 
 
@@ -315,6 +431,20 @@ class Recipe(Section):
         return self.regenerate.enabled and source.regenerate is not False
 
 
+def register_draft_section(section: type[DraftConfig]) -> None:
+    """Make ``section`` (a kind's ``config_class``) a recipe's possible draft section; a kind name taken by another
+    section is refused."""
+    if section in DRAFT_SECTIONS:
+        return
+    kind = section.model_fields["kind"].default
+    if kind in DRAFT_KINDS:
+        raise DrafttrainError(f"draft kind {kind!r} already has a recipe section")
+    DRAFT_SECTIONS.append(section)
+    DRAFT_KINDS.append(kind)
+    Recipe.model_fields["draft"].annotation = _draft_section() | None
+    Recipe.model_rebuild(force=True)
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides; the value is parsed as YAML (so 3, true, [1,2] keep their types)."""
     for item in overrides:
@@ -332,18 +462,30 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid recipe {source}:"]
+def describe_errors(err: ValidationError, name_of: Callable[[tuple], str]) -> str:
+    """One line per error, the field named as its caller knows it (``name_of(loc)``: a recipe's dotted path, a
+    CLI flag); a setting's own message continues that name ("--depth (k) must be positive")."""
+    lines = []
     for e in err.errors():
         loc = list(e["loc"])
         if loc[:1] == ["draft"] and len(loc) > 1 and loc[1] in DRAFT_KINDS:
             del loc[1]  # pydantic names the union member (the kind) in the path; the recipe has no such key
-        where = ".".join(str(p) for p in loc) or "(top level)"
+        where = name_of(tuple(loc))
         msg = "unknown key (not in the schema)" if e["type"] == "extra_forbidden" else e["msg"]
         if e["type"] in ("union_tag_invalid", "union_tag_not_found"):
             msg = f"draft.kind must be one of {', '.join(DRAFT_KINDS)}"
-        lines.append(f"  {where}: {msg}")
+        if e["type"] == SETTING_ERROR and msg.startswith(("(", "must ")):
+            lines.append(f"{where} {msg}")
+        elif e["type"] == SETTING_ERROR and not where:  # a rule across settings says what it is about
+            lines.append(msg)
+        else:
+            lines.append(f"{where or '(top level)'}: {msg}")
     return "\n".join(lines)
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = describe_errors(err, lambda loc: ".".join(str(p) for p in loc)).splitlines()
+    return "\n".join([f"invalid recipe {source}:", *(f"  {line}" for line in lines)])
 
 
 def parse_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
@@ -366,6 +508,3 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     raw = apply_overrides(raw, overrides or [])
     return parse_recipe(raw, str(path))
 
-
-def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -32,10 +32,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from drafttrain import DrafttrainError
 
@@ -162,8 +163,6 @@ def best_checkpoint_record(root: Path) -> dict | None:
         record = read_json(path)
         return record if (root / record["checkpoint"]).is_dir() else None
     except (DrafttrainError, KeyError, TypeError) as err:
-        import logging
-
         logging.getLogger(__name__).warning("ignoring %s: %s", path, err)
         return None
 
@@ -264,7 +263,7 @@ def read_json(path: str | Path) -> Any:
 
 def read_safetensors(path: str | Path) -> tuple[dict, dict[str, str]]:
     """(tensors, metadata) of a safetensors file."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # the foundation stays light: every module imports it
 
     path = Path(path)
     if not path.is_file():
@@ -278,7 +277,7 @@ def read_safetensors(path: str | Path) -> tuple[dict, dict[str, str]]:
 
 def open_dataset(path: str | Path):
     """A tokenised split saved with ``datasets.save_to_disk``."""
-    import datasets
+    import datasets  # the foundation stays light: every module imports it
 
     path = Path(path)
     if not path.is_dir():
@@ -335,3 +334,45 @@ def verify_manifest(folder: Path) -> dict[str, Any]:
             raise damaged(path, "does not match its checksum in manifest.json: it was changed or damaged after it "
                                 "was written")
     return built_from
+
+
+@dataclasses.dataclass(frozen=True)
+class DataManifest:
+    """What ``prepare`` made (``data/manifest.json``): the splits' content fingerprints, the held-out prompts'
+    sha256, and the tokenizer and target that made them. ``prepare`` writes it; ``train`` checks the run folder
+    against it before any work, so a split changed by hand, left from other data or tokenised with another
+    tokenizer is refused, naming the file."""
+
+    train: str
+    validation: str | None
+    validation_prompts: str | None
+    tokenizer: str | None
+    target: str
+    NOT_RECORDED: ClassVar[str] = "not recorded"  # manifests older than the prompts' fingerprint
+
+    def write(self, run: RunFolder) -> None:
+        write_text_atomic(run.data_manifest, json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def read(cls, run: RunFolder) -> "DataManifest":
+        raw = read_json(run.data_manifest)
+        if not isinstance(raw, dict) or not isinstance(raw.get("train"), str):
+            raise damaged(run.data_manifest, "does not hold the train split's fingerprint")
+        # what a manifest does not record is absent: no validation split, no tokenizer, prompts not recorded
+        return cls(train=raw["train"], validation=raw.get("validation"), tokenizer=raw.get("tokenizer"),
+                   validation_prompts=raw.get("validation_prompts", cls.NOT_RECORDED), target=raw.get("target", ""))
+
+    def check(self, current: "DataManifest", run: RunFolder) -> None:
+        """Refuse ``current`` (what the run folder holds now) where it is not what this manifest recorded."""
+        if current.train != self.train:
+            raise damaged(run.train_split, f"does not hash to the fingerprint prepare recorded in {run.data_manifest}"
+                                           " (it was changed after prepare wrote it)")
+        if current.tokenizer is not None and current.tokenizer != self.tokenizer:
+            raise DrafttrainError(f"{run.train_split} was tokenised with another tokenizer than the target's "
+                                  f"({current.target}): rerun `drafttrain prepare` with this recipe")
+        if current.validation != self.validation:
+            raise damaged(run.validation_split, f"is not the validation split prepare recorded in "
+                                                f"{run.data_manifest} (changed, added or left from another prepare)")
+        if self.validation_prompts != self.NOT_RECORDED and current.validation_prompts != self.validation_prompts:
+            raise damaged(run.validation_prompts, f"is not the file prepare recorded in {run.data_manifest}")
+

@@ -1,117 +1,73 @@
 """The package's layers: data -> targets -> drafts -> training -> decoding -> evaluation -> export -> commands,
-on a foundation of shared rules (config, runfolder, sampling). A module may import its own layer and the layers
-below it, never one above, and no imports may go in a circle. Every import counts: module level, inside
-functions, and module names given to importlib as strings."""
+on a foundation of shared rules (config, runfolder, sampling, cpu_linear). A module may import its own layer and
+the layers below it, never one above, and no imports may go in a circle. Every import counts: module level,
+inside functions, and module names given to importlib as strings. The checks are scripts/check_structure.py's
+(a developer runs the same scan by hand)."""
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import itertools
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
-LAYERS = ["foundation", "data", "targets", "drafts", "training", "decoding", "evaluation", "export", "commands", "main"]
-FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear"}
+from drafttrain.config import DRAFT_SECTIONS, DraftConfig
+from drafttrain.drafts.registry import KINDS
 
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def layer_of(module: str) -> str:
-    if module in FOUNDATION:
-        return "foundation"
-    if module == "drafttrain.__main__":
-        return "main"
-    part = module.split(".")[1]
-    if part not in LAYERS:
-        raise AssertionError(f"{module} is in no layer: add its folder to LAYERS (or it to FOUNDATION)")
-    return part
-
-
-def resolve(name: str) -> str | None:
-    """The drafttrain module an imported name means (a submodule when it is one), or None for others."""
-    while name and name not in MODULES:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-def imports_of(module: str) -> set[str]:
-    tree = ast.parse(MODULES[module].read_text())
-    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            for alias in node.names:  # `from pkg import submodule` imports the submodule; a name comes from pkg
-                submodule = f"{base}.{alias.name}"
-                found.add(submodule if submodule in MODULES else base)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("drafttrain."):
-            found.add(node.value)  # importlib.import_module("drafttrain.x.y") and registries of module names
-    resolved = {resolve(name) for name in found if name.split(".")[0] == "drafttrain"}
-    return {m for m in resolved if m and m != module}
-
-
-GRAPH = {module: imports_of(module) for module in MODULES}
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_structure.py"
+_spec = importlib.util.spec_from_file_location("check_structure", SCRIPT)
+structure = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(structure)
 
 
 def test_every_module_belongs_to_a_layer():
-    for module in MODULES:
-        layer_of(module)
+    for module in structure.MODULES:
+        structure.layer_of(module)
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+@pytest.mark.parametrize("module", sorted(structure.MODULES))
 def test_no_module_imports_a_layer_above_its_own(module):
-    mine = LAYERS.index(layer_of(module))
-    upward = sorted(m for m in GRAPH[module] if LAYERS.index(layer_of(m)) > mine)
-    assert not upward, f"{module} ({layer_of(module)}) imports from layers above it: {upward}"
+    mine = structure.LAYERS.index(structure.layer_of(module))
+    upward = sorted(m for m in structure.GRAPH[module] if structure.LAYERS.index(structure.layer_of(m)) > mine)
+    assert not upward, f"{module} ({structure.layer_of(module)}) imports from layers above it: {upward}"
 
 
 def test_no_imports_go_in_a_circle():
-    def cycle_from(start: str) -> list[str] | None:
-        stack, seen = [(start, [start])], set()
-        while stack:
-            node, path = stack.pop()
-            for nxt in GRAPH[node]:
-                if nxt == start:
-                    return path + [start]
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append((nxt, path + [nxt]))
-        return None
-
-    circles = [cycle_from(m) for m in sorted(MODULES)]
-    assert not any(circles), " -> ".join(next(c for c in circles if c))
+    circles = structure.import_circles()
+    assert not circles, " -> ".join(circles[0])
 
 
-def test_the_checker_sees_what_it_must(tmp_path):
-    """Guard: the parser finds lazy imports, relative imports, `from pkg import submodule` and importlib strings."""
-    assert "drafttrain.drafts.losses" in GRAPH["drafttrain.drafts.eagle3"]  # from drafttrain.drafts import losses
-    assert "drafttrain.commands.prepare" in GRAPH["drafttrain.commands"]  # a module name in a string
-    assert "drafttrain.evaluation.checkpoint_eval" in GRAPH["drafttrain.commands.train"]  # inside a function
-    assert list(itertools.islice(GRAPH, 1))  # not empty
+def test_the_checker_sees_what_it_must():
+    """Guard: the parser finds lazy imports, relative imports, `from pkg import submodule` and importlib strings;
+    the kind scan finds a kind named by string and by class; the function scan measures lengths."""
+    graph = structure.GRAPH
+    assert "drafttrain.drafts.losses" in graph["drafttrain.drafts.eagle3"]  # from drafttrain.drafts import losses
+    assert "drafttrain.commands.prepare" in graph["drafttrain.commands"]  # a module name in a string
+    assert list(itertools.islice(graph, 1))  # not empty
+    names = structure.kind_names()
+    assert set(names) == set(KINDS) and all(cls.__name__ in names[k] for k, cls in KINDS.items())
+    lengths = {(m, name): n for m, name, n in structure.functions()}
+    assert lengths[("drafttrain.evaluation.evaluate", "evaluate")] > 10
 
 
-def test_the_trainer_prepare_and_evaluators_never_name_a_draft_kind():
-    """A kind is its registry entry: the shared stages ask the drafter, never test for a kind by name."""
-    kinds = ("eagle", "medusa", "draft_model")
-    shared = ["drafttrain/training/trainer.py", "drafttrain/commands/prepare.py", "drafttrain/commands/train.py",
-              "drafttrain/evaluation/checkpoint_eval.py", "drafttrain/evaluation/evaluate.py"]
-    for path in shared:
-        code = "\n".join(line for line in (PACKAGE.parent / path).read_text().splitlines()
-                         if not line.strip().startswith("#"))
-        tree = ast.parse(code)
-        strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-        compared = [s for s in strings if s in kinds or s in ("eagle3",)]
-        assert not compared, f"{path} names draft kinds {compared}"
+def test_no_function_is_over_80_lines_and_evaluate_over_60():
+    assert not structure.long_functions()
+
+
+def test_only_drafts_config_and_a_kinds_own_proposer_name_a_kind():
+    """A kind is its registry entry: training/, evaluation/, export/, decoding/ (but the kind's own proposer)
+    and commands/ ask the drafter, never name a kind."""
+    assert not structure.named_kinds()
+
+
+def test_no_side_of_an_evaluation_is_told_apart_by_a_string_prefix():
+    assert not structure.string_prefix_roles()
+
+
+def test_the_recipe_sections_are_the_registered_kinds():
+    """Every kind's config_class is a section of the recipe schema under its own name, and every section is a kind."""
+    assert {cls.config_class for cls in KINDS.values()} == set(DRAFT_SECTIONS)
+    for kind, cls in KINDS.items():
+        assert issubclass(cls.config_class, DraftConfig) and cls.config_class.model_fields["kind"].default == kind
+        assert cls.description and set(cls.engine_methods) and cls.formats, f"{kind} does not say its own facts"

@@ -17,7 +17,7 @@ from drafttrain.decoding import (
     build_proposer,
     plain_decode,
 )
-from drafttrain.decoding.trees import ancestor_matrix, forward, tree_position_ids
+from drafttrain.decoding.trees import ancestor_matrix, cached_forward, tree_position_ids
 from drafttrain.targets import HiddenStateTap, Target
 
 pytestmark = pytest.mark.slow
@@ -169,12 +169,12 @@ def test_tree_forward_equals_each_path_run_separately(smollm2, prompts):
     tokens = ids[:, 5 : 5 + 8]  # root + 7 nodes: any tokens will do
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        forward(model, cache, ids)
+        cached_forward(model, cache, ids)
         prefix = cache.get_seq_length()
         pos = tree_position_ids(parents, prefix, ids.device)
-        tree = forward(model, cache, tokens, position_ids=pos, allowed=ancestor_matrix(tuple(parents)))[0]
+        tree = cached_forward(model, cache, tokens, position_ids=pos, allowed=ancestor_matrix(tuple(parents)))[0]
         cache.crop(-len(tokens[0]))
-        causal = forward(model, cache, tokens, position_ids=pos)[0]
+        causal = cached_forward(model, cache, tokens, position_ids=pos)[0]
         cache.crop(-len(tokens[0]))
         for node in range(-1, len(parents)):
             path, n = [], node
@@ -182,7 +182,7 @@ def test_tree_forward_equals_each_path_run_separately(smollm2, prompts):
                 path.insert(0, n + 1)
                 n = parents[n]
             seq = tokens[:, [0] + path]
-            alone = forward(model, cache, seq)[0, -1]
+            alone = cached_forward(model, cache, seq)[0, -1]
             cache.crop(-seq.shape[1])
             torch.testing.assert_close(tree[node + 1], alone, atol=2e-4, rtol=1e-4)
     assert not torch.allclose(causal[2], tree[2], atol=1e-2)  # node 1 would otherwise see node 0
@@ -196,7 +196,7 @@ def fresh_cache_and_hidden(model, ids: list[int], layers: list[int]):
 
     with torch.inference_mode(), HiddenStateTap(model, layers) as tap:
         cache = DynamicCache(config=model.config)
-        forward(model, cache, torch.tensor([ids]))
+        cached_forward(model, cache, torch.tensor([ids]))
         return cache, tap.stacked()
 
 

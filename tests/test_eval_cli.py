@@ -196,7 +196,7 @@ def test_greedy_verdict_warns_loudly_and_fails_only_when_strict(capsys):
 
 def test_tree_specs(tmp_path):
     from drafttrain.decoding import DynamicTree
-    from drafttrain.commands.eval import parse_tree
+    from drafttrain.decoding.trees import tree_from_spec as parse_tree
 
     assert parse_tree("chain", 5, 60, 10) == "chain"
     assert parse_tree("dynamic", 6, 50, 8) == DynamicTree(total_tokens=50, depth=6, top_k=8)

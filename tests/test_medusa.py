@@ -181,10 +181,10 @@ def test_a_tree_deeper_than_the_heads_is_refused():
     with pytest.raises(DrafttrainError, match="depth 3 is deeper than proposer 'medusa' can fill \\(2"):
         SpeculativeDecoder(target, proposer, depth=3)
     recipe = parse_recipe({"draft": {"kind": "medusa", "num_heads": 2}, "eval": {"tree": "medusa-16"}})
-    from drafttrain.evaluation.checkpoint_eval import eval_tree
+    from drafttrain.evaluation.checkpoint_eval import check_eval_shape
 
     with pytest.raises(DrafttrainError, match="deeper than this medusa draft can fill \\(2\\)"):
-        eval_tree(recipe)
+        check_eval_shape(recipe)
 
 
 def test_a_lora_module_the_target_lacks_is_refused():
@@ -290,7 +290,9 @@ def test_tree_auto_sizes_a_tree_from_the_drafts_measured_accuracies(smollm2, res
 @pytest.mark.slow
 def test_trained_drafts_share_a_run_with_their_own_shapes_but_a_target_adapter_cannot(smollm2, restore_threads):
     from drafttrain.evaluation import evaluate, load_suite
-    from drafttrain.evaluation.evaluate import Compared
+    from drafttrain.config import DecodeSettings
+    from drafttrain.cpu_linear import PackedLinears
+    from drafttrain.evaluation.sides import Compared, SideBuilder
 
     torch.set_num_threads(1)
     medusa = build_drafter(MedusaConfig(num_heads=2), smollm2)
@@ -304,7 +306,8 @@ def test_trained_drafts_share_a_run_with_their_own_shapes_but_a_target_adapter_c
     adapted = tiny_target(vocab=64)
     adapter = build_drafter(MedusaConfig(num_heads=2, lora=LORA), adapted)
     with pytest.raises(DrafttrainError, match="adapts its target cannot share a run"):
-        Compared(adapter).decoder(adapted, 2, "chain", 0.0, 4, (), dict(temperature=0.0, top_p=1.0, top_k=0), 0, 8)
+        settings = DecodeSettings.of(depth=2, max_depth=4, max_new_tokens=8)
+        SideBuilder(adapted, settings, (), [], PackedLinears(mode="default")).compared(Compared(adapter))
 
 
 def test_eval_of_medusa2_reports_how_far_the_adapted_target_moved_from_the_original(smollm2):

@@ -102,7 +102,8 @@ def test_demo_recipe_is_valid_and_its_data_exists(monkeypatch):
 def test_prepare_end_to_end(tmp_path, shared_data, smollm2, capsys):
     from datasets import load_from_disk
 
-    from drafttrain.data.vocab import draft_vocab_key, load_draft_vocab
+    from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
+    from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
 
     recipe = parse_recipe(tiny_recipe(tmp_path, shared_data))
     result = prepare(recipe, target=smollm2, progress=False)
@@ -127,7 +128,7 @@ def test_prepare_end_to_end(tmp_path, shared_data, smollm2, capsys):
     assert all(r["regenerated_by"] == "smollm2-135m-instruct" for r in regenerated)
 
     vocab = load_draft_vocab(out / "draft_vocab.safetensors",
-                             expect_key=draft_vocab_key(train, smollm2.tokenizer, smollm2.vocab_size))
+                             expect_key=DraftVocabKey(split_fingerprint(train), tokenizer_fingerprint(smollm2.tokenizer)))
     assert vocab.size == 512 and vocab.target_vocab_size == smollm2.vocab_size
     assert summary["draft_vocab"]["coverage"] == pytest.approx(vocab.coverage, abs=1e-6)
     assert vocab.trainable_tokens == summary["datasets"]["train"]["trainable_tokens"]

@@ -16,7 +16,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import WandbConfig
 from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.training.loader import BatchLayout, ResumableBatchSampler, epoch_permutation, pad_collate
-from drafttrain.training.logging import resolve_wandb_mode, simulated_tau
+from drafttrain.training.run_log import resolve_wandb_mode, simulated_tau
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 

@@ -35,7 +35,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(_module=module)
         # Only the chosen subcommand's module is imported: peek at argv to avoid importing every stage.
-        if _chosen_command(argv) in (name, None):
+        if _chosen_command(argv) == name:  # the top-level help lists commands without importing them
             importlib.import_module(module).add_arguments(cmd)
     return parser
 

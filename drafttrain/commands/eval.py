@@ -8,13 +8,29 @@ greedy output differs from the baseline at T=0.
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
+from pydantic import ValidationError
+
 from drafttrain import DrafttrainError
-from drafttrain.config import EvalConfig
+from drafttrain.config import EvalConfig, describe_errors
+from drafttrain.cpu_linear import cpu_linear_mode
+from drafttrain.decoding import PROPOSERS
+from drafttrain.decoding.proposers import model_folder_proposer, trained_draft
+from drafttrain.decoding.trees import tree_of
+from drafttrain.drafts import load_drafter, saved_kind
+from drafttrain.evaluation.checkpoint_eval import CALIBRATION_PROMPTS
+from drafttrain.evaluation.evaluate import evaluate
+from drafttrain.evaluation.report import print_report, write_report
+from drafttrain.evaluation.sides import Compared
+from drafttrain.evaluation.suites import Suite, load_suite, without_reported
+from drafttrain.runfolder import RunFolder, drafttrain_checkpoint
+from drafttrain.targets import BUILTIN_TARGETS, load_target
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +40,10 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target model: built-in name, folder, .gguf or Hub id")
-    parser.add_argument("--proposer", help="proposer name: prompt_lookup, draft_model, eagle, ... (default: the one "
+    parser.add_argument("--proposer", help=f"proposer name: {', '.join(PROPOSERS)} (default: the one "
                                            "that serves the --draft checkpoint's kind)")
     parser.add_argument("--draft", help="a drafttrain checkpoint or run folder, or a draft model (built-in name, "
-                                        "folder, .gguf) for the draft_model proposer")
+                                        f"folder, .gguf) for the {model_folder_proposer()} proposer")
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--suite", default=_DEFAULTS.suite, help="built-in suite: mt_bench, humaneval, gsm8k, alpaca")
     prompts.add_argument("--questions", help="FastChat-format .jsonl (question_id, category, turns) instead of a suite")
@@ -63,9 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "gives it its own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); "
                              "repeatable")
     parser.add_argument("--draft-vocab", metavar="FILE|none",
-                        help="draft_model proposer: draft only from this draft vocabulary (a draft_vocab.safetensors "
+                        help=f"{model_folder_proposer()} proposer: draft only from this draft vocabulary (a "
+                             "draft_vocab.safetensors "
                              "from `drafttrain prepare`; its lm_head rows alone are computed), or 'none' for the whole "
-                             "vocabulary (default: a distilled drafttrain draft's own, else the whole)")
+                             "vocabulary (default: a drafttrain draft model's own, else the whole)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if greedy output differs from the baseline")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is far steadier on a busy shared CPU)")
@@ -96,94 +113,70 @@ def _depth(text: str) -> int | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from drafttrain.evaluation.suites import load_suite
-
-    _check_numbers(args)
-    suite = load_suite(args.questions or args.suite).select(args.num_prompts, turns=args.turns)
-    tree = "auto" if args.tree == "auto" else parse_tree(
-        args.tree, args.max_depth if args.depth == "auto" else args.depth, args.total_tokens, args.top_k)
-    if args.depth == "auto" and tree != "chain":
-        raise DrafttrainError("--depth auto chooses chain depths: use --tree chain (the default), or give a depth")
-    _check_proposer(args)
-    shapes = [args.depth, tree, *(s for side in args.compared for s in (side.depth, side.tree))]
-    calibration = _calibration(args, suite) if "auto" in shapes else ()
+    settings = eval_settings(args)
+    suite = load_suite(settings.suite).select(settings.num_prompts, turns=args.turns)
+    tree_of(settings)  # a bad tree spec fails now, before the target loads
+    _check_proposer(args, settings)
+    autos = [settings.depth, settings.tree, *(s for side in args.compared for s in (side.depth, side.tree))]
+    calibration = _calibration(args, suite) if "auto" in autos else ()
     _prepare_out_dir(args.out)
     if args.threads is not None:
-        import torch
-
         torch.set_num_threads(args.threads)
-
-    from drafttrain.decoding.proposers import trained_draft
-    from drafttrain.evaluation.evaluate import evaluate
-    from drafttrain.evaluation.report import print_report, write_report
-    from drafttrain.runfolder import drafttrain_checkpoint
-    from drafttrain.targets import load_target
-
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     if args.draft and drafttrain_checkpoint(args.draft) is not None:
-        from drafttrain.drafts import load_drafter
-
         # a drafttrain draft: loaded (and checked) here, so the report records which weights it measured
         method, method_kwargs = trained_draft(args.proposer, target, load_drafter(args.draft, target)), {}
     else:
         method, method_kwargs = args.proposer, _proposer_kwargs(args)
     if args.draft_vocab is not None:
         method_kwargs["vocab"] = False if args.draft_vocab == "none" else args.draft_vocab
-    report = evaluate(
-        target, method, suite,
-        depth=args.depth, tree=tree, min_confidence=args.min_confidence, max_depth=args.max_depth,
-        calibration=calibration, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, hf_reference=args.hf_reference,
-        progress=not args.no_progress, proposer_kwargs=method_kwargs,
-        compare=[_load_compared(side, target) for side in args.compared], cpu_linear=args.cpu_linear,
-    )
+    report = evaluate(target, method, suite, settings.decode_settings(), calibration=calibration,
+                      hf_reference=args.hf_reference, progress=not args.no_progress, proposer_kwargs=method_kwargs,
+                      compare=[_load_compared(side, target) for side in args.compared], cpu_linear=args.cpu_linear)
     paths = write_report(report, args.out)
     print_report(report)
     log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
-    return _greedy_verdict(report.greedy_match, args.temperature, args.strict)
+    return _greedy_verdict(report.greedy_match, settings.temperature, args.strict)
 
 
-def _check_numbers(args: argparse.Namespace) -> None:
-    from drafttrain.cpu_linear import cpu_linear_mode
-    from drafttrain.sampling import check_sampling
+# The schema field each flag fills, where the two names differ (the others: --max-new-tokens -> max_new_tokens).
+FLAG_OF = {"tree_top_k": "--top-k", "suite": "--suite / --questions"}
 
+
+def eval_settings(args: argparse.Namespace) -> EvalConfig:
+    """The flags as the recipe's typed eval section, validated there; an error names the flag. CLI-only inputs
+    (the CPU kernels, threads) are checked here."""
     cpu_linear_mode(args.cpu_linear)  # a bad DRAFTTRAIN_CPU_LINEAR fails here, before the target loads
-    check_sampling(args.temperature, args.top_p)
-    if args.depth != "auto" and args.depth <= 0:
-        raise DrafttrainError(f"--depth (k) must be positive, got {args.depth}")
-    if args.max_depth <= 0:
-        raise DrafttrainError(f"--max-depth must be positive, got {args.max_depth}")
-    if not 0 <= args.min_confidence < 1:
-        raise DrafttrainError(f"--min-confidence must be in [0, 1), got {args.min_confidence}")
-    if args.max_new_tokens <= 0:
-        raise DrafttrainError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.num_prompts is not None and args.num_prompts <= 0:
-        raise DrafttrainError(f"--num-prompts must be positive (or 'all'), got {args.num_prompts}")
     if args.threads is not None and args.threads <= 0:
         raise DrafttrainError(f"--threads must be positive, got {args.threads}")
+    values = dict(suite=args.questions or args.suite, num_prompts=args.num_prompts, depth=args.depth,
+                  max_depth=args.max_depth, min_confidence=args.min_confidence, tree=args.tree,
+                  total_tokens=args.total_tokens, tree_top_k=args.top_k, temperature=args.temperature,
+                  top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    try:
+        return EvalConfig.model_validate(values)
+    except ValidationError as err:
+        flag = lambda loc: FLAG_OF.get(loc[0], "--" + loc[0].replace("_", "-")) if loc else ""  # noqa: E731
+        raise DrafttrainError(describe_errors(err, flag)) from None
 
 
-def _calibration(args: argparse.Namespace, suite) -> tuple:
-    """Held-out prompts for --depth auto: the given ones; else the draft run's validation prompts; else the first
-    prompts of a suite other than the one reported."""
-    from drafttrain.evaluation.suites import load_suite
-    from drafttrain.runfolder import RunFolder
-
+def _calibration(args: argparse.Namespace, suite: Suite) -> tuple:
+    """Held-out prompts for depth or tree auto: the given ones; else the draft run's validation prompts; else the
+    first prompts of a suite other than the one reported."""
     if args.calibration:
         chosen = load_suite(args.calibration)
     else:
         draft = Path(args.draft).expanduser() if args.draft else None
         runs = [RunFolder.of(p) for p in ([draft, *list(draft.parents)[:2]] if draft else [])]  # run, or a checkpoint
-        held_out = next((run.validation_prompts for run in runs if run.validation_prompts.is_file()), None)
-        if held_out is not None:
-            chosen = load_suite(held_out)
+        held_out_file = next((run.validation_prompts for run in runs if run.validation_prompts.is_file()), None)
+        if held_out_file is not None:
+            chosen = load_suite(held_out_file)
         else:
             chosen = load_suite("gsm8k" if suite.name == "alpaca" else "alpaca")
-    reported = {q.turns[0] for q in suite.questions}
-    questions = tuple(q for q in chosen.select(turns="1").questions if q.turns[0] not in reported)
+    questions = without_reported(chosen.select(turns="1"), suite).questions
     if not questions:
         raise DrafttrainError(f"--calibration {chosen.name}: no prompt left that is not also reported")
-    return questions[:4]
+    return questions[:CALIBRATION_PROMPTS]
 
 
 def _prepare_out_dir(out: str) -> None:
@@ -194,19 +187,9 @@ def _prepare_out_dir(out: str) -> None:
         raise DrafttrainError(f"cannot create the output folder {out}: {err.strerror}") from None
 
 
-def parse_tree(spec: str, depth: int, total_tokens: int, top_k: int) -> Any:
-    from drafttrain.decoding.trees import tree_from_spec
-
-    if spec == "dynamic" and (total_tokens <= 0 or top_k <= 0):
-        raise DrafttrainError(f"--total-tokens and --top-k must be positive, got {total_tokens} and {top_k}")
-    return tree_from_spec(spec, depth, total_tokens=total_tokens, top_k=top_k)
-
-
-def _check_proposer(args: argparse.Namespace) -> None:
+def _check_proposer(args: argparse.Namespace, settings: EvalConfig) -> None:
     """Fail before loading the target: unknown proposer name, or a draft that is needed but missing. Without
     --proposer, the --draft checkpoint's kind names the proposer that serves it."""
-    from drafttrain.decoding import PROPOSERS
-
     known = set(PROPOSERS)
     if args.draft and _looks_like_path(args.draft) and not Path(args.draft).expanduser().exists():
         raise DrafttrainError(f"draft not found: {args.draft}")
@@ -216,14 +199,14 @@ def _check_proposer(args: argparse.Namespace) -> None:
         raise DrafttrainError(f"unknown proposer {args.proposer!r}: choose one of {', '.join(sorted(known))}")
     if args.draft and "draft" not in _proposer_options(args.proposer):
         raise DrafttrainError(f"--draft is not used by proposer {args.proposer!r} (it needs no draft model)")
-    if args.proposer == "draft_model" and not args.draft:
-        raise DrafttrainError("proposer draft_model needs --draft (a draft model: built-in name, folder or .gguf)")
+    if args.proposer == model_folder_proposer() and not args.draft:
+        raise DrafttrainError(f"proposer {args.proposer} needs --draft (a draft model: built-in name, folder or .gguf)")
     if args.draft_vocab is not None:
-        if args.proposer != "draft_model":
-            raise DrafttrainError(f"--draft-vocab is for the draft_model proposer, not {args.proposer!r}")
+        if args.proposer != model_folder_proposer():
+            raise DrafttrainError(f"--draft-vocab is for the {model_folder_proposer()} proposer, not {args.proposer!r}")
         if args.draft_vocab != "none" and not Path(args.draft_vocab).is_file():
             raise DrafttrainError(f"--draft-vocab: no such file {args.draft_vocab}")
-    args.compared = [_compared_side(item, known, args) for item in args.compare]
+    args.compared = [_compared_side(item, known, settings) for item in args.compare]
 
 
 class Side(NamedTuple):
@@ -234,17 +217,13 @@ class Side(NamedTuple):
     label: str  # the name in the report: the proposer or the draft folder's, with the shape given
 
 
-def _compared_side(item: str, known: set[str], args: argparse.Namespace) -> Side:
-    """``PROPOSER_OR_DRAFT[@SHAPE]`` -> the side, checked now (a tree spec parsed as the main side's is)."""
-    from drafttrain.drafts import saved_kind
-
+def _compared_side(item: str, known: set[str], settings: EvalConfig) -> Side:
+    """``PROPOSER_OR_DRAFT[@SHAPE]`` -> the side, checked now (its tree parsed as the run's is)."""
     spec, _, shape = item.partition("@")
     depth = tree = None
     if shape.startswith("tree:"):
         tree = shape.removeprefix("tree:")
-        if tree != "auto":
-            depth_limit = args.max_depth if args.depth == "auto" else args.depth
-            tree = parse_tree(tree, depth_limit, args.total_tokens, args.top_k)
+        tree_of(Compared(spec, tree=tree).settings(settings.decode_settings()))
     elif shape:
         depth = _depth(shape) if shape == "auto" or shape.isdigit() else None
         if depth is None or depth == 0:
@@ -262,10 +241,7 @@ def _compared_side(item: str, known: set[str], args: argparse.Namespace) -> Side
     return Side(spec, True, depth, tree, Path(spec).name + (f"@{shape}" if shape else ""))
 
 
-def _load_compared(side: Side, target):
-    from drafttrain.drafts import load_drafter
-    from drafttrain.evaluation.evaluate import Compared
-
+def _load_compared(side: Side, target) -> Compared:
     proposer = load_drafter(side.spec, target) if side.is_draft else side.spec
     return Compared(proposer, depth=side.depth, tree=side.tree, label=side.label)
 
@@ -273,25 +249,18 @@ def _load_compared(side: Side, target):
 def _default_proposer(draft: str | None) -> str:
     """The proposer that serves the --draft checkpoint's kind; a folder that is no drafttrain checkpoint (a plain
     model, a built-in name) is served as a draft model. A damaged checkpoint fails here, naming its file."""
-    from drafttrain.drafts import saved_kind
-    from drafttrain.runfolder import drafttrain_checkpoint
-
     if not draft:
         raise DrafttrainError("give --proposer (e.g. prompt_lookup), or --draft with a checkpoint written by drafttrain")
     directory = drafttrain_checkpoint(draft)
-    return "draft_model" if directory is None else saved_kind(directory).proposer
+    return model_folder_proposer() if directory is None else saved_kind(directory).proposer
 
 
 def _proposer_options(name: str) -> set[str]:
-    import inspect
-
-    from drafttrain.decoding import PROPOSERS
 
     return set(inspect.signature(PROPOSERS[name]).parameters)
 
 
 def _looks_like_path(spec: str) -> bool:
-    from drafttrain.targets import BUILTIN_TARGETS
 
     if spec in BUILTIN_TARGETS:
         return False
@@ -302,8 +271,7 @@ def _looks_like_path(spec: str) -> bool:
 def _proposer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if not args.draft:
         return {}
-    if args.proposer == "draft_model":  # a plain model folder, built-in name or Hub id
-        from drafttrain.targets import load_target
+    if args.proposer == model_folder_proposer():  # a plain model folder, built-in name or Hub id
 
         # The draft runs on the target's device and dtype; build_proposer checks that the tokenizers agree.
         return {"draft": load_target(args.draft, dtype=args.dtype, device=args.device)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from drafttrain.drafts.registry import formats_by_kind
 from drafttrain.export import FORMATS
 from drafttrain.export.writer import export_checkpoint
 
@@ -11,7 +12,7 @@ from drafttrain.export.writer import export_checkpoint
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a run's output_dir (its best checkpoint), its checkpoints/ or one checkpoint")
     parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
-                        help="eagle3: vllm, sglang, speculators; eagle: vllm, sglang; medusa: vllm; draft_model: hf")
+                        help=formats_by_kind())
     parser.add_argument("--out", required=True, help="the folder to write (refused if it holds files)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     parser.add_argument("--report", help="a report.json from `drafttrain eval` of this checkpoint for the model "

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from drafttrain.config import load_recipe
+from drafttrain.training.plan import GIB, Cluster, plan, read_hostfile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,9 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from drafttrain.training.plan import GIB, Cluster, plan, read_hostfile
 
     recipe = load_recipe(args.recipe, args.overrides)
     hosts = read_hostfile(args.hostfile) if args.hostfile else {"this machine": 1}

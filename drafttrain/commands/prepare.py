@@ -18,6 +18,7 @@ Relative data paths resolve against the current working directory (not the recip
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -28,9 +29,31 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import datasets
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoConfig
+
 from drafttrain import DrafttrainError
-from drafttrain.runfolder import RunFolder, file_sha256, open_dataset, write_text_atomic
 from drafttrain.config import DataConfig, Recipe, load_recipe
+from drafttrain.data.regenerate import regenerate_conversations
+from drafttrain.data.sources import load_mixture
+from drafttrain.data.tokenize import build_tokenized_dataset, describe_run_data, tokenizer_fingerprint
+from drafttrain.data.vocab import DraftVocabKey, build_draft_vocab, dataset_coverage, save_draft_vocab
+from drafttrain.drafts import drafter_class
+from drafttrain.runfolder import DataManifest, RunFolder, open_dataset, write_text_atomic
+from drafttrain.targets import load_target, load_tokenizer
+from drafttrain.targets.loading import resolve_model_dir
+from drafttrain.training.features import (
+    cache_dtype,
+    cache_settings,
+    join_shards,
+    start_cache,
+    write_feature_cache,
+    write_shards,
+)
+from drafttrain.training.plan import check_fits
+from drafttrain.training.runtime import process_state
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +72,6 @@ class PrepareResult:
     validation_rows: int  # 0 when there is no validation split
     draft_vocab_path: Path | None  # None when draft_vocab is disabled
     regenerated_path: Path | None  # None when regenerate is disabled
-
-    @property
-    def train_path(self) -> Path:
-        return self.run.train_split
-
-    @property
-    def validation_path(self) -> Path | None:
-        return self.run.validation_split if self.validation_rows else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -80,10 +95,6 @@ def check_data_files(data: DataConfig) -> None:
 
 def target_vocab_size_from_config(recipe: Recipe) -> int:
     """The target's vocabulary size (lm_head rows) from its config, without loading the weights."""
-    from transformers import AutoConfig
-
-    from drafttrain.targets.loading import resolve_model_dir
-
     target = recipe.target
     config = AutoConfig.from_pretrained(
         resolve_model_dir(target.model), revision=target.revision, trust_remote_code=target.trust_remote_code
@@ -115,7 +126,6 @@ def _with_limit(data: DataConfig, limit: int | None) -> DataConfig:
 
 
 def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool):
-    from drafttrain.data.regenerate import regenerate_conversations
 
     kept = {name for name, yes in _regenerated_sources(recipe, mixture).items() if not yes}
     todo = [c for c in mixture.train + mixture.validation if c["source"] not in kept]
@@ -142,8 +152,6 @@ def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool)
 
 def _tokenize_split(name: str, conversations: list[dict], tokenizer, data: DataConfig, cache_dir: Path, required: bool):
     """(dataset or None, stats). An untokenisable validation split is reported, not fatal; the train split is."""
-    from drafttrain.data.tokenize import build_tokenized_dataset
-
     if not conversations:
         return None, {"conversations": 0, "rows": 0, "tokens": 0, "trainable_tokens": 0, "skipped": {}}
     try:
@@ -158,8 +166,6 @@ def _tokenize_split(name: str, conversations: list[dict], tokenizer, data: DataC
 
 def save_dataset(dataset, path: Path) -> None:
     """save_to_disk via a temporary folder, so an interrupted save never leaves a half dataset in place."""
-    import datasets
-
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,10 +180,12 @@ def save_dataset(dataset, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _build_vocab(recipe: Recipe, train_ds, validation_ds, tokenizer, vocab_size: int, run: RunFolder) -> dict:
-    from drafttrain.data.vocab import build_draft_vocab, dataset_coverage, save_draft_vocab
-
-    vocab = build_draft_vocab(train_ds, tokenizer, vocab_size, recipe.draft_vocab.size, recipe.draft_vocab.coverage)
+def _build_vocab(recipe: Recipe, train: tuple, validation_ds, tokenizer: tuple, vocab_size: int,
+                 run: RunFolder) -> dict:
+    """``train``: (the split, its fingerprint); ``tokenizer``: (the tokenizer, its fingerprint)."""
+    (train_ds, fingerprint), (tokenizer, tokenizer_id) = train, tokenizer
+    vocab = build_draft_vocab(train_ds, tokenizer, vocab_size, recipe.draft_vocab.size, recipe.draft_vocab.coverage,
+                              key=DraftVocabKey(fingerprint, tokenizer_id))
     save_draft_vocab(vocab, run.draft_vocab)
     info = vocab.summary()
     info["path"] = str(run.draft_vocab)
@@ -278,8 +286,6 @@ def build_summary(
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     sources = Table(title=f"drafttrain prepare: {summary['output_dir']}", title_justify="left")
@@ -343,69 +349,46 @@ def prepare(
 ) -> PrepareResult:
     """Run the data pipeline of ``recipe`` (see the module docstring). ``target`` reuses an already loaded target.
     ``features=False`` leaves the offline cache to the caller (every process of a launch writes its shards)."""
-    from drafttrain.data.sources import load_mixture
-    from drafttrain.targets import load_target, load_tokenizer
-
     if recipe.data is None:
         raise DrafttrainError("the recipe has no data section: prepare needs data.sources")
     data = _with_limit(recipe.data, limit)
     run = RunFolder.of(recipe.output_dir)
-    cache_dir = run.data_cache(data.cache_dir)
     check_data_files(data)
     needs_model = recipe.regenerate.enabled and recipe.regenerate.backend == "hf"
-    if recipe.regenerate.enabled and recipe.regenerate.backend == "openai" and not recipe.regenerate.base_url:
-        raise DrafttrainError("regenerate.base_url: required when regenerate.backend is 'openai'")
     vocab_size = None
     if recipe.draft_vocab.enabled:
         vocab_size = target.vocab_size if target is not None else target_vocab_size_from_config(recipe)
         check_draft_vocab_size(recipe, vocab_size)
 
     seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-    mixture = load_mixture(data, recipe.seed)
-    log.info("%s", mixture.summary())
-    seconds["load"] = time.perf_counter() - clock
-
+    with _timed(seconds, "load"):
+        mixture = load_mixture(data, recipe.seed)
+        log.info("%s", mixture.summary())
     if needs_model and target is None:
         target = load_target(recipe.target)
     run.root.mkdir(parents=True, exist_ok=True)
     train, validation, regen = mixture.train, mixture.validation, None
-    unanswered = _unanswered_per_source(recipe, mixture)
-    if unanswered:
-        log.warning("prompt-only conversations have no answer to train on and will be skipped (%s); let the target "
-                    "answer them with regenerate.enabled=true and no 'regenerate: false' on their source",
-                    ", ".join(f"{name}: {n}" for name, n in unanswered.items()))
+    _warn_unanswered(recipe, mixture)
     if recipe.regenerate.enabled:
-        clock = time.perf_counter()
-        train, validation, regen = _regenerate(recipe, mixture, target, run, progress)
-        seconds["regenerate"] = time.perf_counter() - clock
-
-    clock = time.perf_counter()
-    tokenizer = target.tokenizer if target is not None else load_tokenizer(recipe.target)
-    train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, cache_dir, required=True)
-    val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, cache_dir, required=False)
-    save_dataset(train_ds, run.train_split)
-    if val_ds is not None:
-        save_dataset(val_ds, run.validation_split)
-    else:
-        shutil.rmtree(run.validation_split, ignore_errors=True)  # never leave a stale split from an earlier run
-    write_validation_prompts(validation if val_ds is not None else [], run.validation_prompts)
-    write_data_manifest(run, train_ds, val_ds, tokenizer, recipe)
-    seconds["tokenize"] = time.perf_counter() - clock
-
+        with _timed(seconds, "regenerate"):
+            train, validation, regen = _regenerate(recipe, mixture, target, run, progress)
+    with _timed(seconds, "tokenize"):
+        tokenizer = target.tokenizer if target is not None else load_tokenizer(recipe.target)
+        tokenizer_id = tokenizer_fingerprint(tokenizer)
+        (train_ds, train_stats), (val_ds, val_stats) = _write_splits(recipe, data, (train, validation),
+                                                                     (tokenizer, tokenizer_id), run)
+    fingerprint = train_stats["fingerprint"]  # the split's content hash, computed once as it was tokenised
     vocab_info = None
     if recipe.draft_vocab.enabled:
-        clock = time.perf_counter()
-        vocab_info = _build_vocab(recipe, train_ds, val_ds, tokenizer, vocab_size, run)
-        seconds["draft_vocab"] = time.perf_counter() - clock
+        with _timed(seconds, "draft_vocab"):
+            vocab_info = _build_vocab(recipe, (train_ds, fingerprint), val_ds, (tokenizer, tokenizer_id),
+                                      vocab_size, run)
     elif run.draft_vocab.exists():
         run.draft_vocab.unlink()  # a mapping from an earlier run would not match this data
-
     if features and writes_features(recipe):
-        clock = time.perf_counter()
-        target = target if target is not None else load_target(recipe.target)
-        _write_features(recipe, target, train_ds, run, progress)
-        seconds["features"] = time.perf_counter() - clock
+        with _timed(seconds, "features"):
+            target = target if target is not None else load_target(recipe.target)
+            _write_features(recipe, target, (train_ds, fingerprint), run, progress)
 
     summary = build_summary(
         recipe, mixture, regen, (train_ds, train_stats), (val_ds, val_stats), vocab_info, run, seconds
@@ -423,6 +406,39 @@ def prepare(
     )
 
 
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], stage: str):
+    clock = time.perf_counter()
+    yield
+    seconds[stage] = time.perf_counter() - clock
+
+
+def _write_splits(recipe: Recipe, data: DataConfig, conversations: tuple, tokenizer: tuple, run: RunFolder):
+    """Tokenise the (train, validation) ``conversations`` with ``tokenizer`` (the tokenizer, its fingerprint) into
+    the run folder, with the held-out prompts and the data manifest. Returns ((train split, stats), (validation
+    split or None, stats))."""
+    (train, validation), (tokenizer, tokenizer_id) = conversations, tokenizer
+    cache_dir = run.data_cache(data.cache_dir)
+    train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, cache_dir, required=True)
+    val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, cache_dir, required=False)
+    save_dataset(train_ds, run.train_split)
+    if val_ds is not None:
+        save_dataset(val_ds, run.validation_split)
+    else:
+        shutil.rmtree(run.validation_split, ignore_errors=True)  # never leave a stale split from an earlier run
+    write_validation_prompts(validation if val_ds is not None else [], run.validation_prompts)
+    describe_run_data(run, train_stats["fingerprint"], val_ds, tokenizer_id, recipe.target.model).write(run)
+    return (train_ds, train_stats), (val_ds, val_stats)
+
+
+def _warn_unanswered(recipe: Recipe, mixture) -> None:
+    unanswered = _unanswered_per_source(recipe, mixture)
+    if unanswered:
+        log.warning("prompt-only conversations have no answer to train on and will be skipped (%s); let the target "
+                    "answer them with regenerate.enabled=true and no 'regenerate: false' on their source",
+                    ", ".join(f"{name}: {n}" for name, n in unanswered.items()))
+
+
 def _regenerated_sources(recipe: Recipe, mixture) -> dict[str, bool]:
     """{source name: whether the target re-answers it}; the mixture's stats list the sources in recipe order."""
     return dict(zip(mixture.stats["sources"], map(recipe.regenerates, recipe.data.sources)))
@@ -432,17 +448,6 @@ def _unanswered_per_source(recipe: Recipe, mixture) -> dict[str, int]:
     regenerates = _regenerated_sources(recipe, mixture)
     return dict(Counter(c["source"] for c in mixture.train + mixture.validation
                         if c["needs_response"] and not regenerates[c["source"]]))
-
-
-def write_data_manifest(run: RunFolder, train_ds, val_ds, tokenizer, recipe: Recipe) -> None:
-    """What the splits are: their content fingerprints and the tokenizer that made them. `train` checks both."""
-    from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
-
-    manifest = {"train": split_fingerprint(train_ds),
-                "validation": split_fingerprint(val_ds) if val_ds is not None else None,
-                "validation_prompts": file_sha256(run.validation_prompts) if run.validation_prompts.is_file() else None,
-                "tokenizer": tokenizer_fingerprint(tokenizer), "target": recipe.target.model}
-    write_text_atomic(run.data_manifest, json.dumps(manifest, indent=1) + "\n")
 
 
 def write_validation_prompts(conversations: list[dict], path: Path) -> None:
@@ -460,11 +465,11 @@ def write_validation_prompts(conversations: list[dict], path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _write_features(recipe: Recipe, target, train_ds, run: RunFolder, progress: bool = True) -> None:
-    """Offline target outputs: run the target once over the train split and store what the draft kind needs."""
-    from drafttrain.training.features import write_feature_cache
-
-    needs, options = _feature_plan(recipe, target, train_ds)
+def _write_features(recipe: Recipe, target, train: tuple, run: RunFolder, progress: bool = True) -> None:
+    """Offline target outputs: run the target once over the train split (``train``: the split and its
+    fingerprint) and store what the draft kind needs."""
+    train_ds, fingerprint = train
+    needs, options = _feature_plan(recipe, target, fingerprint)
     write_feature_cache(target, train_ds, needs, run.features, **options, progress=progress)
 
 
@@ -473,15 +478,10 @@ def writes_features(recipe: Recipe) -> bool:
     return recipe.training.hidden_states == "offline" and recipe.draft is not None
 
 
-def _feature_plan(recipe: Recipe, target, train_ds):
+def _feature_plan(recipe: Recipe, target, fingerprint: str):
     """What the offline cache stores for this recipe's kind, and how (the split's fingerprint, the dtype)."""
-    from drafttrain.data.tokenize import split_fingerprint
-    from drafttrain.drafts import drafter_class
-    from drafttrain.training.features import cache_dtype
-
     needs = drafter_class(recipe.draft.kind).target_needs(recipe.draft, target)
-    return needs, {"split_fingerprint": split_fingerprint(train_ds),
-                   "dtype": cache_dtype(recipe.training.feature_dtype, target),
+    return needs, {"split_fingerprint": fingerprint, "dtype": cache_dtype(recipe.training.feature_dtype, target),
                    "rows_per_shard": recipe.training.cache_shard_rows}
 
 
@@ -489,9 +489,6 @@ def prepare_launched(recipe: Recipe, state, limit: int | None, progress: bool) -
     """``accelerate launch -m drafttrain prepare``: the data stages run on the main process; then every process
     loads the target on its device and writes its own shards of the offline cache; the main process joins them.
     A rerun after a crash writes only the shards without a record. Returns the result on the main process."""
-    from drafttrain.targets import load_target
-    from drafttrain.training.features import cache_settings, join_shards, start_cache, write_shards
-
     result = prepare(recipe, limit=limit, progress=progress, features=False) if state.is_main_process else None
     state.wait_for_everyone()
     if writes_features(recipe):
@@ -499,7 +496,7 @@ def prepare_launched(recipe: Recipe, state, limit: int | None, progress: bool) -
         device = str(state.device) if recipe.target.device.startswith("cuda") else recipe.target.device
         target = load_target(recipe.target, device=device)
         train_ds = open_dataset(run.train_split)
-        needs, options = _feature_plan(recipe, target, train_ds)
+        needs, options = _feature_plan(recipe, target, DataManifest.read(run).train)
         settings = cache_settings(target, train_ds, needs, **options)
         if state.is_main_process:
             start_cache(run.features, settings)
@@ -525,8 +522,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from drafttrain.training.plan import check_fits
-    from drafttrain.training.runtime import process_state
 
     recipe = load_recipe(args.recipe, args.overrides)  # the whole recipe is validated before any work
     check_fits(recipe, "prepare")  # an offline cache that clearly cannot fit on disk is refused before any work

@@ -10,12 +10,16 @@ import argparse
 import logging
 from pathlib import Path
 
+from drafttrain.drafts.registry import formats_by_kind
+from drafttrain.export.hub import check_export, export_files, is_export, push_export
+from drafttrain.export.writer import export_checkpoint
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a folder written by `drafttrain export`, or a run or checkpoint to export")
     parser.add_argument("--repo", required=True, help="the Hub model repo, OWNER/NAME (created if missing)")
     parser.add_argument("--format", dest="fmt", help="for a run or checkpoint: the export format (default: the "
-                                                     "kind's first: eagle3/eagle/medusa vllm, draft_model hf)")
+                                                     f"kind's first; {formats_by_kind()})")
     parser.add_argument("--out", help="for a run or checkpoint: where to write the export (default: "
                                       "<run>/exports/<format>, replaced)")
     parser.add_argument("--target", help="for a run or checkpoint: the target to load (default: the recorded one)")
@@ -27,9 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from drafttrain.export.hub import check_export, export_files, is_export, push_export
-    from drafttrain.export.writer import export_checkpoint
-
     for noisy in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     folder = Path(args.source)

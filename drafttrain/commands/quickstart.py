@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     run.root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with libraries_log_to(run.root / LOG_FILE):
+        # imported once the libraries' logs go to the log file: some bind their handlers at import
         from drafttrain.commands.prepare import prepare
         from drafttrain.commands.train import train
         from drafttrain.targets import load_target

@@ -8,10 +8,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
-from drafttrain import DrafttrainError
+from accelerate.utils import set_seed
+
+from drafttrain import DrafttrainError, targets
 from drafttrain.config import Recipe, load_recipe
-from drafttrain.runfolder import RunFolder, damaged, file_sha256, open_dataset, read_json
+from drafttrain.data.tokenize import describe_run_data, split_fingerprint
+from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
+from drafttrain.drafts import build_drafter
+from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator, check_eval_shape
+from drafttrain.runfolder import DataManifest, RunFolder, open_dataset
+from drafttrain.targets.hidden import decoder_layers, final_norm
+from drafttrain.training.features import FeatureCache
+from drafttrain.training.plan import check_fits
+from drafttrain.training.runtime import build_accelerator, configured_zero_stage, gathered
+from drafttrain.training.trainer import Trainer, check_zero3, online_outputs
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +47,6 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
 
 def check_trainable(recipe: Recipe) -> None:
     """What `train` needs beyond a valid schema; checked before anything heavy loads."""
-    from pathlib import Path
-
     if recipe.draft is None:
         raise DrafttrainError("the recipe has no draft section: set draft.kind (e.g. eagle3)")
     if recipe.training.deepspeed is not None and not Path(recipe.training.deepspeed).is_file():
@@ -46,10 +56,8 @@ def check_trainable(recipe: Recipe) -> None:
             "data.packing: drafts are trained on unpacked rows (their attention is not document-aware yet); "
             "set data.packing: false"
         )
-    from drafttrain.training.runtime import configured_zero_stage
 
     if configured_zero_stage(recipe.training) == 3:
-        from drafttrain.training.trainer import check_zero3
 
         check_zero3(recipe.draft.kind, recipe.draft.trains_target)
         if recipe.eval.every_checkpoint:
@@ -58,9 +66,8 @@ def check_trainable(recipe: Recipe) -> None:
                 "all of them: set eval.every_checkpoint: false and measure checkpoints with `drafttrain eval` on a "
                 "machine that holds the target")
     if recipe.eval.every_checkpoint:
-        from drafttrain.evaluation.checkpoint_eval import eval_tree
 
-        eval_tree(recipe)
+        check_eval_shape(recipe)
     run = RunFolder.of(recipe.output_dir)
     if not run.train_split.is_dir():
         raise DrafttrainError(
@@ -77,13 +84,6 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     """Load the target (unless given), the prepared data and a fresh draft of the recipe's kind; train; return the
     TrainResult."""
     check_trainable(recipe)
-    from accelerate.utils import set_seed
-
-    from drafttrain.drafts import build_drafter
-    from drafttrain.targets import load_target
-    from drafttrain.training.plan import check_fits
-    from drafttrain.training.runtime import build_accelerator, configured_zero_stage, gathered
-    from drafttrain.training.trainer import Trainer, online_outputs
 
     run = RunFolder.of(recipe.output_dir)
     check_fits(recipe, "train")  # before the target loads: refuse a run that clearly cannot fit here
@@ -91,14 +91,14 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     zero3 = configured_zero_stage(recipe.training) == 3
     # Under ZeRO-3 the accelerator exists before the target loads, so from_pretrained partitions it (zero.Init).
     accelerator = build_accelerator(recipe.training) if zero3 else None
-    target = target if target is not None else load_target(recipe.target)
+    # targets.load_target is looked up when called, so a caller (a test) may swap the loader
+    target = target if target is not None else targets.load_target(recipe.target)
     fingerprint = check_split_is_current(run, dataset, target)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
     with gathered(start_weights(target), zero3):  # what a draft may start from, whole while it is built
         drafter = build_drafter(recipe.draft, target, run)
     if recipe.training.hidden_states == "offline":
-        from drafttrain.training.features import FeatureCache
 
         outputs = FeatureCache(run.features, target, drafter.needs(), fingerprint).outputs
     else:
@@ -106,7 +106,7 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     callbacks = checkpoint_callbacks(recipe, target, run)
     best_metric = recipe.training.best_metric or ("tau" if callbacks else None)  # keep the best by real tau
     trainer = Trainer(recipe, target, drafter, dataset, outputs_fn=outputs, callbacks=callbacks, best_metric=best_metric,
-                      accelerator=accelerator)
+                      accelerator=accelerator, data_fingerprint=fingerprint)
     result = trainer.train(resume=resume)
     if trainer.accelerator.is_main_process:
         best = f"; best: {result.best_checkpoint} ({result.best['metric']}={result.best['value']:.4g})" \
@@ -119,58 +119,28 @@ def train(recipe: Recipe, resume: bool = False, target=None):
 def start_weights(target) -> list:
     """The target weights drafts start from (init_from_target): its embeddings, lm_head, final norm and last
     layer. Under ZeRO-3 only these are gathered while the draft is built, never the whole target."""
-    from drafttrain.targets.hidden import decoder_layers, final_norm
-
     model = target.model
     parts = [model.get_input_embeddings(), model.get_output_embeddings(), final_norm(model), decoder_layers(model)[-1]]
     return list(dict.fromkeys(p for part in parts if part is not None for p in part.parameters()))
 
 
 def check_split_is_current(run: RunFolder, dataset, target) -> str:
-    """The train split must be what prepare wrote (its fingerprint in data/manifest.json), tokenised with this
-    target's tokenizer, and the validation split and prompts too. Returns the train split's fingerprint, which every
-    artifact built from it records."""
-    from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
-
-    manifest = read_json(run.data_manifest)
+    """The run folder's data must be what prepare recorded in data/manifest.json: the train split (hashed once
+    here), tokenised with this target's tokenizer, and the validation split and prompts. Returns the train split's
+    fingerprint, which every artifact built from it records."""
+    manifest = DataManifest.read(run)
     fingerprint = split_fingerprint(dataset)
-    if fingerprint != manifest.get("train"):
-        raise damaged(run.train_split, f"does not hash to the fingerprint prepare recorded in {run.data_manifest} "
-                                       "(it was changed after prepare wrote it)")
-    tokenizer = getattr(target, "tokenizer", None)
-    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != manifest.get("tokenizer"):
-        raise DrafttrainError(f"{run.train_split} was tokenised with another tokenizer than the target's "
-                              f"({target.name}): rerun `drafttrain prepare` with this recipe")
-    check_validation_is_current(run, manifest)
+    validation = open_dataset(run.validation_split) if run.validation_split.is_dir() else None
+    tokenizer_id = getattr(target, "tokenizer_fingerprint", None)
+    manifest.check(describe_run_data(run, fingerprint, validation, tokenizer_id, target.name), run)
     return fingerprint
-
-
-def check_validation_is_current(run: RunFolder, manifest: dict) -> None:
-    """The held-out split and prompts (which choose the best checkpoint) must be the ones prepare wrote with this
-    train split (``manifest``: data/manifest.json): a validation set left from other data could overlap the
-    training rows."""
-    from drafttrain.data.tokenize import split_fingerprint
-
-    recorded = manifest.get("validation")
-    present = run.validation_split.is_dir()
-    if present != (recorded is not None) or (present and split_fingerprint(open_dataset(run.validation_split))
-                                              != recorded):
-        raise damaged(run.validation_split, f"is not the validation split prepare recorded in {run.data_manifest} "
-                                            "(changed, added or left from another prepare)")
-    if "validation_prompts" in manifest:  # recorded since the run folder's prompts file was fingerprinted
-        sha = file_sha256(run.validation_prompts) if run.validation_prompts.is_file() else None
-        if sha != manifest["validation_prompts"]:
-            raise damaged(run.validation_prompts, f"is not the file prepare recorded in {run.data_manifest}")
 
 
 def check_draft_vocab_is_current(recipe: Recipe, run: RunFolder, fingerprint: str, target) -> None:
     """The run's draft vocab (written by `drafttrain prepare`) must come from this train split and tokenizer: a
     mapping left from other data would silently mask the wrong tokens."""
-    from drafttrain.data.tokenize import tokenizer_fingerprint
-    from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
-
     if recipe.draft_vocab.enabled:
-        load_draft_vocab(run.draft_vocab, expect_key=DraftVocabKey(fingerprint, tokenizer_fingerprint(target.tokenizer)))
+        load_draft_vocab(run.draft_vocab, expect_key=DraftVocabKey(fingerprint, target.tokenizer_fingerprint))
 
 
 def checkpoint_callbacks(recipe: Recipe, target, run: RunFolder) -> list:
@@ -178,7 +148,6 @@ def checkpoint_callbacks(recipe: Recipe, target, run: RunFolder) -> list:
     real tau / speedup on held-out prompts, so the best checkpoint is kept by measured acceptance."""
     if not recipe.eval.every_checkpoint:
         return []
-    from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator
 
     validation = open_dataset(run.validation_split) if run.validation_split.is_dir() else None
     return [CheckpointEvaluator(recipe, target, validation)]

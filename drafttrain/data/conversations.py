@@ -434,7 +434,7 @@ def _json_records(text: str, path: Path) -> list:
 
 
 def _parquet_records(data: bytes, path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # only for parquet files
 
     try:
         return pq.read_table(io.BytesIO(data)).to_pylist()
@@ -444,7 +444,7 @@ def _parquet_records(data: bytes, path: Path) -> list[dict]:
 
 def read_hub_records(path: str, subset: str | None, split: str) -> Iterable[dict]:
     """Records of a Hugging Face dataset (or a local dataset folder) through ``datasets.load_dataset``."""
-    import datasets
+    import datasets  # only for Hub datasets and parquet files
 
     try:
         return datasets.load_dataset(path, subset, split=split)

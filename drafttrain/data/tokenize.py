@@ -37,6 +37,13 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import datasets
+import numpy as np
+from datasets import Dataset, Features
+from datasets import Sequence as Seq
+from datasets import Value
+from tqdm.auto import tqdm
+
 from drafttrain import DrafttrainError
 from drafttrain.config import DataConfig
 from drafttrain.data.chat import (
@@ -46,7 +53,7 @@ from drafttrain.data.chat import (
     render_text,
     template_support,
 )
-from drafttrain.runfolder import damaged, open_dataset, read_json
+from drafttrain.runfolder import DataManifest, RunFolder, cache_root, damaged, file_sha256, open_dataset, read_json
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +278,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def iter_token_rows(dataset, batch_size: int = 1024):
     """(input_ids int64, loss_mask bool) numpy arrays per row of a tokenised split (or any iterable of such dicts)."""
-    import numpy as np
-
     if hasattr(dataset, "iter"):
         rows = (row for batch in dataset.select_columns(["input_ids", "loss_mask"]).iter(batch_size=batch_size)
                 for row in zip(batch["input_ids"], batch["loss_mask"]))
@@ -288,14 +293,24 @@ def iter_token_rows(dataset, batch_size: int = 1024):
 def split_fingerprint(dataset) -> str:
     """Content hash of a tokenised split (every row's tokens and loss mask, in order; 16 hex): what artifacts
     derived from the split (draft vocab, feature cache, checkpoints) record and are checked against."""
-    import numpy as np
-
     digest = hashlib.sha256()
     for ids, mask in iter_token_rows(dataset):
         digest.update(np.int64(ids.shape[0]).tobytes())
         digest.update(ids.tobytes())
         digest.update(np.packbits(mask).tobytes())
     return digest.hexdigest()[:16]
+
+
+def describe_run_data(run: RunFolder, train_fingerprint: str, validation, tokenizer_fingerprint: str | None,
+                      target: str) -> DataManifest:
+    """The run folder's data as its manifest records it: the train split's fingerprint (computed once, by whoever
+    made or opened the split), the validation split's and the held-out prompts' (read here), the tokenizer's
+    fingerprint and the target's name."""
+    return DataManifest(train=train_fingerprint,
+                        validation=split_fingerprint(validation) if validation is not None else None,
+                        validation_prompts=(file_sha256(run.validation_prompts)
+                                            if run.validation_prompts.is_file() else None),
+                        tokenizer=tokenizer_fingerprint, target=target)
 
 
 def conversations_fingerprint(conversations: Iterable[dict]) -> str:
@@ -321,9 +336,6 @@ def cache_key(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig) ->
 
 
 def _features(packed: bool):
-    from datasets import Features, Value
-    from datasets import Sequence as Seq
-
     cols = {"input_ids": Seq(Value("int32")), "loss_mask": Seq(Value("int8"))}
     if packed:
         cols.update(position_ids=Seq(Value("int32")), conversation_ids=Seq(Value("string")))
@@ -334,8 +346,6 @@ def _features(packed: bool):
 
 
 def _row_generator(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, stats: dict):
-    from tqdm.auto import tqdm
-
     def generate():
         skipped: Counter = Counter()
         bar = tqdm(conversations, desc="tokenising", unit="conv", disable=len(conversations) < 1000)
@@ -366,8 +376,6 @@ def _packed_generator(rows, max_length: int, stats: dict):
 @contextlib.contextmanager
 def _quiet_datasets_bars():
     """Our own tqdm bar counts conversations; datasets' per-split bars would only repeat it."""
-    import datasets
-
     enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -383,8 +391,6 @@ def _build(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, key: 
 
 
 def _build_rows(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, key: str, work: Path, stats: dict):
-    from datasets import Dataset
-
     # from_generator streams rows to Arrow (no whole-dataset Python lists); the explicit fingerprint keeps datasets
     # from hashing the closure, and its builder cache lives in our own work folder.
     try:
@@ -406,8 +412,6 @@ def _build_rows(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, 
 
 
 def _default_cache_dir() -> Path:
-    from drafttrain.runfolder import cache_root
-
     return cache_root() / "data"
 
 

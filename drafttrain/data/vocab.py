@@ -19,16 +19,19 @@ another tokenizer is detected on load instead of silently mis-indexing the draft
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
-from drafttrain.runfolder import damaged, read_safetensors
 from drafttrain.data.tokenize import iter_token_rows, split_fingerprint, tokenizer_fingerprint
+from drafttrain.runfolder import damaged, read_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,13 @@ class DraftVocabKey:
 @dataclasses.dataclass
 class TokenCounts:
     counts: torch.Tensor  # int64 [V]: occurrences of each target id among trainable tokens
-    data_hash: str  # sha256 over every row's input_ids and loss_mask
+    dataset: Any = dataclasses.field(repr=False)
+    known_hash: str | None = None  # the split's fingerprint when the caller has it already
+
+    @functools.cached_property
+    def data_hash(self) -> str:
+        """The split's fingerprint (over every row's input_ids and loss_mask), computed only when asked for."""
+        return self.known_hash or split_fingerprint(self.dataset)
 
     @property
     def total(self) -> int:
@@ -95,8 +104,9 @@ class DraftVocab:
 # Keys
 
 
-def count_trainable_tokens(dataset, vocab_size: int) -> TokenCounts:
-    """Counts of target ids over the trainable (loss_mask = 1) positions, and the split's fingerprint."""
+def count_trainable_tokens(dataset, vocab_size: int, data_hash: str | None = None) -> TokenCounts:
+    """Counts of target ids over the trainable (loss_mask = 1) positions, and the split's fingerprint
+    (``data_hash`` when the caller has it)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids, mask in iter_token_rows(dataset):
         trainable = ids[mask]
@@ -106,12 +116,7 @@ def count_trainable_tokens(dataset, vocab_size: int) -> TokenCounts:
                 "the data was tokenised with another tokenizer"
             )
         counts += np.bincount(trainable, minlength=vocab_size)
-    return TokenCounts(torch.from_numpy(counts), split_fingerprint(dataset))
-
-
-def draft_vocab_key(dataset, tokenizer, vocab_size: int) -> DraftVocabKey:
-    """The key a draft vocab built from ``dataset`` with ``tokenizer`` carries (to check a saved one against)."""
-    return DraftVocabKey(data=split_fingerprint(dataset), tokenizer=tokenizer_fingerprint(tokenizer))
+    return TokenCounts(torch.from_numpy(counts), dataset, data_hash)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -152,12 +157,14 @@ def size_for_coverage(counts: torch.Tensor, coverage: float, multiple: int = 64)
     return min(counts.numel(), -(-needed // multiple) * multiple)
 
 
-def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int, coverage: float | None = None) -> DraftVocab:
+def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int, coverage: float | None = None,
+                      key: DraftVocabKey | None = None) -> DraftVocab:
     """Count the trainable tokens of ``dataset`` and keep the ``size`` most frequent as the draft vocabulary (with
-    ``coverage``: as few as reach that share of the tokens, at most ``size``)."""
+    ``coverage``: as few as reach that share of the tokens, at most ``size``). ``key``: the split's and the
+    tokenizer's fingerprints when the caller has them (else computed here)."""
     if size > vocab_size:
         select_draft_ids(torch.zeros(vocab_size, dtype=torch.int64), size)  # raises with both sizes
-    counts = count_trainable_tokens(dataset, vocab_size)
+    counts = count_trainable_tokens(dataset, vocab_size, key.data if key is not None else None)
     if counts.total == 0:
         raise DrafttrainError("the data has no trainable tokens (loss_mask is all zero): cannot build a draft vocab")
     if coverage is not None:
@@ -173,7 +180,7 @@ def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int, coverage: 
     return DraftVocab(
         d2t=d2t,
         t2d=t2d,
-        key=DraftVocabKey(data=counts.data_hash, tokenizer=tokenizer_fingerprint(tokenizer)),
+        key=key or DraftVocabKey(data=counts.data_hash, tokenizer=tokenizer_fingerprint(tokenizer)),
         coverage=coverage_of(counts.counts, t2d),
         trainable_tokens=counts.total,
         distinct_tokens_seen=counts.distinct,
@@ -190,8 +197,6 @@ def dataset_coverage(dataset, vocab: DraftVocab) -> float:
 
 
 def save_draft_vocab(vocab: DraftVocab, path: str | Path) -> Path:
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {

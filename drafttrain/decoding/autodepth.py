@@ -13,30 +13,46 @@ measured acceptance.
    below t, exactly as drafttrain.decoding.trees.Chain does), add up tokens and predicted time, and keep the best
    expected speedup over plain decoding. Depth 0 (plain decoding, speedup 1) is always a candidate, so a draft
    that costs more than it saves is not used.
+
+``choose_shape`` is the one call the evaluator makes: it resolves a side's depth and tree "auto" into settings the
+engine takes as they are (or plain decoding, when no shape pays).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from transformers import DynamicCache
 
+from drafttrain import DrafttrainError
+from drafttrain.config import DecodeSettings
+from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding.engine import SpeculativeDecoder
-from drafttrain.decoding.proposers import DraftRequest, Proposer
+from drafttrain.decoding.proposers import DraftRequest, NoDraft, Proposer
 from drafttrain.decoding.trees import (
     Chain,
     StaticTree,
     ancestor_matrix,
     build_static_tree,
+    cached_forward,
     compact_cache,
     expected_tree_tokens,
-    forward,
+    tree_of,
     tree_position_ids,
 )
 from drafttrain.sampling import Sampling
+from drafttrain.targets import HiddenStateTap
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_NEW_TOKENS = 64  # per calibration prompt
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
@@ -90,15 +106,11 @@ def median_time(fn, repeats: int) -> float:
 
 def _prefilled(target, proposer: Proposer, prompt: torch.Tensor):
     """The target's KV cache after ``prompt``, its length, the next (greedy) token, and the proposer prefilled."""
-    from transformers import DynamicCache
-
-    from drafttrain.targets import HiddenStateTap
-
     model = target.model
     cache = DynamicCache(config=model.config)
     layers = proposer.hidden_layers
     with HiddenStateTap(model, layers) if layers else contextlib.nullcontext() as tap:
-        logits = forward(model, cache, prompt)
+        logits = cached_forward(model, cache, prompt)
         hidden = tap.stacked() if layers else None
     next_token = logits[:, -1:].argmax(-1)
     proposer.prefill(prompt, hidden, next_token)
@@ -112,7 +124,7 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
     cache, prefix, next_token, hidden = _prefilled(target, proposer, prompt.to(device))
 
     def verify(width: int) -> None:
-        forward(model, cache, next_token.expand(1, width).contiguous())
+        cached_forward(model, cache, next_token.expand(1, width).contiguous())
         compact_cache(cache, prefix, [])
 
     verify_s = [0.0] + [median_time(lambda w=w: verify(w), repeats) for w in range(1, max_depth + 2)]
@@ -130,7 +142,6 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
 class _RecordingProposer(Proposer):
     """Wraps a proposer to record the draft's top probability at each position it drafts (drafters built on
     drafttrain.decoding.expand.TreeDrafter expose them as ``last_confidences``)."""
-
     def __init__(self, inner: Proposer):
         self.inner, self.name, self.hidden_layers, self.shapes = inner, inner.name, inner.hidden_layers, inner.shapes
         self.confidences: list[list[float]] = []
@@ -226,15 +237,13 @@ class TreeChoice:
 
 
 @torch.inference_mode()
-def choose_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int,
+def best_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int,
                 stop_token_ids: set[int], sizes: tuple[int, ...] = TREE_SIZES, repeats: int = 5) -> TreeChoice:
     """The static tree size with the best predicted speedup: trees built from the proposer's measured rank
-    accuracies (Medusa's tree tool), each costed by timing its verification forward and its proposal here."""
+    accuracies (the Medusa paper's tree tool), each costed by timing its verification forward and its proposal here."""
     accuracies = proposer.rank_accuracies(target, prompts, max_new_tokens, stop_token_ids)
     if accuracies is None:
-        from drafttrain import DrafttrainError
-
-        raise DrafttrainError(f"tree auto needs a proposer that fills static trees from ranked candidates (medusa); "
+        raise DrafttrainError(f"tree auto needs a proposer that fills static trees from ranked candidates; "
                               f"{proposer.name!r} does not")
     model = target.model
     cache, prefix, root, _ = _prefilled(target, proposer, prompts[0])
@@ -256,9 +265,74 @@ def choose_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new
 def _verify(model, cache, prefix: int, root: torch.Tensor, tree) -> None:
     """One verification forward of the root and ``tree``'s nodes (or the root alone), then back to ``prefix``."""
     if tree is None:
-        forward(model, cache, root)
+        cached_forward(model, cache, root)
     else:
         ids = root.expand(1, len(tree) + 1).contiguous()
-        forward(model, cache, ids, position_ids=tree_position_ids(tree.parents, prefix, root.device),
+        cached_forward(model, cache, ids, position_ids=tree_position_ids(tree.parents, prefix, root.device),
                 allowed=ancestor_matrix(tuple(tree.parents)))
     compact_cache(cache, prefix, [])
+
+
+# ------------------------------------------------------------------------------------------------ the one call
+
+
+@dataclasses.dataclass
+class ShapeChoice:
+    """What ``choose_shape`` decided: the proposer to run (NoDraft when plain decoding wins), settings the engine
+    takes as they are, and each auto choice's summary for the report (None where nothing was auto)."""
+    proposer: Proposer
+    settings: DecodeSettings
+    depth_auto: dict[str, Any] | None = None
+    tree_auto: dict[str, Any] | None = None
+
+    @property
+    def plain(self) -> bool:
+        return isinstance(self.proposer, NoDraft)
+
+
+def choose_shape(target, proposer: Proposer, settings: DecodeSettings, calibration: Sequence[str]) -> ShapeChoice:
+    """Resolve ``settings``' tree (a spec is parsed) and its depth or tree "auto", chosen for ``proposer`` on this
+    machine from the ``calibration`` prompts (first-turn texts, never the reported ones)."""
+    tree, depth, min_confidence = tree_of(settings), settings.depth, settings.min_confidence
+    choice = ShapeChoice(proposer, settings)
+    if tree == "auto" or depth == "auto":
+        prompts, stops = _calibration_prompts(target, calibration)
+        budget = min(settings.max_new_tokens, CALIBRATION_NEW_TOKENS)
+        if tree == "auto":  # a static tree sized for this draft and machine (proposers that fill static trees)
+            chosen = best_tree(target, proposer, prompts, budget, stops)
+            log.info("tree auto: %d nodes, predicted speedup %.2fx (by size: %s)", len(chosen.paths),
+                     chosen.predicted_speedup, ", ".join(f"{n}: {s:.2f}" for n, s in chosen.by_size.items()))
+            tree, choice.tree_auto = StaticTree(chosen.paths), chosen.summary()
+            if chosen.plain:  # the best tree still loses to plain decoding here
+                choice.proposer, depth, tree = NoDraft(), 1, "chain"
+        if depth == "auto":
+            chosen = _best_depth(target, choice.proposer, prompts, stops, settings, budget)
+            depth, min_confidence, choice.depth_auto = chosen.depth, chosen.min_confidence, chosen.summary()
+            if depth == 0:  # drafting would cost more than it saves: plain decoding
+                choice.proposer, depth = NoDraft(), 1
+    choice.settings = DecodeSettings.of(settings, depth=depth, tree=tree, min_confidence=min_confidence)
+    return choice
+
+
+def _best_depth(target, proposer: Proposer, prompts: list[torch.Tensor], stops: set[int],
+                settings: DecodeSettings, budget: int) -> DepthChoice:
+    """Costs measured on the first calibration prompt, acceptance on all of them, and the choice (no deeper than
+    the proposer can fill)."""
+    deepest = min(settings.max_depth, proposer.max_depth or settings.max_depth)
+    with torch.inference_mode():
+        costs = measure_costs(target, proposer, prompts[0], deepest)
+    acceptance = calibrate(target, proposer, prompts, deepest, budget, stops, Sampling(**settings.sampling),
+                           settings.seed)
+    choice = choose(costs, acceptance, deepest)
+    log.info("depth auto: depth %d, min_confidence %.1f, predicted speedup %.2fx (by depth: %s)", choice.depth,
+             choice.min_confidence, choice.predicted_speedup,
+             ", ".join(f"{d}: {s:.2f}" for d, s in choice.by_depth.items()))
+    return choice
+
+
+def _calibration_prompts(target, calibration: Sequence[str]) -> tuple[list[torch.Tensor], set[int]]:
+    if not calibration:
+        raise DrafttrainError("depth or tree auto needs calibration prompts (held out from the reported ones)")
+    prompts = [torch.tensor([prompt_ids(target.tokenizer, [{"role": "user", "content": text}])], device=target.device)
+               for text in calibration]
+    return prompts, set(stop_token_ids(target.tokenizer, target.model.generation_config))

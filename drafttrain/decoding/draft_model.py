@@ -1,5 +1,5 @@
 """The ``draft_model`` proposer: a separate causal LM with the target's tokenizer and its own KV cache (classic
-speculative decoding, and the proposer of distilled draft models).
+speculative decoding, and the proposer of drafttrain draft models).
 
 The draft's cache holds the accepted text only: drafted nodes are cropped after each proposal, and the accepted
 tokens are fed with the next root in one batched forward. Chains and trees are drafted by
@@ -11,33 +11,35 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from drafttrain import DrafttrainError
+from drafttrain.data.vocab import draft_ids, read_vocab_mapping, scatter_to_vocab
 from drafttrain.decoding.expand import TreeDrafter
 from drafttrain.decoding.proposers import register_proposer, trained_draft
-from drafttrain.decoding.trees import compact_cache, feed_mask, forward
+from drafttrain.decoding.trees import cached_forward, compact_cache, feed_mask
+from drafttrain.drafts import Drafter
+from drafttrain.runfolder import drafttrain_checkpoint
+from drafttrain.targets import Target, check_same_tokenizer, load_target
 from drafttrain.targets.outputs import plain_lm_head
 
 
 @register_proposer("draft_model")
 class DraftModelProposer(TreeDrafter):
+    serves_model_folders = True
     """``vocab``: draft only from these target token ids (a tensor, or a draft-vocab .safetensors file with
     d2t/t2d): the draft's logits are computed for those rows of its lm_head alone, which is most of a small draft's
-    cost with a large vocabulary. A distilled drafttrain draft brings its own (``serving_vocab``); ``False``: the
+    cost with a large vocabulary. A drafttrain draft model brings its own (``serving_vocab``); ``False``: the
     whole vocabulary even then. Lossless either way: the target verifies every token."""
 
     def __init__(self, target, *, draft=None, vocab=None):
-        from drafttrain.drafts import Drafter
-        from drafttrain.targets import Target, check_same_tokenizer, load_target
-
         if draft is None or draft == "":
             raise DrafttrainError(
                 "the 'draft_model' proposer needs draft=<a built-in name, model folder, .gguf file or Hub id>"
             )
-        from drafttrain.runfolder import drafttrain_checkpoint
 
         if isinstance(draft, Drafter) or (isinstance(draft, (str, Path)) and drafttrain_checkpoint(draft)):
-            # a distilled draft (being trained, or a drafttrain checkpoint or run): it speaks the target's tokens
+            # a drafttrain draft model (being trained, or a checkpoint or run): it speaks the target's tokens
             distilled = trained_draft(self.name, target, draft)
             self.draft = Target("draft_model", distilled.student, target.tokenizer)
             vocab = distilled.serving_vocab if vocab is None else vocab
@@ -52,8 +54,6 @@ class DraftModelProposer(TreeDrafter):
         if vocab is None or vocab is False:
             return None, None
         if isinstance(vocab, (str, Path)):
-            from drafttrain.data.vocab import draft_ids, read_vocab_mapping
-
             vocab = draft_ids(read_vocab_mapping(vocab, self.vocab_size)[0])
         rows = torch.as_tensor(vocab, dtype=torch.long, device=self.model.device)
         weight = plain_lm_head(self.model, rows).weight.detach()[rows].contiguous()
@@ -63,8 +63,6 @@ class DraftModelProposer(TreeDrafter):
         return rows, head
 
     def prefill(self, input_ids, hidden, next_token) -> None:
-        from transformers import DynamicCache
-
         self.device = input_ids.device
         self.ids = torch.cat([input_ids, next_token], dim=1)
         self.cache = DynamicCache(config=self.model.config)
@@ -83,16 +81,16 @@ class DraftModelProposer(TreeDrafter):
         start = min(self.cache.get_seq_length(), self.ctx - 1)
         compact_cache(self.cache, start, [])
         new = self.ids[:, start:]
-        return self._aligned(forward(self.model, self.cache, new, logits_to_keep=1, head=self.head)[0, -1])
+        return self._aligned(cached_forward(self.model, self.cache, new, logits_to_keep=1, head=self.head)[0, -1])
 
     def _feed(self, nodes, tokens, parents, depths) -> torch.Tensor:
         ids = torch.tensor([[tokens[n] for n in nodes]], device=self.device)
         allowed = feed_mask(parents, self.fed, nodes)
         if bool(allowed.all()):  # a chain: plain causal attention at the next positions, no mask to build
-            logits = forward(self.model, self.cache, ids, head=self.head)
+            logits = cached_forward(self.model, self.cache, ids, head=self.head)
         else:
             pos = torch.tensor([[self.ctx - 1 + depths[n] for n in nodes]], device=self.device)
-            logits = forward(self.model, self.cache, ids, position_ids=pos, allowed=allowed, head=self.head)
+            logits = cached_forward(self.model, self.cache, ids, position_ids=pos, allowed=allowed, head=self.head)
         self.fed.extend(nodes)
         return self._aligned(logits[0])
 
@@ -103,8 +101,6 @@ class DraftModelProposer(TreeDrafter):
         """The draft's logits over the target's vocabulary size (same tokenizer, differently padded heads; -inf
         outside a draft vocabulary)."""
         if self.rows is not None:
-            from drafttrain.data.vocab import scatter_to_vocab
-
             return scatter_to_vocab(logits, self.rows, self.vocab_size)
         v = logits.shape[-1]
         if v > self.vocab_size:

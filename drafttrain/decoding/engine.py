@@ -13,16 +13,17 @@ import dataclasses
 import time
 
 import torch
+from transformers import DynamicCache
 
 from drafttrain import DrafttrainError
-from drafttrain.sampling import Sampling, probabilities
+from drafttrain.config import DecodeSettings
 from drafttrain.decoding.proposers import DraftRequest, NoDraft, Proposer, build_proposer
 from drafttrain.decoding.trees import (
     Draft,
     ancestor_matrix,
     as_shape,
+    cached_forward,
     compact_cache,
-    forward,
     tree_position_ids,
 )
 from drafttrain.decoding.verify import (
@@ -31,6 +32,8 @@ from drafttrain.decoding.verify import (
     verify_tree,
     verify_tree_greedy,
 )
+from drafttrain.sampling import Sampling, probabilities
+from drafttrain.targets import HiddenStateTap
 
 
 @dataclasses.dataclass
@@ -82,26 +85,16 @@ class SpeculativeDecoder:
     the target's distribution warped by temperature / top_k / top_p, seeded by ``seed`` per generate call.
     """
 
-    def __init__(
-        self,
-        target,
-        proposer: Proposer | str,
-        *,
-        depth: int = 5,
-        tree="chain",
-        min_confidence: float = 0.0,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-    ):
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth <= 0:
-            raise DrafttrainError(f"depth (draft tokens per step) must be a positive integer, got {depth!r}")
-        self.target, self.model = target, target.model
+    def __init__(self, target, proposer: Proposer | str, settings: DecodeSettings | None = None, **changes):
+        settings = DecodeSettings.of(settings, **changes)
+        if settings.depth == "auto" or settings.tree == "auto":
+            raise DrafttrainError("the engine decodes a chosen shape: resolve depth or tree 'auto' first "
+                                  "(drafttrain.decoding.autodepth.choose_shape)")
+        self.target, self.model, self.settings = target, target.model, settings
         self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
-        self.shape = as_shape(tree, depth, min_confidence)
-        self.sampling = Sampling(temperature, top_p, top_k)
-        self.seed = seed
+        self.shape = as_shape(settings.tree, settings.depth, settings.min_confidence)
+        self.sampling = Sampling(**settings.sampling)
+        self.seed = settings.seed
         if not isinstance(self.shape, self.proposer.shapes):
             raise DrafttrainError(
                 f"proposer {self.proposer.name!r} cannot fill a {type(self.shape).__name__} draft "
@@ -110,7 +103,7 @@ class SpeculativeDecoder:
         limit = self.proposer.max_depth
         if limit is not None and self.shape.depth > limit:
             raise DrafttrainError(f"a draft of depth {self.shape.depth} is deeper than proposer "
-                                  f"{self.proposer.name!r} can fill ({limit}: one per Medusa head)")
+                                  f"{self.proposer.name!r} can fill ({limit}: the deepest its draft proposes)")
         self.cache = None  # the target's KV cache after the last generate (for inspection)
         self.tap = None
 
@@ -146,8 +139,6 @@ class SpeculativeDecoder:
         return DecodeOutput(out, stats)
 
     def _prefill(self, ids: torch.Tensor):
-        from transformers import DynamicCache
-
         self.cache = DynamicCache(config=self.model.config)
         return self._forward(ids, logits_to_keep=1)
 
@@ -190,7 +181,7 @@ class SpeculativeDecoder:
         return verify_tree(draft.tokens[0], draft.parents, p, q, generator)
 
     def _forward(self, input_ids: torch.Tensor, **kwargs):
-        logits = forward(self.model, self.cache, input_ids, **kwargs)
+        logits = cached_forward(self.model, self.cache, input_ids, **kwargs)
         if self.tap is None:
             return logits, None
         hidden = self.tap.stacked()
@@ -210,8 +201,6 @@ class SpeculativeDecoder:
             stats.position_accepted.extend([0] * (len(stats.position_drafted) - len(stats.position_accepted)))
 
     def _tap(self):
-        from drafttrain.targets import HiddenStateTap
-
         layers = self.proposer.hidden_layers
         return HiddenStateTap(self.model, layers) if layers else contextlib.nullcontext()
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from drafttrain import DrafttrainError
 from drafttrain.decoding.engine import plain_decode
 from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer, trained_draft
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
 from drafttrain.sampling import top_probability
+from drafttrain.targets import HiddenStateTap
 
 
 @register_proposer("medusa")
@@ -29,7 +29,7 @@ class MedusaProposer(Proposer):
     def __init__(self, target, *, draft=None):
         self.head = trained_draft(self.name, target, draft)
         self.hidden_layers = [target.num_layers]  # the final (normed) hidden state the heads read
-        self.max_depth = self.head.config.num_heads
+        self.max_depth = type(self.head).max_draft_depth(self.head.config)  # the engine refuses deeper shapes
 
     def rank_accuracies(self, target, prompts, max_new_tokens, stop_token_ids):
         return measure_rank_accuracies(target, self.head, prompts, max_new_tokens, stop_token_ids=stop_token_ids)
@@ -44,9 +44,6 @@ class MedusaProposer(Proposer):
     @torch.no_grad()
     def propose(self, request: DraftRequest) -> Draft:
         shape = request.shape
-        if shape.depth > self.max_depth:
-            raise DrafttrainError(f"a draft of depth {shape.depth} needs {shape.depth} Medusa heads; this draft has "
-                                  f"{self.max_depth}")
         logits = self.head.head_logits(self.last.to(self.head.lm_heads[0].weight.dtype))[0]  # [K, V]
         if isinstance(shape, Chain):
             return self._chain(logits, shape, request)
@@ -74,8 +71,6 @@ def measure_rank_accuracies(target, drafter, prompts: list[torch.Tensor], max_ne
                             stop_token_ids: set[int] | None = None) -> list[list[float]]:
     """``[head][rank]``: how often head h's rank-r candidate is the token the target then produces (greedy), over
     every position of the target's own answers to ``prompts``."""
-    from drafttrain.targets import HiddenStateTap
-
     heads = drafter.config.num_heads
     hits, counted = torch.zeros(heads, k), torch.zeros(heads, 1)
     for prompt in prompts:

@@ -38,6 +38,7 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.decoding.trees import Chain, Draft, DynamicTree, StaticTree, TreeShape
+from drafttrain.drafts import Drafter, load_drafter
 from drafttrain.sampling import Sampling
 
 
@@ -52,7 +53,10 @@ class Proposer(abc.ABC):
     name: ClassVar[str] = "?"
     hidden_layers: list[int] | None = None
     shapes: ClassVar[tuple[type, ...]] = (Chain, StaticTree, DynamicTree)
-    max_depth: int | None = None  # the deepest draft it can fill (Medusa: its number of heads), None: any
+    max_depth: int | None = None  # the deepest draft it can fill (its draft's max_draft_depth), None: any
+    # It serves any causal LM with the target's tokenizer (a model folder, a built-in name, a Hub id), not only a
+    # drafttrain checkpoint; it may draft from a draft vocabulary (``vocab=``).
+    serves_model_folders: ClassVar[bool] = False
 
     @abc.abstractmethod
     def prefill(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, next_token: torch.Tensor) -> None: ...
@@ -89,6 +93,11 @@ def register_proposer(name: str):
         return cls
 
     return deco
+
+
+def model_folder_proposer() -> str:
+    """The registered proposer that serves plain model folders (``drafttrain eval --draft MODEL``)."""
+    return next(name for name, cls in PROPOSERS.items() if cls.serves_model_folders)
 
 
 def build_proposer(name: str, target, **kwargs) -> Proposer:
@@ -192,8 +201,6 @@ def _trie(paths: list[list[int]], budget: int, device) -> Draft:
 def trained_draft(proposer: str, target, draft):
     """The trained draft a proposer serves: ``draft`` itself, or loaded from a checkpoint or run folder; refused
     when its kind is served by another proposer."""
-    from drafttrain.drafts import Drafter, load_drafter
-
     if draft is None or draft == "":
         raise DrafttrainError(f"the {proposer!r} proposer needs draft=<a checkpoint or run folder written by drafttrain>")
     head = draft if isinstance(draft, Drafter) else load_drafter(draft, target)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from typing import Union
+import json
+from pathlib import Path
+from typing import Any, Union
 
 import torch
 
@@ -25,7 +27,6 @@ class Chain:
     ``min_confidence`` > 0 stops a drafter early when unsure: position i is drafted only while the product of the
     draft's top probabilities at positions 1..i (EAGLE-2's estimate that the path is accepted) stays at or above it.
     The rule reads the draft's distributions, never the token about to be drawn, so sampling stays lossless."""
-
     depth: int = 5
     min_confidence: float = 0.0
 
@@ -44,7 +45,6 @@ class DynamicTree:
     """EAGLE-2's context-dependent tree: expand the ``top_k`` best nodes per level for ``depth`` levels (each
     with ``top_k`` children), then keep the ``total_tokens`` candidates with the highest cumulative draft
     log-probability. That set is always ancestor-closed, since a child's score is never above its parent's."""
-
     total_tokens: int = 60
     depth: int = 6
     top_k: int = 8
@@ -59,7 +59,6 @@ class StaticTree:
     its parent's top-k draft candidates (``[[0], [1], [0, 0], [0, 1], [1, 0]]``: two root children, the best
     one with two children of its own, the second with one). Every path's prefix must be listed too, and the
     ranks under one parent must be 0..m-1, so the children are always the *first* m candidates drawn."""
-
     def __init__(self, paths: list[list[int]]):
         clean = sorted({tuple(_check_path(p)) for p in paths}, key=lambda p: (len(p), p))
         if not clean:
@@ -129,9 +128,6 @@ def expected_tree_tokens(paths: list[list[int]], accuracies: list[list[float]]) 
 def tree_from_spec(spec: str, depth: int, total_tokens: int = 60, top_k: int = 10):
     """A tree as recipes and the CLI name it: ``chain``; ``dynamic`` (EAGLE-2, ``depth`` levels); a named static
     tree (NAMED_TREES); a .json file holding a list of paths; or ``static:`` followed by the JSON list."""
-    import json
-    from pathlib import Path
-
     if spec == "chain":
         return "chain"
     if spec == "dynamic":
@@ -163,6 +159,16 @@ NAMED_TREES = {
 }
 
 
+def tree_of(settings) -> Any:
+    """A DecodeSettings' tree as the engine and the auto choice take it: a spec named as recipes and the CLI name
+    it is parsed (``tree_from_spec``, no deeper than the settings may draft); "chain", "auto", a list of paths
+    or a shape object stay as they are."""
+    tree = settings.tree
+    if isinstance(tree, str) and tree not in ("chain", "auto"):
+        return tree_from_spec(tree, settings.deepest, settings.total_tokens, settings.tree_top_k)
+    return tree
+
+
 def as_shape(tree, depth: int, min_confidence: float = 0.0) -> TreeShape:
     """The engine's ``tree=`` argument ("chain", a list of paths, a StaticTree or a DynamicTree) as a shape."""
     if isinstance(tree, (Chain, StaticTree, DynamicTree)):
@@ -189,7 +195,6 @@ class Draft:
              i's children were drawn from, *without replacement, in node order* (the first child ~ q, the
              second ~ q with the first removed, ...). Rows of leaves are ignored (may be zero).
     """
-
     tokens: torch.Tensor
     parents: list[int]
     q: torch.Tensor | None = None
@@ -289,17 +294,12 @@ def additive_mask(allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype, de
     return mask[None, None]
 
 
-def tree_attention_mask(parents: list[int], prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Mask for the verification forward over (root, nodes...): each sees the prefix, its ancestors and itself."""
-    return additive_mask(ancestor_matrix(tuple(parents)), prefix_len, dtype, device)
-
-
 def tree_position_ids(parents: list[int], prefix_len: int, device) -> torch.Tensor:
     """position_ids [1, N+1] for (root, nodes...): prefix_len + depth, the root at depth 0."""
     return torch.tensor([[prefix_len] + [prefix_len + d for d in node_depths(tuple(parents))]], device=device)
 
 
-def forward(
+def cached_forward(
     model: torch.nn.Module,
     cache,
     input_ids: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Draft kinds (EAGLE-3, EAGLE-1/2; Medusa and distilled drafts next), one registry entry each."""
+"""Draft kinds (EAGLE-3, EAGLE-1/2, Medusa-1/2, draft models), one registry entry each."""
 
 from drafttrain.drafts.base import Drafter, StepOutput
 from drafttrain.drafts.registry import KINDS, build_drafter, drafter_class, load_drafter, saved_kind

@@ -17,10 +17,11 @@ target is neither trained (unless declared) nor saved with the draft.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from pathlib import Path
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -97,6 +98,9 @@ class Drafter(nn.Module):
     config_class: ClassVar[type[DraftConfig]]
     proposer: ClassVar[str]
     formats: ClassVar[tuple[str, ...]] = ()
+    description: ClassVar[str] = ""  # what it is, in a phrase (the model card's first line)
+    # How each serving engine names its method: {"vllm": the speculative_config method, "sglang": the algorithm}
+    engine_methods: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -151,9 +155,15 @@ class Drafter(nn.Module):
 
     def original_target(self):
         """A context in which the target computes as the original (for drafts that adapt it)."""
-        import contextlib
-
         return contextlib.nullcontext()
+
+    def card_notes(self) -> list[str]:
+        """What a user serving it must know beyond the engine's command (the model card's "Serve it")."""
+        return []
+
+    def card_files(self) -> list[str]:
+        """Lines for the files an export of it holds beyond config, weights, manifest and report."""
+        return []
 
     def trainable_target_parameters(self) -> list[str]:
         """Names (in ``target.model``) of the target parameters this draft trains; none by default."""
@@ -223,7 +233,7 @@ class Drafter(nn.Module):
 def with_lora(model: nn.Module, lora, owner: str) -> nn.Module:
     """``model`` wrapped in peft LoRA adapters on ``lora.target_modules`` (rank, alpha, dropout from ``lora``);
     module names the model lacks are refused, naming ``owner`` and some names it has."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # optional extra (peft): only for draft.lora
 
     present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
     missing = [m for m in lora.target_modules if m not in present]
@@ -237,11 +247,8 @@ def with_lora(model: nn.Module, lora, owner: str) -> nn.Module:
 
 def target_identity(target) -> dict[str, Any]:
     """What a draft records of the target it was trained for, so it is never served by another."""
-    from drafttrain.data.tokenize import tokenizer_fingerprint
-
-    tokenizer = getattr(target, "tokenizer", None)
     return {"name": target.name, "vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
-            "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None}
+            "tokenizer": getattr(target, "tokenizer_fingerprint", None)}
 
 
 def check_target(config: dict[str, Any], target, directory: Path) -> None:

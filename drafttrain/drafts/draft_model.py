@@ -24,6 +24,7 @@ and the top-1 agreement with the target (what greedy drafting is paid for).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -32,14 +33,17 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig
+from drafttrain.data.chat import stop_token_ids
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, read_vocab_mapping, target_to_draft
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
+from drafttrain.targets import check_same_tokenizer, load_target
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, plain_lm_head, rows_and_argmax, run_target
 
@@ -50,8 +54,10 @@ log = logging.getLogger(__name__)
 SERVING_VOCAB = "draft_vocab/draft_vocab.safetensors"
 
 
-class DistilledDrafter(Drafter):
+class DraftModelDrafter(Drafter):
     kind = "draft_model"
+    description = "a small causal LM distilled to agree with the target"
+    engine_methods = {"vllm": "draft_model"}
     config_class = DraftModelConfig
     proposer = "draft_model"
 
@@ -77,12 +83,10 @@ class DistilledDrafter(Drafter):
         return TargetNeeds(logits=True, logits_top_k=top_k, logits_temperature=config.temperature)
 
     @classmethod
-    def build(cls, config: DraftModelConfig, target, run: RunFolder | None = None) -> "DistilledDrafter":
+    def build(cls, config: DraftModelConfig, target, run: RunFolder | None = None) -> "DraftModelDrafter":
         if config.cut is not None:
             student = cut_from_target(target, config.cut)
         else:
-            from drafttrain.targets import check_same_tokenizer, load_target
-
             named = load_target(config.student, dtype=str(target.model.dtype).removeprefix("torch."),
                                 device=str(target.device))
             if getattr(target, "tokenizer", None) is not None:
@@ -102,9 +106,7 @@ class DistilledDrafter(Drafter):
         return cls(config, student.train(), vocab).attach_target(target)
 
     @classmethod
-    def from_pretrained(cls, directory, target) -> "DistilledDrafter":
-        from transformers import AutoModelForCausalLM
-
+    def from_pretrained(cls, directory, target) -> "DraftModelDrafter":
         directory = Path(directory)
         config = DraftModelConfig.model_validate(read_json(directory / CONFIG_NAME)["drafttrain"]["draft"])
         student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
@@ -239,8 +241,6 @@ class DistilledDrafter(Drafter):
         return logits
 
     def _within_loss_rows(self):
-        from transformers import LogitsProcessorList
-
         rows = self.loss_rows  # the rows outside are untrained: sampling them would teach nothing it is served with
         return LogitsProcessorList([_OnlyRows(rows)] if rows is not None else [])
 
@@ -248,8 +248,6 @@ class DistilledDrafter(Drafter):
     def on_policy_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch's prompts (each row up to its first trained token) answered by the current draft, sampled in
         one batched generate; the answers are the trained tokens."""
-        from drafttrain.data.chat import stop_token_ids
-
         cfg, device = self.config, batch["input_ids"].device
         prompts = []
         for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
@@ -356,6 +354,4 @@ def warn_if_larger(student: torch.nn.Module, target) -> None:
 
 def _merged_copy(peft_model: torch.nn.Module) -> torch.nn.Module:
     """The student with its adapters merged, leaving the training model untouched."""
-    import copy
-
     return copy.deepcopy(peft_model).merge_and_unload()

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from drafttrain import DrafttrainError
 from drafttrain.config import EagleConfig
 from drafttrain.drafts import losses
-from drafttrain import DrafttrainError
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import DraftDecoderLayer, llama_config_like, shift_left
@@ -21,6 +21,8 @@ from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 class EagleDrafter(EagleHead):
     kind = "eagle"
+    description = "an EAGLE-1/2 head on the target's last hidden state"
+    engine_methods = {"vllm": "eagle", "sglang": "EAGLE"}
     config_class = EagleConfig
 
     def __init__(self, config: EagleConfig, layer_config, num_target_layers: int):

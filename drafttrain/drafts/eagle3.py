@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from drafttrain import DrafttrainError
+from drafttrain import DrafttrainError, __version__
 from drafttrain.config import Eagle3Config
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, to_target_vocab
 from drafttrain.drafts import losses
@@ -24,7 +24,6 @@ from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import final_norm
 from drafttrain.targets.loading import verifier_path
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
-
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format the export writes (and is tested with)
 
@@ -48,6 +47,8 @@ def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
 
 class Eagle3Drafter(EagleHead):
     kind = "eagle3"
+    description = "an EAGLE-3 head on three of the target's hidden layers"
+    engine_methods = {"vllm": "eagle3", "sglang": "EAGLE3"}
     config_class = Eagle3Config
 
     def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d):
@@ -148,8 +149,6 @@ class Eagle3Drafter(EagleHead):
         return Exported(config, tensors, notes=notes)
 
     def _speculators(self, config, tensors) -> Exported:
-        from drafttrain import __version__
-
         layer = {k: v for k, v in config.items() if k not in (
             "architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "drafttrain")}
         layer["num_hidden_layers"] = self.config.num_layers

@@ -18,9 +18,8 @@ Parameter names follow vLLM's Medusa layout: ``blocks.{h}.layers.{l}`` and ``lm_
 
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -57,6 +56,8 @@ class ResidualBlock(nn.Module):
 
 class MedusaDrafter(Drafter):
     kind = "medusa"
+    description = "Medusa heads on the target's last hidden state"
+    engine_methods = {"vllm": "medusa"}
     config_class = MedusaConfig
     proposer = "medusa"
 
@@ -130,6 +131,15 @@ class MedusaDrafter(Drafter):
     def original_target(self):
         """Within it, the target computes as the original (adapters off)."""
         return self.target.model.disable_adapter() if self.adapts_target else contextlib.nullcontext()
+
+    def card_notes(self) -> list[str]:
+        if not self.adapts_target:
+            return []
+        return ["Medusa-2 trained the target too (LoRA): serve the adapted target in `target/` (merged), since the "
+                "heads read its hidden states."]
+
+    def card_files(self) -> list[str]:
+        return ["- `target/`: the adapted target (LoRA merged), with its tokenizer"] if self.adapts_target else []
 
     # -- forward pieces ------------------------------------------------------------------------------------
     @property
@@ -234,6 +244,7 @@ def save_lora(target, directory: Path) -> None:
 
 def load_lora(target, directory: Path) -> list[str]:
     """Adapt the target with a saved adapter (or load it into an adapter already there, e.g. while training)."""
+    # optional extra (peft): only for Medusa-2
     from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
     settings = read_json(directory / "adapter_config.json")
@@ -251,7 +262,7 @@ def load_lora(target, directory: Path) -> list[str]:
 @torch.no_grad()
 def save_merged(target, directory: Path) -> None:
     """The adapted target as a plain model folder: each adapted weight is base + the adapter's delta."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # optional extra (peft): only for Medusa-2
 
     model = target.model
     base = model.get_base_model()

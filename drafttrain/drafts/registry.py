@@ -2,26 +2,53 @@
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 
 from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
-from drafttrain.config import DraftConfig
+from drafttrain.config import DraftConfig, register_draft_section
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config
-from drafttrain.drafts.draft_model import DistilledDrafter
+from drafttrain.drafts.draft_model import DraftModelDrafter
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.medusa import MedusaDrafter
-from drafttrain.runfolder import (CONFIG_NAME, MANIFEST, WEIGHTS_NAME, RunFolder, damaged, file_sha256, find_draft,
-                                  read_json, read_safetensors, verify_manifest)
+from drafttrain.runfolder import (
+    CONFIG_NAME,
+    MANIFEST,
+    WEIGHTS_NAME,
+    RunFolder,
+    damaged,
+    file_sha256,
+    find_draft,
+    read_json,
+    read_safetensors,
+    verify_manifest,
+)
 
-KINDS: dict[str, type[Drafter]] = {
-    Eagle3Drafter.kind: Eagle3Drafter,
-    EagleDrafter.kind: EagleDrafter,
-    MedusaDrafter.kind: MedusaDrafter,
-    DistilledDrafter.kind: DistilledDrafter,
-}
+KINDS: dict[str, type[Drafter]] = {}
+
+
+def register_kind(cls: type[Drafter]) -> type[Drafter]:
+    """Add a kind: its class (a Drafter subclass saying everything about it) under its name, and its section to
+    the recipe schema. Every stage then finds it here."""
+    if KINDS.get(cls.kind, cls) is not cls:
+        raise DrafttrainError(f"draft kind {cls.kind!r} is registered already ({KINDS[cls.kind].__name__})")
+    register_draft_section(cls.config_class)
+    KINDS[cls.kind] = cls
+    return cls
+
+
+for _kind in (Eagle3Drafter, EagleDrafter, MedusaDrafter, DraftModelDrafter):
+    register_kind(_kind)
+
+
+def formats_by_kind() -> str:
+    """Which serving formats each kind is written in, as help texts say it ("eagle3: vllm, sglang; ...")."""
+    return "; ".join(f"{kind}: {', '.join(cls.formats)}" for kind, cls in KINDS.items())
 
 
 def drafter_class(kind: str) -> type[Drafter]:
@@ -32,7 +59,11 @@ def drafter_class(kind: str) -> type[Drafter]:
 
 def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> Drafter:
     """A fresh draft of the recipe's kind for ``target`` (``run``: the run folder prepare wrote)."""
-    return drafter_class(config.kind).build(config, target, run)
+    cls = drafter_class(config.kind)
+    if not isinstance(config, cls.config_class):
+        raise DrafttrainError(f"a {config.kind} draft is built from a {cls.config_class.__name__} section, not a "
+                              f"{type(config).__name__}")
+    return cls.build(config, target, run)
 
 
 def saved_kind(path: str | Path) -> type[Drafter]:
@@ -46,10 +77,6 @@ def saved_kind(path: str | Path) -> type[Drafter]:
 
 def _from_export(kind: type[Drafter], directory: Path, config: dict, target) -> Drafter:
     """A folder ``drafttrain export`` wrote: read back into the kind's own layout, then loaded as a checkpoint."""
-    import json
-    import tempfile
-
-    from safetensors.torch import save_file
 
     fmt = config["drafttrain"]["export"]["format"]
     if fmt not in kind.formats:

@@ -12,7 +12,6 @@ outputs it declares, and the evaluator serves the draft with the proposer its ki
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -20,15 +19,21 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
-from drafttrain.drafts import load_drafter
+from drafttrain.data.chat import prompt_ids, stop_token_ids
+from drafttrain.decoding import plain_decode
+from drafttrain.decoding.trees import tree_of
+from drafttrain.drafts import drafter_class, load_drafter
 from drafttrain.drafts.base import add_positions, simulated_tau
+from drafttrain.drafts.layers import shift_left
+from drafttrain.drafts.losses import cross_entropy
 from drafttrain.evaluation.evaluate import EvalReport, evaluate
 from drafttrain.evaluation.report import write_report
-from drafttrain.evaluation.suites import Suite, load_suite
+from drafttrain.evaluation.suites import Suite, load_suite, without_reported
 from drafttrain.runfolder import EVAL_DIR, RunFolder
+from drafttrain.targets import TargetNeeds
 from drafttrain.targets.outputs import run_target
 from drafttrain.training.loader import ROW_INDEX, pad_collate
-from drafttrain.training.logging import CheckpointMetrics
+from drafttrain.training.run_log import CheckpointMetrics
 
 log = logging.getLogger(__name__)
 
@@ -39,34 +44,24 @@ def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress
                      calibration: Suite | None = None) -> EvalReport:
     """The evaluator on ``questions`` with the recipe's eval settings, against plain decoding in the same run.
     With ``eval.depth: auto`` the depth is chosen on ``calibration`` (default: the held-out validation prompts)."""
-    cfg = recipe.eval
-    tree = eval_tree(recipe)
     if calibration is None:
         calibration = selection_prompts(recipe)
-    return evaluate(target, drafter, questions, depth=cfg.depth, tree=tree, min_confidence=cfg.min_confidence,
-                    max_depth=cfg.max_depth, calibration=calibration.questions[:CALIBRATION_PROMPTS] if calibration
-                    else (), temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=recipe.seed,
-                    progress=progress)
+    return evaluate(target, drafter, questions, recipe.eval.decode_settings(), progress=progress,
+                    calibration=calibration.questions[:CALIBRATION_PROMPTS] if calibration else ())
 
 
-def eval_tree(recipe: Recipe):
-    """The recipe's eval tree, checked against its draft (depth auto needs a chain; a Medusa draft fills trees no
-    deeper than its heads). Called before training starts, so a mistake costs nothing."""
-    from drafttrain.decoding.trees import tree_from_spec
-    from drafttrain.drafts import drafter_class
-
-    cfg = recipe.eval
-    if cfg.depth == "auto" and cfg.tree != "chain":
-        raise DrafttrainError("eval.depth auto chooses chain depths: set eval.tree to chain, or give a depth")
-    if cfg.tree == "auto":
-        return "auto"  # built from the draft's measured accuracies, no deeper than it can fill
-    tree = tree_from_spec(cfg.tree, cfg.max_depth if cfg.depth == "auto" else cfg.depth)
-    deepest = cfg.max_depth if cfg.depth == "auto" else getattr(tree, "depth", cfg.depth)
-    limit = drafter_class(recipe.draft.kind).max_draft_depth(recipe.draft) if recipe.draft is not None else None
+def check_eval_shape(recipe: Recipe) -> None:
+    """The recipe's eval tree parsed, and no deeper than its draft can fill. Called before training starts, so
+    a mistake costs nothing."""
+    tree = tree_of(recipe.eval)
+    if recipe.draft is None or tree == "auto":  # "auto" is built no deeper than the draft can fill
+        return
+    deepest = getattr(tree, "depth", None) if not isinstance(tree, (str, list)) else None
+    deepest = deepest or recipe.eval.deepest
+    limit = drafter_class(recipe.draft.kind).max_draft_depth(recipe.draft)
     if limit is not None and deepest > limit:
-        raise DrafttrainError(f"eval: a draft of depth {deepest} (eval.tree {cfg.tree}, eval.depth {cfg.depth}) is "
-                              f"deeper than this {recipe.draft.kind} draft can fill ({limit})")
-    return tree
+        raise DrafttrainError(f"eval: a draft of depth {deepest} (eval.tree {recipe.eval.tree}, eval.depth "
+                              f"{recipe.eval.depth}) is deeper than this {recipe.draft.kind} draft can fill ({limit})")
 
 
 def selection_prompts(recipe: Recipe) -> Suite | None:
@@ -74,15 +69,14 @@ def selection_prompts(recipe: Recipe) -> Suite | None:
     path = RunFolder.of(recipe.output_dir).validation_prompts
     if not path.is_file():
         return None
-    reported = {q.turns[0].strip() for q in load_suite(recipe.eval.suite).questions}
-    held_out = load_suite(path)
-    kept = tuple(q for q in held_out.questions if q.turns[0].strip() not in reported)
-    if len(kept) < len(held_out.questions):
+    candidates = load_suite(path)
+    kept = without_reported(candidates, load_suite(recipe.eval.suite))
+    if len(kept.questions) < len(candidates.questions):
         log.warning("%d validation prompt(s) also occur in %s and are not used to choose checkpoints",
-                    len(held_out.questions) - len(kept), recipe.eval.suite)
-    if not kept:
+                    len(candidates.questions) - len(kept.questions), recipe.eval.suite)
+    if not kept.questions:
         return None
-    return dataclasses.replace(held_out, questions=kept).select(num_prompts=recipe.eval.num_prompts, turns="1")
+    return kept.select(num_prompts=recipe.eval.num_prompts, turns="1")
 
 
 class CheckpointEvaluator:
@@ -100,12 +94,6 @@ class CheckpointEvaluator:
     def target_drift(self, drafter) -> dict[str, float]:
         """How far a draft that adapts its target (Medusa-2) moved it from the original: perplexity on the
         held-out rows with and without the adapters, and how many held-out prompts get the same greedy answer."""
-        from drafttrain.data.chat import prompt_ids, stop_token_ids
-        from drafttrain.decoding import plain_decode
-        from drafttrain.drafts.losses import cross_entropy
-        from drafttrain.drafts.layers import shift_left
-        from drafttrain.targets import TargetNeeds
-
         def perplexity() -> float:
             total, weight = 0.0, 0.0
             for row in range(len(self.validation or [])):

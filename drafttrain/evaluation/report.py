@@ -6,6 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
 from drafttrain.evaluation.evaluate import EvalReport
 
 # Keys every metrics object (overall and each category) carries in report.json.
@@ -165,10 +169,10 @@ def render_markdown(report: EvalReport) -> str:
 
 def plot_acceptance(report: EvalReport, path: str | Path) -> None:
     """Two panels (conditional, cumulative) of acceptance by depth: one line per category, overall in bold."""
-    import matplotlib
+    import matplotlib  # heavy: only when a plot is drawn
 
     matplotlib.use("Agg")  # headless; no display needed
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: only when a plot is drawn
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True, constrained_layout=True)
     panels = (("conditional", "conditional: P(depth d | depth d-1 accepted)"),
@@ -204,10 +208,6 @@ def _plot_line(ax, values: list[float | None], **style) -> None:
 
 def print_report(report: EvalReport, console=None) -> None:
     """A rich table of overall and per-category metrics (plus HF reference lines) on the console."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     console.print(_config_line(report.config), style="dim")
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)

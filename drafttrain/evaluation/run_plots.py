@@ -9,7 +9,8 @@ from typing import Any
 
 from drafttrain import DrafttrainError
 from drafttrain.runfolder import RunFolder
-from drafttrain.training.logging import read_metrics
+from drafttrain.training.run_log import read_metrics
+
 
 def _numbered(records: list[dict[str, Any]], pattern: str) -> dict[int, list[tuple[int, float]]]:
     """{k: [(step, value)]} for the keys matching ``pattern`` (one group: k)."""
@@ -23,10 +24,10 @@ def _numbered(records: list[dict[str, Any]], pattern: str) -> dict[int, list[tup
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # heavy: only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: only when a plot is drawn
 
     return plt
 

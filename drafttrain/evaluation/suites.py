@@ -126,3 +126,12 @@ def _parse_question(line: str, where: str, fallback_category: str) -> Question:
     if not isinstance(category, str):
         raise DrafttrainError(f"malformed question file {where}: 'category' must be a string")
     return Question(question_id=str(row["question_id"]), category=category, turns=tuple(turns))
+
+
+def without_reported(candidates: Suite, reported: Suite) -> Suite:
+    """``candidates``' questions whose first turn is not also one of ``reported``'s (compared without surrounding
+    whitespace): the prompts that choose a checkpoint or a depth are never the ones a report is measured on."""
+    seen = {q.turns[0].strip() for q in reported.questions}
+    return dataclasses.replace(candidates, questions=tuple(q for q in candidates.questions
+                                                           if q.turns[0].strip() not in seen))
+

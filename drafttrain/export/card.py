@@ -18,8 +18,6 @@ from drafttrain.targets.loading import provenance
 ACCEPTANCE_PLOT = "acceptance.png"
 DEPTH_DEFAULT = 3  # speculative tokens in the serving snippets when nothing was measured
 
-VLLM_METHOD = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
-SGLANG_ALGORITHM = {"eagle3": "EAGLE3", "eagle": "EAGLE"}
 
 
 def build_card(drafter, fmt: str, notes: list[str], measured: dict[str, Any] | None,
@@ -37,7 +35,7 @@ def build_card(drafter, fmt: str, notes: list[str], measured: dict[str, Any] | N
     depth = _served_depth(drafter, measured)
     sections = [
         f"# {drafter.kind} draft for {facts['base_model'] or target.name}",
-        f"A speculative-decoding draft ({_KIND_TEXT[drafter.kind]}) for **{target.name}**, trained and measured with "
+        f"A speculative-decoding draft ({drafter.description}) for **{target.name}**, trained and measured with "
         f"drafttrain {__version__}, written in the **{fmt}** format. "
         "Speculative decoding with it is lossless: the target verifies every drafted token, so greedy output is "
         "the target's own, and sampling follows the target's distribution.",
@@ -55,13 +53,6 @@ def build_card(drafter, fmt: str, notes: list[str], measured: dict[str, Any] | N
     content = f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
     return ModelCard(content)
 
-
-_KIND_TEXT = {
-    "eagle3": "an EAGLE-3 head on three of the target's hidden layers",
-    "eagle": "an EAGLE-1/2 head on the target's last hidden state",
-    "medusa": "Medusa heads on the target's last hidden state",
-    "draft_model": "a small causal LM distilled to agree with the target",
-}
 
 
 def _served_depth(drafter, measured) -> int:
@@ -115,7 +106,7 @@ def _measured_section(measured: dict[str, Any] | None, plot: str | None) -> str:
 def _serving(drafter, fmt: str, target: str, depth: int) -> str:
     if fmt == "sglang":
         return ("```bash\npython -m sglang.launch_server --model-path " + target + " \\\n"
-                f"  --speculative-algorithm {SGLANG_ALGORITHM[drafter.kind]} --speculative-draft-model-path THIS_REPO"
+                f"  --speculative-algorithm {drafter.engine_methods['sglang']} --speculative-draft-model-path THIS_REPO"
                 f" \\\n  --speculative-num-steps {depth} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
                 f"{depth + 1}\n```")
     if fmt == "speculators":
@@ -124,9 +115,8 @@ def _serving(drafter, fmt: str, target: str, depth: int) -> str:
                 f"vllm serve {target} --speculative-config '{{\"model\": \"THIS_REPO\", "
                 f"\"num_speculative_tokens\": {depth}}}'\n```")
     served = "THIS_REPO/target" if drafter.adapts_target else target
-    extra = ("\n\nMedusa-2 trained the target too (LoRA): serve the adapted target in `target/` (merged), since the "
-             "heads read its hidden states.") if drafter.adapts_target else ""
-    return (f"```bash\nvllm serve {served} --speculative-config '{{\"method\": \"{VLLM_METHOD[drafter.kind]}\", "
+    extra = "".join(f"\n\n{note}" for note in drafter.card_notes())
+    return (f"```bash\nvllm serve {served} --speculative-config '{{\"method\": \"{drafter.engine_methods['vllm']}\", "
             f"\"model\": \"THIS_REPO\", \"num_speculative_tokens\": {depth}}}'\n```" + extra)
 
 
@@ -135,6 +125,4 @@ def _files_text(drafter, fmt: str) -> str:
             "of the config is ignored by engines and lets `drafttrain eval --draft` load the export)",
             "- `manifest.json`: size and sha256 of every file, and what the draft was built from",
             "- `eval/report.json`: the evaluation behind the table above, when there is one"]
-    if drafter.adapts_target:
-        rows.append("- `target/`: the adapted target (LoRA merged), with its tokenizer")
-    return "\n".join(rows)
+    return "\n".join(rows + drafter.card_files())

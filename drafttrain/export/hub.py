@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
+
 from drafttrain import DrafttrainError
 from drafttrain.runfolder import MANIFEST, read_json, verify_manifest
 
@@ -41,9 +44,6 @@ def push_export(folder: str | Path, repo_id: str, private: bool = False, revisio
     """Create the repo if needed (and the branch ``revision``) and upload the folder in one commit; returns the
     commit URL. A rerun after an interruption uploads again; LFS files already on the Hub are not sent twice.
     ``built_from``: what ``check_export`` returned, when the caller checked the folder already."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
     folder = Path(folder)
     built_from = built_from if built_from is not None else check_export(folder)
     api = HfApi()

@@ -16,13 +16,23 @@ from typing import Any
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
-from drafttrain.drafts import load_drafter
-from drafttrain.drafts.base import Drafter
+from drafttrain.drafts import load_drafter, saved_kind
+from drafttrain.drafts.base import Drafter, read_draft_config
 from drafttrain.evaluation.evaluate import EvalReport
 from drafttrain.evaluation.report import plot_acceptance
 from drafttrain.export.card import ACCEPTANCE_PLOT, build_card
-from drafttrain.runfolder import (CONFIG_NAME, EVAL_DIR, MANIFEST, WEIGHTS_NAME, RunFolder, find_draft, read_json,
-                                  write_manifest, write_text_atomic)
+from drafttrain.runfolder import (
+    CONFIG_NAME,
+    EVAL_DIR,
+    MANIFEST,
+    WEIGHTS_NAME,
+    RunFolder,
+    find_draft,
+    read_json,
+    write_manifest,
+    write_text_atomic,
+)
+from drafttrain.targets import load_target
 
 FORMATS = ("vllm", "sglang", "speculators", "hf")
 REPORT_NAME = "report.json"
@@ -31,8 +41,6 @@ REPORT_NAME = "report.json"
 def recorded_target(checkpoint: Path) -> str:
     """The target a checkpoint was trained for: recorded in its config, or (older checkpoints) in its manifest's
     recipe."""
-    from drafttrain.drafts.base import read_draft_config
-
     named = (read_draft_config(checkpoint)["drafttrain"].get("target") or {}).get("name")
     if named is None and (checkpoint / MANIFEST).is_file():
         recipe = read_json(checkpoint / MANIFEST).get("built_from", {}).get("recipe") or {}
@@ -47,9 +55,6 @@ def export_checkpoint(source: str | Path, fmt: str | None, out: str | Path | Non
     """``export_draft`` for the commands: the draft at ``source`` with the target it was trained for (or
     ``target_name``), in ``fmt`` (default: its kind's first format), to ``out`` (default: the run's
     ``exports/<fmt>``, replaced)."""
-    from drafttrain.drafts import saved_kind
-    from drafttrain.targets import load_target
-
     checkpoint = find_draft(source)
     fmt = fmt or saved_kind(checkpoint).formats[0]
     if out is None:

@@ -20,9 +20,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from huggingface_hub import ModelCard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from drafttrain import DrafttrainError
 from drafttrain.config import TargetConfig
+from drafttrain.data.tokenize import tokenizer_fingerprint
 from drafttrain.runfolder import cache_root
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,12 @@ class Target:
         return self.model.get_input_embeddings().weight.device
 
     @functools.cached_property
+    def tokenizer_fingerprint(self) -> str | None:
+        """Identity of its tokenizer (drafttrain.data.tokenize.tokenizer_fingerprint), computed once for every
+        artifact that records it."""
+        return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
+
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Identity of the target's weights (16 hex), recorded by every artifact built from its outputs."""
         if self.source_dir is not None:
@@ -100,8 +110,6 @@ def provenance(target: Target) -> dict[str, str | None]:
         facts["base_model"] = target.name
     readme = target.source_dir / "README.md" if target.source_dir is not None else None
     if readme is not None and readme.is_file():
-        from huggingface_hub import ModelCard
-
         data = ModelCard.load(readme).data
         facts["license"] = data.get("license")
         facts["base_model"] = facts["base_model"] or data.get("base_model")
@@ -162,7 +170,6 @@ def convert_gguf(gguf: Path) -> Path:
     out = _gguf_cache_dir(gguf)
     if (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors under %s (once)", gguf.name, out)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -212,8 +219,6 @@ def _apply_chat_template_override(tokenizer, chat_template: str | None) -> None:
 
 
 def load_tokenizer(cfg: TargetConfig | str):
-    from transformers import AutoTokenizer
-
     cfg = TargetConfig(model=cfg) if isinstance(cfg, str) else cfg
     where = resolve_model_dir(cfg.model)
     try:
@@ -228,8 +233,6 @@ def load_tokenizer(cfg: TargetConfig | str):
 
 def load_target(cfg: TargetConfig | str, **overrides) -> Target:
     """Load a frozen target (eval mode, no gradients) and its tokenizer."""
-    from transformers import AutoModelForCausalLM
-
     cfg = TargetConfig(model=cfg, **overrides) if isinstance(cfg, str) else cfg.model_copy(update=overrides)
     where = resolve_model_dir(cfg.model)
     try:
@@ -256,8 +259,6 @@ def load_target(cfg: TargetConfig | str, **overrides) -> Target:
 
 def _partitioned_at_load() -> bool:
     """True under a ZeRO-3 run: from_pretrained loaded the weights partitioned, each on its process's device."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
     return is_deepspeed_zero3_enabled()
 
 

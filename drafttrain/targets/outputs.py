@@ -1,7 +1,7 @@
 """What a draft learns from: the target outputs a draft kind declares it needs, computed in one target forward.
 
 A kind declares its needs as :class:`TargetNeeds`: hidden states at named layers (taps), the final hidden state
-(the lm_head's input), the next-token logits, or nothing at all (a distilled draft model that brings its own data
+(the lm_head's input), the next-token logits, or nothing at all (a draft model that brings its own data
 from a teacher cache). :func:`run_target` produces them online; an offline cache stores the hidden states once and
 recovers the logits with :func:`logits_from_final`, through the target's own output path, so final-logit scaling
 and softcapping (Gemma-2/3, Granite, Cohere) are applied exactly as the model applies them.
@@ -16,7 +16,9 @@ import dataclasses
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from drafttrain import DrafttrainError
 from drafttrain.targets.hidden import HiddenStateTap
 
 
@@ -143,16 +145,12 @@ class _GivenHidden(nn.Module):
         self.hidden = hidden
 
     def forward(self, *args, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
         return BaseModelOutputWithPast(last_hidden_state=self.hidden)
 
 
 def plain_lm_head(model: nn.Module, rows: torch.Tensor) -> nn.Module:
     """The model's lm_head when its logits are ``hidden @ weight.T`` and nothing else, so that some rows of them can
     be computed alone (a draft vocabulary); a clear error otherwise, or when ``rows`` name a row it does not have."""
-    from drafttrain import DrafttrainError
-
     config, lm_head = model.config, model.get_output_embeddings()
     scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(config, k, None)]
     if scaled or getattr(lm_head, "bias", None) is not None:

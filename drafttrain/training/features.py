@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -78,8 +79,6 @@ def cache_settings(target, dataset, needs: TargetNeeds, *, split_fingerprint: st
 def start_cache(out_dir: str | Path, settings: dict) -> Path:
     """Keep the finished shards of an interrupted run with the same settings; anything else starts over (outputs
     written for other rows, another target or other layers would not line up). One process calls this."""
-    import shutil
-
     out_dir = Path(out_dir)
     if out_dir.is_dir():
         try:

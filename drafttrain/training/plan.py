@@ -21,17 +21,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
+import psutil
 import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
+# A training process has imported the trainer before it loads anything: the runtime the plan measures includes it.
+import drafttrain.training.trainer  # noqa: F401
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
+from drafttrain.drafts import drafter_class
+from drafttrain.runfolder import RunFolder, open_dataset
+from drafttrain.targets.hidden import decoder_layers
+from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
+from drafttrain.targets.outputs import LOGITS_CHUNK, TargetOutputs
+from drafttrain.training.features import cache_dtype
 from drafttrain.training.runtime import configured_zero_stage
 
 log = logging.getLogger(__name__)
@@ -45,7 +56,6 @@ SKIP_ENV = "DRAFTTRAIN_SKIP_PLAN"
 @dataclasses.dataclass
 class Plan:
     """Per-process memory by part (bytes), the offline cache, the regeneration work, and the verdict."""
-
     stage: str  # "train" or "prepare"
     where: str  # e.g. "16 x GPU (80 GiB), ZeRO-3" or "1 x CPU process"
     memory: dict[str, int]
@@ -123,7 +133,6 @@ def _size(n: int | float) -> str:
 class Cluster:
     """Where the run goes: ``gpus`` processes per node (one per GPU; on CPU, processes per machine), ``nodes``
     machines, ``gpu_memory`` bytes per GPU (None on CPU, or when unknown)."""
-
     gpus: int = 1
     nodes: int = 1
     gpu_memory: int | None = None
@@ -147,8 +156,6 @@ def this_machine(recipe: Recipe) -> Cluster:
 def read_hostfile(path: str | Path) -> dict[str, int]:
     """A DeepSpeed hostfile (``host slots=N`` per line) as {host: slots}; every host must resolve, so that a typo
     is named now rather than by a launcher that hangs waiting for it."""
-    import socket
-
     file = Path(path)
     if not file.is_file():
         raise DrafttrainError(f"hostfile not found: {file}")
@@ -180,7 +187,6 @@ def _on_gpu(recipe: Recipe) -> bool:
 def _capacity(recipe: Recipe, cluster: Cluster) -> int | None:
     if _on_gpu(recipe):
         return cluster.gpu_memory
-    import psutil
 
     return psutil.virtual_memory().available // cluster.gpus  # the node's free memory, shared by its processes
 
@@ -188,9 +194,6 @@ def _capacity(recipe: Recipe, cluster: Cluster) -> int | None:
 def _runtime_bytes(recipe: Recipe) -> int:
     if _on_gpu(recipe):
         return CUDA_CONTEXT
-    import psutil
-
-    import drafttrain.training.trainer  # noqa: F401  (what a training process has imported before it loads anything)
 
     # now, not the process's peak: measured before the plan reads any config (a first conversion of a built-in
     # target, for one, would count here otherwise)
@@ -203,10 +206,6 @@ def _runtime_bytes(recipe: Recipe) -> int:
 def target_config(recipe: Recipe, config_path: str | None = None):
     """The target's HF config: from ``config_path`` when given, else the recipe's target (a folder, a built-in, or
     the Hub: config.json only)."""
-    from transformers import AutoConfig
-
-    from drafttrain.targets.loading import resolve_model_dir
-
     source = config_path or resolve_model_dir(recipe.target.model)
     try:
         return AutoConfig.from_pretrained(source, revision=None if config_path else recipe.target.revision,
@@ -218,10 +217,6 @@ def target_config(recipe: Recipe, config_path: str | None = None):
 
 def meta_target(recipe: Recipe, config):
     """The target with its real shapes and no storage."""
-    from transformers import AutoModelForCausalLM
-
-    from drafttrain.targets.loading import _DTYPES, Target
-
     dtype = _DTYPES[recipe.target.dtype]
     dtype = getattr(config, "torch_dtype", None) or torch.float32 if dtype == "auto" else dtype
     with torch.device("meta"):
@@ -234,14 +229,11 @@ def meta_target(recipe: Recipe, config):
 def _draft_section(recipe: Recipe, vocab_size: int):
     """The recipe's draft section; a draft vocabulary that prepare has not written yet is stood in for by one of
     the recipe's size (only its size matters here)."""
-    from drafttrain.runfolder import RunFolder
-
     draft, run = recipe.draft, RunFolder.of(recipe.output_dir)
     wants_file = recipe.draft_vocab.enabled and "draft_vocab" in type(draft).model_fields
     if not wants_file or draft.draft_vocab or run.draft_vocab.is_file():
         yield draft, run
         return
-    from safetensors.torch import save_file
 
     with tempfile.TemporaryDirectory() as tmp:
         size = min(recipe.draft_vocab.size, vocab_size)
@@ -253,7 +245,6 @@ def _draft_section(recipe: Recipe, vocab_size: int):
 
 class _MetaScalars(torch.utils._python_dispatch.TorchDispatchMode):
     """Lets a training step read a scalar (a metric, a branch) from a meta tensor: it reads 0. Only shapes matter."""
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return 0
@@ -267,9 +258,6 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
     """Parameters of the draft (trainable, frozen) and the bytes one training step holds, from a meta-device run
     of the kind's own code at the recipe's batch size and sequence length."""
-    from drafttrain.drafts import drafter_class
-    from drafttrain.targets.outputs import LOGITS_CHUNK
-
     batch_size, seq = recipe.training.batch_size, recipe.data.max_length if recipe.data else 2048
     with _draft_section(recipe, target.vocab_size) as (section, run), _MetaScalars():
         # eval mode: the step's own computation and its saved tensors, without the random side paths (on-policy
@@ -309,7 +297,6 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
 
 
 def _meta_outputs(target, needs, batch_size: int, seq: int):
-    from drafttrain.targets.outputs import TargetOutputs
 
     dtype, h = target.model.dtype, target.hidden_size
     shape = (batch_size, seq)
@@ -340,11 +327,8 @@ def optimizer_bytes(trainable: int, stage: int, world: int, bf16: bool) -> dict[
 def token_count(recipe: Recipe) -> tuple[int, bool]:
     """Training tokens: counted in the prepared split when there is one, else num_samples rows of half of
     max_length each (stated as an estimate)."""
-    from drafttrain.runfolder import RunFolder
-
     split = RunFolder.of(recipe.output_dir).train_split
     if split.is_dir():
-        from drafttrain.runfolder import open_dataset
 
         dataset = open_dataset(split)
         return sum(len(ids) for ids in dataset["input_ids"]), True
@@ -355,7 +339,6 @@ def token_count(recipe: Recipe) -> tuple[int, bool]:
 
 
 def cache_bytes_per_token(recipe: Recipe, target, needs) -> int:
-    from drafttrain.training.features import cache_dtype
 
     dtype = recipe.training.feature_dtype
     width = cache_dtype(dtype, target).itemsize
@@ -378,7 +361,6 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
     bf16 = recipe.training.mixed_precision == "bf16"
     target_bytes = sum(_nbytes(p) for p in target.model.parameters())
     footprint = draft_footprint(recipe, target)
-    from drafttrain.drafts import drafter_class
 
     needs = drafter_class(recipe.draft.kind).target_needs(recipe.draft, target)
     offline = recipe.training.hidden_states == "offline"
@@ -392,7 +374,6 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
         memory["target weights" + (" (ZeRO-3 shard)" if sharded else "")] = \
             target_bytes // cluster.world if sharded else target_bytes
         if sharded:  # each layer is gathered whole for its forward, the next one prefetched meanwhile
-            from drafttrain.targets.hidden import decoder_layers
 
             layer = max(sum(_nbytes(p) for p in layer.parameters()) for layer in decoder_layers(target.model))
             memory["target layers gathered (ZeRO-3)"] = 2 * layer
@@ -438,7 +419,6 @@ def _regenerated_rows(recipe: Recipe) -> int:
 
 
 def _free_disk(recipe: Recipe) -> int | None:
-    from drafttrain.runfolder import RunFolder
 
     folder = RunFolder.of(recipe.output_dir).root
     while not folder.exists() and folder != folder.parent:
@@ -462,8 +442,3 @@ def check_fits(recipe: Recipe, stage: str) -> Plan | None:
         raise DrafttrainError(f"this run cannot fit here; the plan:\n{result.render()}\n"
                               f"(set {SKIP_ENV}=1 to start anyway)")
     return result
-
-
-def write_plan(result: Plan, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.as_dict(), indent=1) + "\n")

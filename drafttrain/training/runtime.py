@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
 from drafttrain import DrafttrainError
 from drafttrain.config import TrainingConfig
@@ -30,9 +32,6 @@ def uses_deepspeed(training: TrainingConfig) -> bool:
 
 
 def build_accelerator(training: TrainingConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-
     config = read_deepspeed_config(training.deepspeed) if training.deepspeed else None
     # ZeRO-3: transformers' from_pretrained partitions the target while it loads (zero.Init) once this exists
     stage3 = config is not None and int(config["zero_optimization"].get("stage", 0)) == 3
@@ -72,7 +71,7 @@ def shard_frozen(model: torch.nn.Module, accelerator):
     config, so its weights stay partitioned over the processes and each layer's are gathered for its forward
     only (the pattern TRL uses for reference and teacher models). A model loaded under zero.Init (see
     ``build_accelerator``) is partitioned already; one built whole is partitioned here."""
-    import deepspeed
+    import deepspeed  # optional extra, heavy: only under a DeepSpeed config
 
     config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
     config.pop("optimizer", None)
@@ -86,7 +85,7 @@ def gathered(parameters, enabled: bool):
     enters it); nothing to do otherwise."""
     if not enabled:
         return contextlib.nullcontext()
-    import deepspeed
+    import deepspeed  # optional extra, heavy: only under a DeepSpeed config
 
     return deepspeed.zero.GatheredParameters(list(parameters), modifier_rank=None)
 
@@ -99,8 +98,6 @@ def local_part(param: torch.Tensor) -> torch.Tensor:
 def process_state():
     """This process's place in a launch (accelerate's PartialState): one process without a launcher. On CPU the
     gloo backend is named, or accelerate would count one process per launch (see the module doc)."""
-    from accelerate import PartialState
-
     if "LOCAL_RANK" in os.environ and not torch.cuda.is_available():
         return PartialState(backend="gloo")
     return PartialState()

@@ -18,15 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object, set_seed
 from torch import nn
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
+from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged, write_manifest
 from drafttrain.targets.outputs import TargetOutputs, run_target
 from drafttrain.training.checkpoint import CheckpointManager, TrainerState, recipe_changes
 from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids
-from drafttrain.training.logging import CheckpointMetrics, MetricsLog, WindowMeter, summarise
+from drafttrain.training.run_log import CheckpointMetrics, MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator, gathered, local_part, shard_frozen, zero_stage_of
 from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
 
@@ -54,7 +56,6 @@ class TrainResult:
 
 class TrainStep(nn.Module):
     """What accelerate wraps, so DDP and ZeRO hooks see one forward: the target outputs, then the kind's loss."""
-
     def __init__(self, drafter: nn.Module, target, outputs_fn: OutputsFn):
         super().__init__()
         self.drafter = drafter
@@ -101,8 +102,10 @@ class Trainer:
         callbacks: list[CheckpointCallback] | None = None,
         best_metric: str | None = None,
         accelerator=None,
+        data_fingerprint: str | None = None,  # the train split's, when the caller has hashed it already
     ):
         self.recipe, self.training = recipe, recipe.training
+        self._data_fingerprint = data_fingerprint
         self._given_accelerator = accelerator  # made before the target loaded (ZeRO-3 partitions it at load)
         self.target, self.drafter, self.dataset = target, drafter, train_dataset
         self.outputs_fn = outputs_fn or online_outputs(target, drafter)
@@ -114,8 +117,6 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------------------
     def train(self, resume: bool = False) -> TrainResult:
-        from accelerate.utils import set_seed
-
         self.accelerator = acc = self._given_accelerator or build_accelerator(self.training)
         self.zero3 = zero_stage_of(acc) == 3
         self.built_from = self._built_from()
@@ -162,11 +163,8 @@ class Trainer:
 
     def _built_from(self) -> dict[str, Any]:
         """What this run's checkpoints are built from: the data, the target, its tokenizer, and the recipe."""
-        from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
-
-        tokenizer = getattr(self.target, "tokenizer", None)
-        return {"data": split_fingerprint(self.dataset), "target": self.target.fingerprint,
-                "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
+        return {"data": self._data_fingerprint or split_fingerprint(self.dataset), "target": self.target.fingerprint,
+                "tokenizer": getattr(self.target, "tokenizer_fingerprint", None),
                 "recipe": self.recipe.model_dump(mode="json")}
 
     def _start_folder(self, resume: bool) -> Path | None:
@@ -323,8 +321,6 @@ class Trainer:
         acc = self.accelerator
         part = self.meter.local_summary()
         if acc.num_processes > 1:
-            from accelerate.utils import gather_object
-
             parts = gather_object([part])
         else:
             parts = [part]

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+import resource
 import sys
 import time
 import uuid
@@ -24,9 +25,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
+from drafttrain import DrafttrainError
 from drafttrain.config import Recipe, WandbConfig
 from drafttrain.drafts.base import add_positions, simulated_tau
-from drafttrain import DrafttrainError
 from drafttrain.runfolder import ACCELERATE_DIR, RunFolder, damaged, write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -161,11 +165,8 @@ def summarise(parts: list[dict[str, Any]]) -> dict[str, float]:
 def peak_memory_bytes() -> int:
     """This process's peak so far: the CUDA allocator's reserved memory on a GPU, resident memory on CPU (what
     ``drafttrain plan`` predicts)."""
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_reserved()
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -194,7 +195,7 @@ class MetricsLog:
         mode = resolve_wandb_mode(recipe.wandb)
         if mode == "disabled":
             return None
-        import wandb
+        import wandb  # optional extra (wandb): only when the recipe enables it
 
         id_file = self.run.wandb_id
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:12]
@@ -217,8 +218,6 @@ class MetricsLog:
         return run
 
     def _start_bar(self, total_steps: int, start_step: int):
-        from tqdm.auto import tqdm
-
         # On a non-terminal (log files, CI) the bar is off and each record becomes a log line instead.
         return tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                     disable=not sys.stderr.isatty())
@@ -235,7 +234,7 @@ class MetricsLog:
         self._append({"step": step, **{f"eval/{k}": float(v) for k, v in measured.scalars.items()}})
         if self._wandb is None:
             return
-        import wandb
+        import wandb  # optional extra (wandb): only when the recipe enables it
 
         entry: dict[str, Any] = {"eval/step": step,
                                  **{f"eval/{k}": _finite_or_none(float(v)) for k, v in measured.scalars.items()}}
@@ -250,7 +249,7 @@ class MetricsLog:
         """The checkpoint's draft files (not its optimizer state) as a wandb model artifact."""
         if self._wandb is None:
             return
-        import wandb
+        import wandb  # optional extra (wandb): only when the recipe enables it
 
         artifact = wandb.Artifact(f"{self.run.root.name}-draft", type="model",
                                   metadata={"checkpoint": checkpoint.name})

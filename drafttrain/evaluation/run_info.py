@@ -1,0 +1,89 @@
+"""What a report records of the run it measured: the settings, the versions and the machine (nothing that
+identifies the host), so two reports can be compared and a model card matched to its weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+from typing import Any
+
+import torch
+import transformers
+
+import drafttrain
+from drafttrain.config import DecodeSettings
+
+TIMING = "wall clock around each generate call, prefill included; method and baseline interleaved"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def describe_tree(tree: Any) -> Any:
+    if isinstance(tree, str):
+        return tree
+    if hasattr(tree, "paths"):  # a StaticTree object
+        return {"kind": "static", "paths": [list(p) for p in tree.paths]}
+    if dataclasses.is_dataclass(tree):
+        return {"kind": type(tree).__name__, **dataclasses.asdict(tree)}
+    if isinstance(tree, (list, tuple)):
+        return {"kind": "static", "paths": [list(p) for p in tree]}
+    return repr(tree)
+
+
+def jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    name = getattr(value, "name", None)  # a Target: its spec
+    return name if isinstance(name, str) else type(value).__name__
+
+
+def machine_description() -> dict[str, Any]:
+    """Enough to compare runs, nothing that identifies the host (no hostname, no user)."""
+    return {
+        "platform": platform.platform(terse=True),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def run_config(target, settings: DecodeSettings, *, suite: str, questions: list, described: dict[str, Any],
+               stop_ids: list[int], started_at: str) -> dict[str, Any]:
+    """The report's ``config``: the method's resolved settings (``settings``, after any auto choice), the prompts,
+    what each side was (``described``: proposer, draft, baseline, references, compared sides), versions, machine."""
+    param = next(target.model.parameters())
+    return {
+        "target": target.name,
+        **{key: described[key] for key in ("proposer", "proposer_kwargs")},
+        "depth": settings.depth,
+        "tree": describe_tree(settings.tree),
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "top_k": settings.top_k,
+        "max_new_tokens": settings.max_new_tokens,
+        "seed": settings.seed,
+        "stop_token_ids": list(stop_ids),
+        "suite": suite,
+        "num_prompts": len(questions),
+        "num_turns": sum(len(q.turns) for q in questions),
+        **{key: described[key] for key in ("baseline", "hf_reference", "compare", "draft", "min_confidence",
+                                        "depth_auto", "tree_auto")},
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "device": str(param.device),
+        "threads": torch.get_num_threads(),
+        "versions": {"drafttrain": drafttrain.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "machine": machine_description(),
+        "timing": TIMING,
+        "started_at": started_at,
+    }

@@ -364,6 +364,13 @@ class DecodeSettings(Section):
         except ValidationError as err:
             raise DrafttrainError(describe_errors(err, lambda loc: ".".join(map(str, loc)))) from None
 
+    def fitted_to(self, deepest: int | None) -> "DecodeSettings":
+        """These settings with a default depth lowered to what the draft can fill (``deepest``; None: any). A depth
+        the user gave is kept as it is (and refused, naming both, when it is deeper)."""
+        if deepest is None or "depth" in self.model_fields_set or self.depth == "auto" or self.depth <= deepest:
+            return self
+        return type(self).of(self, depth=deepest)
+
     def decode_settings(self) -> "DecodeSettings":
         """Only the decode settings (a subclass's other fields left out)."""
         return DecodeSettings.of(self)
@@ -458,7 +465,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(child, dict):
                 raise DrafttrainError(f"override {dotted!r}: {key!r} is not a section")
             node = child
-        node[keys[-1]] = yaml.safe_load(text)
+        try:
+            node[keys[-1]] = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            problem = str(err).splitlines()[0]
+            raise DrafttrainError(f"override {item!r}: the value is not valid YAML ({problem})") from None
     return raw
 
 

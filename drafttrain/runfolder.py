@@ -49,6 +49,7 @@ EVAL_DIR = "eval"
 LATEST = "latest"
 BEST = "best.json"
 MANIFEST = "manifest.json"
+METRICS = "metrics.jsonl"  # the training log, one JSON object per line (appended)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -94,7 +95,7 @@ class RunFolder:
 
     @property
     def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
+        return self.root / METRICS
 
     @property
     def wandb_id(self) -> Path:
@@ -231,24 +232,30 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def _writer_of(path: Path) -> tuple[str, str]:
-    """(the stage that writes this run-folder file, how to recover from its damage), judged from its path."""
+    """(the command that writes this file, how to recover from its damage), judged from its path."""
     parts = path.parts
     for i, part in enumerate(parts):
         if _STEP_DIR.match(part.removesuffix(".tmp")):
             folder = Path(*parts[: i + 1])
-            return "train", (f"resume from an older checkpoint (`drafttrain train --resume` skips a damaged one), "
-                             f"or delete {folder}")
+            return "`drafttrain train`", (f"resume from an older checkpoint (`drafttrain train --resume` sets a "
+                                          f"damaged one aside), or delete {folder}")
     if "tokenized" in parts:
-        return "prepare", "delete that cache folder; the next `drafttrain prepare` rebuilds it"
+        return "`drafttrain prepare`", "delete that cache folder; the next `drafttrain prepare` rebuilds it"
     if EVAL_DIR in parts:
-        return "eval", "rerun the evaluation"
-    return "prepare", "rerun `drafttrain prepare` with this recipe to rebuild it"
+        return "`drafttrain eval`", "rerun the evaluation"
+    if path.name == METRICS:
+        return "`drafttrain train`", "it is the run's log: a rerun of `drafttrain train --resume` appends to it"
+    draft_file = path.name in (CONFIG_NAME, WEIGHTS_NAME, MANIFEST) or (path / CONFIG_NAME).is_file()
+    if draft_file and not {"data", "features"} & set(parts):  # a draft folder outside a checkpoints/ folder
+        return "`drafttrain train` or `drafttrain export`", ("copy the draft again from the run it came from, or "
+                                                             "export it again (`drafttrain export RUN`)")
+    return "`drafttrain prepare`", "rerun `drafttrain prepare` with this recipe to rebuild it"
 
 
 def damaged(path: str | Path, problem: str) -> DrafttrainError:
     """The error for a run-folder file that cannot be used: names it, its writer and the way out."""
-    stage, recover = _writer_of(Path(path))
-    return DrafttrainError(f"{path} {problem} (written by `drafttrain {stage}`): {recover}")
+    writer, recover = _writer_of(Path(path))
+    return DrafttrainError(f"{path} {problem} (written by {writer}): {recover}")
 
 
 def read_json(path: str | Path) -> Any:

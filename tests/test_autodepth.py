@@ -8,7 +8,8 @@ import torch
 
 from drafttrain.data.chat import prompt_ids
 from drafttrain.decoding import Draft, Proposer, plain_decode
-from drafttrain.decoding.autodepth import Calibration, Costs, calibrate, choose, drafted_length, measure_costs
+from drafttrain.decoding.autodepth import (Calibration, Costs, calibrate, choose, drafted_length, measure_costs,
+                                          physical, predicted_speedup)
 from drafttrain.decoding.trees import Chain
 from drafttrain.sampling import Sampling
 
@@ -90,3 +91,28 @@ def test_a_chain_never_drafts_past_its_threshold():
     assert Chain(4, min_confidence=0.5).min_confidence == 0.5
     with pytest.raises(Exception, match="min_confidence"):
         Chain(4, min_confidence=1.0)
+
+
+def test_a_cost_table_broken_by_noise_is_clamped_to_what_is_physically_possible():
+    """A busy machine measured verifications at 0.47-0.75 of a plain step, and depth auto then printed "depth 1,
+    predicted 4.95x", which no depth-1 chain can give (at most 2 tokens per target forward, each at least a plain
+    step). The table is made monotone first, so a prediction never exceeds depth + 1."""
+    noisy = Costs(plain_s=1.0, verify_s=[0.0, 1.0, 0.2, 0.6, 0.5, 1.2, 1.3, 1.4], draft_s=[0.0, 0.1, 0.05, 0.3, 0.3,
+                                                                                          0.4, 0.4], accept_s=0.0)
+    fixed = physical(noisy)
+    assert fixed.verify_s == [0.0, 1.0, 1.0, 1.0, 1.0, 1.2, 1.3, 1.4] and fixed.draft_s[2] == 0.1
+    assert fixed.clamped == pytest.approx(4.0)  # verify(2) was measured at a fifth of what it must cost at least
+    always = Calibration(accepted=[D] * 20, confidences=[[0.99] * D] * 20)
+    assert predicted_speedup(noisy, always, 1) > 2  # the impossible figure the raw table gave
+    for depth in range(1, D + 1):
+        assert predicted_speedup(fixed, always, depth) <= depth + 1
+
+
+def test_a_gain_inside_the_timings_spread_is_no_gain():
+    """Speculation is chosen only when its predicted gain exceeds the measured spread of the timings."""
+    steps = [1, 0, 0] * 20
+    modest = Calibration(accepted=steps, confidences=[[0.9] * D if a else [0.9] * D for a in steps])
+    quiet = choose(CPU, modest, D)
+    assert quiet.depth == 1 and 1.0 < quiet.predicted_speedup < 1.2
+    noisy = choose(Costs(**{**CPU.__dict__, "uncertainty": 0.25}), modest, D)
+    assert noisy.depth == 0 and noisy.predicted_speedup == 1.0

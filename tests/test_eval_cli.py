@@ -151,6 +151,21 @@ def test_a_compared_draft_takes_a_named_tree(tmp_path, capsys, smollm2, restore_
     assert report["comparisons"]["medusa@tree:medusa-4"]["greedy_match_vs_baseline"] == 1.0
 
 
+def test_a_missing_draft_is_named_as_the_draft_not_the_target(tmp_path, capsys, monkeypatch):
+    """`--draft runs/missing` (a folder's child, shaped like a Hub id) was tried as a Hub model and reported as
+    "could not load target"; a Hub id that cannot be fetched is named as the draft model too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert _eval(tmp_path, "--draft", "runs/missing") == 2
+    assert "draft not found: runs/missing" in capsys.readouterr().err
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network here: fail at once
+    assert _eval(tmp_path, "--draft", "nobody/no-such-draft") == 2
+    err = capsys.readouterr().err
+    assert "could not load draft model (--draft) 'nobody/no-such-draft'" in err and "could not load target" not in err
+
+
 def test_empty_prompt_set_exits_2(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

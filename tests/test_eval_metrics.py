@@ -144,3 +144,36 @@ def test_markdown_renders_missing_values_as_dashes():
     report = synthetic_report()
     report.overall["speedup"] = None
     assert "—" in render_markdown(report)
+
+
+def test_the_speedup_interval_resamples_prompts_and_is_reproducible():
+    from drafttrain.evaluation.metrics import speedup, speedup_interval
+
+    tokens, base_s = [64, 64, 60, 64, 64, 50], [3.0, 3.1, 2.4, 2.9, 2.8, 2.1]
+    same = speedup_interval(tokens, [s / 1.25 for s in base_s], tokens, base_s)  # every prompt exactly 1.25x
+    assert same == [pytest.approx(1.25), pytest.approx(1.25)]
+    method_s = [2.5, 2.6, 2.4, 2.7, 2.2, 2.0]
+    low, high = speedup_interval(tokens, method_s, tokens, base_s)
+    assert low < speedup(tokens, method_s, tokens, base_s) < high and high - low > 0.05
+    assert speedup_interval(tokens, method_s, tokens, base_s) == [low, high]  # a fixed seed: the same report twice
+    assert speedup_interval(tokens[:1], method_s[:1], tokens[:1], base_s[:1]) is None  # one prompt: no interval
+
+
+def test_a_busy_machine_is_said_in_one_plain_line(monkeypatch):
+    """Wall time far above the CPU time the run got (here: it slept, as a starved process waits), or a load average
+    above the cores, marks the run as contended; the report and the console print its note."""
+    import os
+    import time
+
+    from drafttrain.evaluation import run_info
+    from drafttrain.evaluation.report import load_note
+
+    starved = run_info.LoadWatch(load_start=0.0)
+    time.sleep(0.3)
+    summary = starved.summary()
+    assert summary["contended"] and summary["cpu_share"] < run_info.CONTENDED_SHARE
+    assert "of the CPU time its" in summary["note"] and "rerun alone" in summary["note"]
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * (os.cpu_count() or 1), 0.0, 0.0))
+    loaded = run_info.LoadWatch().summary()
+    assert loaded["contended"] and "load average" in loaded["note"]
+    assert load_note({"machine_load": loaded}) == loaded["note"] and load_note({}) is None

@@ -20,7 +20,7 @@ from drafttrain.config import Eagle3Config, EagleConfig, MedusaConfig
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.layers import DraftDecoderLayer
 from drafttrain.export import export_draft
-from drafttrain.runfolder import verify_manifest
+from drafttrain.runfolder import read_json, verify_manifest, write_manifest
 from drafttrain.targets.loading import Target
 
 LORA = {"target_modules": ["q_proj", "v_proj"], "rank": 4, "alpha": 8.0, "dropout": 0.0}
@@ -294,6 +294,48 @@ def test_push_uploads_the_export_with_its_card_to_the_hub_and_never_prints_the_t
         assert wrong.returncode == 2 and "HTTP 401" in wrong.stderr and "HF_TOKEN" in wrong.stderr
     for run in (dry, done, wrong):
         assert token not in run.stdout + run.stderr and "hf_wrong" not in run.stdout + run.stderr
+
+
+def test_a_push_that_must_fail_fails_in_a_dry_run_too_and_offline_pushes_name_the_cause(tmp_path, monkeypatch):
+    """A bad repo id fails the dry run (it passed before); a push without a token, or to a Hub that cannot be
+    reached, ends in a named cause, not a traceback."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no token stored by `hf auth login` either
+    target = tiny_target()
+    folder = export_draft(checkpoint_of(build_drafter(EagleConfig(), target), tmp_path), "vllm", tmp_path / "e", target)
+    for repo in ("not a repo!!", "a/b/c"):
+        dry = push(folder, "--repo", repo, "--dry-run", endpoint="http://127.0.0.1:9", token="hf_x")
+        assert dry.returncode == 2 and "is not a Hub repo id" in dry.stderr and "Traceback" not in dry.stderr
+    unreachable = push(folder, "--repo", "me/draft", endpoint="http://127.0.0.1:9", token="hf_x")
+    assert unreachable.returncode == 2 and "pushing to me/draft failed" in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr and "hf_x" not in unreachable.stderr
+    no_token = push(folder, "--repo", "me/draft", endpoint="http://127.0.0.1:9", token="")
+    assert no_token.returncode == 2 and "no Hugging Face token" in no_token.stderr, no_token.stderr
+
+
+def test_an_export_whose_engine_config_disagrees_with_its_weights_is_refused(tmp_path):
+    """A Medusa export whose config.json says 2 heads over weights of 3 loaded and evaluated as 3 heads, while vLLM
+    would serve 2: refused now, naming the key."""
+    target = tiny_target()
+    folder = export_draft(checkpoint_of(build_drafter(MedusaConfig(num_heads=3), target), tmp_path), "vllm",
+                          tmp_path / "medusa", target)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_heads": 2}))
+    write_manifest(folder, read_json(folder / "manifest.json")["built_from"], skip=("README.md",))  # as if written so
+    with pytest.raises(DrafttrainError, match="says num_heads = 2, but the draft it holds has 3"):
+        load_drafter(folder, target)
+
+
+def test_an_edited_model_card_neither_breaks_loading_nor_a_push(tmp_path, capsys):
+    """Hand-editing README.md is the usual step before publishing: the weights and configs stay checked."""
+    from drafttrain.commands import main
+
+    target = tiny_target()
+    folder = export_draft(checkpoint_of(build_drafter(EagleConfig(), target), tmp_path), "vllm", tmp_path / "e", target)
+    (folder / "README.md").write_text((folder / "README.md").read_text() + "\nEdited by hand before publishing.\n")
+    load_drafter(folder, target)
+    assert main(["push", str(folder), "--repo", "me/x", "--dry-run"]) == 0, capsys.readouterr().err
+    (folder / "config.json").write_text((folder / "config.json").read_text().replace("{", "{ ", 1))
+    assert main(["push", str(folder), "--repo", "me/x", "--dry-run"]) == 2  # the config is still checked
 
 
 def test_push_refuses_a_folder_without_a_draft_and_an_export_changed_since_it_was_written(tmp_path, capsys):

@@ -338,3 +338,21 @@ def test_eval_of_medusa2_reports_how_far_the_adapted_target_moved_from_the_origi
     assert "adapted vs original" in render_markdown(moved)
     plain = evaluate(target, "prompt_lookup", prompts, max_new_tokens=4, progress=False, warmup=False)
     assert plain.original_target is None  # only a draft that adapts its target gets the line
+
+
+@pytest.mark.slow
+def test_eval_of_a_medusa_draft_defaults_to_a_depth_its_heads_can_fill(tmp_path, smollm2, capsys, restore_threads):
+    """`drafttrain eval --draft MEDUSA` with no --depth used the default depth 5 and failed after loading everything
+    on a 3-head draft: a default now fits the draft, while a depth the user gives is still refused, naming both."""
+    from conftest import draft_vocab_file
+
+    from drafttrain.commands import main
+
+    vocab = draft_vocab_file(tmp_path, range(64), smollm2.vocab_size)
+    build_drafter(MedusaConfig(num_heads=3, draft_vocab=str(vocab)), smollm2).save_pretrained(tmp_path / "medusa")
+    common = ["eval", "--target", "smollm2-135m-instruct", "--draft", str(tmp_path / "medusa"), "--num-prompts", "1",
+              "--turns", "1", "--max-new-tokens", "4", "--threads", "1", "--no-progress"]
+    assert main([*common, "--out", str(tmp_path / "default")]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "default" / "report.json").read_text())["config"]["depth"] == 3
+    assert main([*common, "--depth", "5", "--out", str(tmp_path / "deep")]) == 2
+    assert "depth 5 is deeper than proposer 'medusa' can fill (3" in capsys.readouterr().err

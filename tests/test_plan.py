@@ -158,3 +158,15 @@ def test_every_kind_is_planned(recipe, overrides, tmp_path):
     result = plan(recipe, Cluster())
     assert result.memory["activations saved for backward"] > 0 and result.fits
     assert result.memory["target weights"] == pytest.approx(134.5e6 * 4, rel=0.01)  # SmolLM2 in float32
+
+
+@pytest.mark.parametrize("flag, value", [("--gpu-memory", "0"), ("--gpu-memory", "-5"), ("--gpu-memory", "nan"),
+                                         ("--gpu-memory", "inf"), ("--gpus", "0"), ("--nodes", "-1"),
+                                         ("--disk", "0")])
+def test_a_plan_is_never_approved_on_inputs_it_ignores(flag, value, capsys):
+    """0 was read as "unknown" (verdict: fits), -5 was planned, nan and inf ended in tracebacks: all refused now."""
+    from drafttrain.commands import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "recipe.yaml", flag, value])
+    assert exit_.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err

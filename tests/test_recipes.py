@@ -50,3 +50,10 @@ def test_overrides_keep_types_and_are_validated(tmp_path):
         load_recipe(REPO / "recipes" / "smollm2_eagle3_quick.yaml", ["draft.ttt_steps=0"])
     with pytest.raises(DrafttrainError, match="not of the form"):
         load_recipe(REPO / "recipes" / "smollm2_eagle3_quick.yaml", ["training.epochs"])
+
+
+def test_an_override_whose_value_is_not_yaml_is_named_not_a_traceback():
+    from drafttrain.config import apply_overrides
+
+    with pytest.raises(DrafttrainError, match=r"override 'training.max_steps=\[1': the value is not valid YAML"):
+        apply_overrides({}, ["training.max_steps=[1"])

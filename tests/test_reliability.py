@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -121,6 +122,21 @@ def test_an_infinite_learning_rate_is_refused_before_any_work(run, capsys):
     assert not (run / "run" / "checkpoints").exists()
 
 
+def test_a_diverged_run_names_a_last_good_checkpoint_that_is_good(run, capsys):
+    """With a learning rate of 1e30 the loss goes non-finite at step N; the checkpoint of step N-1 holds finite but
+    exploded weights (they produced it) and used to be named "the last good checkpoint", and evaluated without a
+    word. It is set aside now, and the one before it is named."""
+    shutil.rmtree(run / "run" / "checkpoints")
+    code, out = drafttrain(capsys, "train", run / "recipe.yaml", "training.learning_rate=1e30", "--max-steps", "6")
+    assert code == 2 and "training stopped" in out, out
+    failed = int(re.search(r"non-finite (?:loss|gradient norm) \(.*?\) at step (\d+)", out).group(1))
+    root = run / "run" / "checkpoints"
+    assert (root / f"step-{failed - 1:06d}.diverged").is_dir()
+    good = f"the last good checkpoint is {root / f'step-{failed - 2:06d}'}" if failed > 2 else \
+        "no checkpoint was saved yet"
+    assert good in out, out
+
+
 def test_nan_bytes_in_a_saved_draft_are_refused(run, capsys):
     checkpoint = run / "run" / STEP.format(3)
     exported = export_copy(checkpoint, run / "exported")
@@ -162,6 +178,23 @@ def test_resume_refuses_when_no_checkpoint_verifies_and_deletes_nothing(run, cap
     code, out = drafttrain(capsys, "train", run / "recipe.yaml", "--resume", "--max-steps", "4")
     assert code == 2 and "no checkpoint under" in out and "verifies" in out and "step-000001" in out
     assert all((run / "run" / STEP.format(step)).is_dir() for step in (1, 2, 3))
+
+
+def test_a_resume_past_damaged_checkpoints_never_prunes_a_good_one_for_them(run, capsys):
+    """Resume falls back from damaged steps 3 and 2 to step 1 and trains to step 2: pruning (keep_last 1) must keep
+    the step it just wrote, not the damaged step 3; the last line and `eval --draft RUN` must name that step."""
+    for step in (2, 3):
+        flip_bytes(run / "run" / STEP.format(step) / "model.safetensors")
+    code, out = drafttrain(capsys, "train", run / "recipe.yaml", "--resume", "--max-steps", "2",
+                           "training.keep_last=1")
+    assert code == 0, out
+    assert f"checkpoint: {run / 'run' / STEP.format(2)}" in out
+    assert sorted(p.name for p in (run / "run" / "checkpoints").glob("step-*")) == [
+        "step-000002", "step-000002.damaged", "step-000003.damaged"]  # kept for inspection, never counted
+    code, out = drafttrain(capsys, *eval_args(run / "run", run / "eval"))
+    assert code == 0, out
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["config"]["draft"]["path"] == str(run / "run" / STEP.format(2))
 
 
 def test_a_damaged_train_split_names_the_stage_that_wrote_it(run, capsys):
@@ -212,6 +245,22 @@ def test_edited_or_damaged_draft_configs_are_named(run, capsys):
     (checkpoint / "config.json").write_text(json.dumps(config | {"draft_vocab_size": 300}))
     code, out = drafttrain(capsys, *eval_args(checkpoint, run / "eval"))
     assert code == 2 and "config.json does not match its checksum" in out
+
+
+def test_errors_name_the_command_that_wrote_the_file_and_report_skips_a_half_written_last_line(run, capsys):
+    """A damaged config of a draft copied out of its run was said to be "written by `drafttrain prepare`: rerun
+    prepare"; a half-written last line of metrics.jsonl (a crash mid-append) made `drafttrain report` refuse."""
+    exported = export_copy(run / "run" / STEP.format(3), run / "copied")
+    (exported / "config.json").write_text("{")
+    code, out = drafttrain(capsys, *eval_args(exported, run / "eval"))
+    assert code == 2 and "written by `drafttrain train` or `drafttrain export`" in out and "prepare" not in out, out
+    with (run / "run" / "metrics.jsonl").open("a") as log:
+        log.write('{"step": 9, "loss": 1.')
+    code, out = drafttrain(capsys, "report", run / "run")
+    assert code == 0, out
+    (run / "run" / "metrics.jsonl").write_text('{"step": 1\n' + (run / "run" / "metrics.jsonl").read_text())
+    code, out = drafttrain(capsys, "report", run / "run")
+    assert code == 2 and "line 1 is not JSON" in out and "written by `drafttrain train`" in out, out
 
 
 def test_a_draft_for_another_tokenizer_is_refused_at_the_same_vocab_size(run, smollm2):

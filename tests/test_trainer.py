@@ -4,6 +4,7 @@ check, data order, logging and the CLI's up-front validation."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -250,3 +251,30 @@ def test_a_time_budget_stops_on_time_with_the_schedule_run_over_it(tmp_path):
     assert budget_s <= state.train_seconds < budget_s + 3 * step_s
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lrs[0] > 0.9e-2 and lrs[-1] < 0.02e-2  # from the full rate (1e-2) to ~0 at the budget's end
+
+
+def test_without_a_terminal_training_writes_progress_records_with_the_total_and_time_left(tmp_path, caplog):
+    """A log file, CI or nohup gets one line per log step (no bar can be drawn): step of total, loss, tokens/s,
+    and an ETA from the rate so far; the quickstart shows them on such a console every 30 s at most."""
+    from drafttrain import PROGRESS_LOGGER
+    from drafttrain.commands.quickstart import ConsoleLines
+
+    with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
+        make_trainer(tmp_path, max_steps=4, log_every=2).train()  # pytest's stderr is not a terminal
+    lines = [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+    assert [line.split()[0] for line in lines] == ["step=2/4", "step=4/4"]
+    assert all(" loss=" in line and " tokens_per_s=" in line and " eta=" in line for line in lines)
+    assert lines[-1].endswith("eta=0.0min")
+
+    def record(name: str, level: int, at: float) -> logging.LogRecord:
+        made = logging.LogRecord(name, level, __file__, 1, "x", None, None)
+        made.created = at
+        return made
+
+    every_30s = ConsoleLines(progress_every_s=30.0)
+    shown = [every_30s.filter(record(PROGRESS_LOGGER, logging.INFO, t)) for t in (0.0, 10.0, 31.0, 40.0)]
+    assert shown == [True, False, True, False]
+    assert every_30s.filter(record("drafttrain.training", logging.WARNING, 41.0))
+    assert not every_30s.filter(record("transformers", logging.WARNING, 41.0))
+    on_a_terminal = ConsoleLines(progress_every_s=None)  # the progress bar shows it there
+    assert not on_a_terminal.filter(record(PROGRESS_LOGGER, logging.INFO, 100.0))

@@ -24,6 +24,7 @@ from drafttrain.decoding import PROPOSERS
 from drafttrain.decoding.proposers import model_folder_proposer, trained_draft
 from drafttrain.decoding.trees import tree_of
 from drafttrain.drafts import load_drafter, saved_kind
+from drafttrain.drafts.registry import saved_max_depth
 from drafttrain.evaluation.checkpoint_eval import CALIBRATION_PROMPTS
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.report import print_report, write_report
@@ -49,14 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--questions", help="FastChat-format .jsonl (question_id, category, turns) instead of a suite")
     parser.add_argument("--out", required=True, help="output folder for report.json, report.md, acceptance.png")
     parser.add_argument("--num-prompts", type=_num_prompts, default=_DEFAULTS.num_prompts,
-                        help="first N questions in file order, or 'all' (default %(default)s)")
+                        help="N questions taken one category at a time in turn (each category's in file order, so a "
+                             "small N covers every category; report.json lists their question_ids), or 'all' "
+                             "(default %(default)s)")
     parser.add_argument("--turns", choices=("1", "all"), default="all", help="ask only the first turn, or all turns")
     parser.add_argument("--max-new-tokens", type=int, default=_DEFAULTS.max_new_tokens, help="per turn")
     parser.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--depth", "-k", type=_depth, default=_DEFAULTS.depth,
-                        help="draft length k / tree depth, or 'auto': the chain depth and confidence threshold chosen "
-                             "from this machine's measured costs and the draft's acceptance on --calibration prompts")
+    parser.add_argument("--depth", "-k", type=_depth, default=None,
+                        help=f"draft length k / tree depth, or 'auto': the chain depth and confidence threshold chosen "
+                             "from this machine's measured costs and the draft's acceptance on --calibration prompts "
+                             f"(default {_DEFAULTS.depth}, or the draft's deepest when it cannot fill that)")
     parser.add_argument("--max-depth", type=int, default=_DEFAULTS.max_depth, help="the deepest chain --depth auto tries")
     parser.add_argument("--min-confidence", type=float, default=_DEFAULTS.min_confidence,
                         help="stop a chain once the product of the draft's top probabilities falls below this")
@@ -117,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     suite = load_suite(settings.suite).select(settings.num_prompts, turns=args.turns)
     tree_of(settings)  # a bad tree spec fails now, before the target loads
     _check_proposer(args, settings)
+    if args.draft and drafttrain_checkpoint(args.draft) is not None:
+        settings = settings.fitted_to(saved_max_depth(args.draft))
     autos = [settings.depth, settings.tree, *(s for side in args.compared for s in (side.depth, side.tree))]
     calibration = _calibration(args, suite) if "auto" in autos else ()
     _prepare_out_dir(args.out)
@@ -149,10 +155,12 @@ def eval_settings(args: argparse.Namespace) -> EvalConfig:
     cpu_linear_mode(args.cpu_linear)  # a bad DRAFTTRAIN_CPU_LINEAR fails here, before the target loads
     if args.threads is not None and args.threads <= 0:
         raise DrafttrainError(f"--threads must be positive, got {args.threads}")
-    values = dict(suite=args.questions or args.suite, num_prompts=args.num_prompts, depth=args.depth,
+    values = dict(suite=args.questions or args.suite, num_prompts=args.num_prompts,
                   max_depth=args.max_depth, min_confidence=args.min_confidence, tree=args.tree,
                   total_tokens=args.total_tokens, tree_top_k=args.top_k, temperature=args.temperature,
                   top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    if args.depth is not None:  # left out otherwise, so the default can fit the draft (EvalConfig.fitted_to)
+        values["depth"] = args.depth
     try:
         return EvalConfig.model_validate(values)
     except ValidationError as err:
@@ -261,20 +269,20 @@ def _proposer_options(name: str) -> set[str]:
 
 
 def _looks_like_path(spec: str) -> bool:
-
+    """A local path, not a built-in name or a Hub id (OWNER/NAME whose OWNER is not a folder here: runs/missing is
+    a path)."""
     if spec in BUILTIN_TARGETS:
         return False
     is_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not Path(spec).suffix
-    return not is_hub_id
+    return not is_hub_id or Path(spec).parent.is_dir()
 
 
 def _proposer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if not args.draft:
         return {}
     if args.proposer == model_folder_proposer():  # a plain model folder, built-in name or Hub id
-
         # The draft runs on the target's device and dtype; build_proposer checks that the tokenizers agree.
-        return {"draft": load_target(args.draft, dtype=args.dtype, device=args.device)}
+        return {"draft": load_target(args.draft, role="draft model (--draft)", dtype=args.dtype, device=args.device)}
     return {"draft": args.draft}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 
@@ -16,17 +17,39 @@ from drafttrain.config import load_recipe
 from drafttrain.training.plan import GIB, Cluster, plan, read_hostfile
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count that must be given as a whole number above 0 (0 is not "unknown")."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a size above 0 and finite (nan, inf, 0 and negatives are refused, not read as unknown)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides (YAML values)")
     parser.add_argument("--stage", choices=("train", "prepare"), default="train")
-    parser.add_argument("--gpus", type=int, help="GPUs (processes) per node (default 1, or the hostfile's slots)")
-    parser.add_argument("--nodes", type=int, help="nodes (default 1, or the hostfile's hosts)")
+    parser.add_argument("--gpus", type=positive_int, help="GPUs (processes) per node (default 1, or the hostfile's slots)")
+    parser.add_argument("--nodes", type=positive_int, help="nodes (default 1, or the hostfile's hosts)")
     parser.add_argument("--hostfile", help="a DeepSpeed hostfile: its hosts must resolve; it gives --nodes and --gpus")
-    parser.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory per GPU (default: this GPU's, if any)")
-    parser.add_argument("--disk", type=float, metavar="GiB", help="free disk for the offline cache (default: the "
+    parser.add_argument("--gpu-memory", type=positive_number, metavar="GiB", help="memory per GPU (default: this GPU's, if any)")
+    parser.add_argument("--disk", type=positive_number, metavar="GiB", help="free disk for the offline cache (default: the "
                                                                   "output folder's free space)")
-    parser.add_argument("--regen-throughput", type=float, metavar="TOKENS_PER_S",
+    parser.add_argument("--regen-throughput", type=positive_number, metavar="TOKENS_PER_S",
                         help="the regeneration server's throughput, for the expected regeneration time")
     parser.add_argument("--target-config", metavar="CONFIG.json",
                         help="the target's config.json, instead of fetching it for the recipe's target")
@@ -34,7 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     recipe = load_recipe(args.recipe, args.overrides)
     hosts = read_hostfile(args.hostfile) if args.hostfile else {"this machine": 1}
     memory = int(args.gpu_memory * GIB) if args.gpu_memory else None

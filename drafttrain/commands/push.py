@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from drafttrain.drafts.registry import formats_by_kind
-from drafttrain.export.hub import check_export, export_files, is_export, push_export
+from drafttrain.export.hub import check_export, check_repo_id, export_files, is_export, push_export
 from drafttrain.export.writer import export_checkpoint
 
 
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     for noisy in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    check_repo_id(args.repo)  # a dry run checks what the real push would refuse
     folder = Path(args.source)
     if not is_export(folder):
         folder = export_checkpoint(args.source, args.fmt, args.out, args.target)

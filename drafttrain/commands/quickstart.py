@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from drafttrain import DrafttrainError
+from drafttrain import PROGRESS_LOGGER, DrafttrainError
 from drafttrain.config import load_recipe
 from drafttrain.runfolder import RunFolder
 
@@ -68,8 +69,9 @@ def libraries_log_to(path: Path):
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     consoles = [h for h in root.handlers if type(h) is logging.StreamHandler]
+    console_filter = ConsoleLines(progress_every_s=None if sys.stderr.isatty() else PROGRESS_EVERY_S)
     for h in consoles:
-        h.addFilter(_drafttrain_warnings_only)
+        h.addFilter(console_filter)
     root.addHandler(handler)
     level, root.level = root.level, logging.INFO  # the log file gets the INFO lines, whatever the console shows
     logging.captureWarnings(True)
@@ -83,12 +85,27 @@ def libraries_log_to(path: Path):
             root.removeHandler(handler)
             root.setLevel(level)
             for h in consoles:
-                h.removeFilter(_drafttrain_warnings_only)
+                h.removeFilter(console_filter)
             logging.captureWarnings(False)
 
 
-def _drafttrain_warnings_only(record: logging.LogRecord) -> bool:
-    return record.name.startswith("drafttrain") and record.levelno >= logging.WARNING
+PROGRESS_EVERY_S = 30.0  # a progress record on a non-terminal console at most this often
+
+
+class ConsoleLines(logging.Filter):
+    """What the console shows while the libraries log to the file: drafttrain's warnings, and where no progress
+    bar can be drawn (``progress_every_s`` set: the output is a log file, CI, nohup) a progress record now and
+    then, so a long stage is never silent."""
+
+    def __init__(self, progress_every_s: float | None):
+        super().__init__()
+        self.every, self.last = progress_every_s, -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == PROGRESS_LOGGER and self.every is not None and record.created - self.last >= self.every:
+            self.last = record.created
+            return True
+        return record.name.startswith("drafttrain") and record.levelno >= logging.WARNING
 
 
 def _quiet_libraries(chatter) -> None:
@@ -141,10 +158,12 @@ def print_summary(report, checkpoint: Path, run: RunFolder, minutes: float) -> N
     table.add_row("τ (tokens per target forward)", fmt(overall["tau"]))
     table.add_row("acceptance per position", "  ".join(
         f"d{i + 1} {'—' if a is None else f'{a:.0%}'}" for i, a in enumerate(positions)) or "—")
+    interval = overall.get("speedup_ci95")
+    spread = f", 95% interval {interval[0]:.2f}–{interval[1]:.2f}×" if interval else ""
     table.add_row("speedup over plain decoding",
                   f"{fmt(overall['speedup'], 2, '×')} ({fmt(overall['tokens_per_s'], 1)} vs "
                   f"{fmt(overall['baseline_tokens_per_s'], 1)} tokens/s, {config['suite']}, {overall['num_prompts']} "
-                  "prompts, same run)")
+                  f"prompts, same run{spread})")
     table.add_row("greedy output identical", "—" if overall["greedy_match"] is None else f"{overall['greedy_match']:.0%}")
     console = Console(file=sys.__stdout__)
     console.print(table)
@@ -152,3 +171,7 @@ def print_summary(report, checkpoint: Path, run: RunFolder, minutes: float) -> N
     for what, path in (("report", run.eval / "report.md"), ("plot", run.eval / "acceptance.png"),
                        ("log", run.root / LOG_FILE)):
         console.print(f"{what}: {path}", soft_wrap=True, highlight=False)
+    note = (config.get("machine_load") or {}).get("note")
+    if note:
+        console.print(f"NOTE: {note}. Rerun `drafttrain quickstart` with nothing else running: it continues where "
+                      "it stopped and measures again.", soft_wrap=True, highlight=False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import statistics
 import time
@@ -63,6 +64,8 @@ class Costs:
     verify_s: list[float]  # [w]: a verification forward of w tokens, w = 0 .. D+1 ([0] unused)
     draft_s: list[float]  # [d]: the proposer drafting d tokens, d = 0 .. D
     accept_s: float  # the proposer consuming one step's accepted tokens
+    uncertainty: float = 0.005  # relative spread of the plain step's timings: a gain below it is not one
+    clamped: float = 0.0  # how far (relative) the measured table broke physical bounds and was clamped
 
     def step_s(self, verify_width: int, drafted_positions: int) -> float:
         return self.verify_s[verify_width] + self.draft_s[drafted_positions] + self.accept_s
@@ -90,6 +93,7 @@ class DepthChoice:
                 "plain_step_ms": round(1e3 * self.costs.plain_s, 2),
                 "verify_ms": [round(1e3 * s, 2) for s in self.costs.verify_s[1:]],
                 "draft_ms": [round(1e3 * s, 2) for s in self.costs.draft_s],
+                "timing_spread": round(self.costs.uncertainty, 3), "costs_clamped": self.costs.clamped,
                 "calibration_steps": self.calibration_steps}
 
 
@@ -127,16 +131,51 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
         cached_forward(model, cache, next_token.expand(1, width).contiguous())
         compact_cache(cache, prefix, [])
 
-    verify_s = [0.0] + [median_time(lambda w=w: verify(w), repeats) for w in range(1, max_depth + 2)]
-    request = DraftRequest(Chain(1), Sampling(), torch.Generator(device=device).manual_seed(0))
-    draft_s = [0.0]
-    for depth in range(1, max_depth + 1):
-        request.shape = Chain(depth)
-        draft_s.append(median_time(lambda: proposer.propose(request), repeats))
+    def draft(depth: int) -> None:
+        proposer.propose(DraftRequest(Chain(depth), Sampling(), torch.Generator(device=device).manual_seed(0)))
+
+    widths, depths = range(1, max_depth + 2), range(1, max_depth + 1)
+    samples = interleaved_samples({**{("verify", w): (lambda w=w: verify(w)) for w in widths},
+                                   **{("draft", d): (lambda d=d: draft(d)) for d in depths}}, repeats)
     two = torch.cat([next_token, next_token], dim=1)  # a typical step: one accepted token and the target's own
     step_hidden = None if hidden is None else hidden[:, -2:]
-    accept_s = median_time(lambda: proposer.accept(two, step_hidden), repeats)
-    return Costs(plain_s=verify_s[1], verify_s=verify_s, draft_s=draft_s, accept_s=accept_s)
+    accept_s = median_time(lambda: proposer.accept(two, step_hidden), repeats)  # last: it grows the draft's cache
+    verify_s = [0.0] + [statistics.median(samples[("verify", w)]) for w in widths]
+    draft_s = [0.0] + [statistics.median(samples[("draft", d)]) for d in depths]
+    plain = samples[("verify", 1)]  # its interquartile range, relative: how far one timing may be off
+    quartiles = statistics.quantiles(plain, n=4) if len(plain) > 1 else [0.0, 0.0, 0.0]
+    spread = (quartiles[2] - quartiles[0]) / statistics.median(plain) if len(plain) > 1 else 0.0
+    return physical(Costs(plain_s=verify_s[1], verify_s=verify_s, draft_s=draft_s, accept_s=accept_s,
+                          uncertainty=spread))
+
+
+def interleaved_samples(fns: dict, repeats: int) -> dict:
+    """``repeats`` timings of every function, taken in rounds (one call of each per round, after one warm-up call
+    of each), so that a slow phase of a shared machine falls on all of them alike instead of on one."""
+    for fn in fns.values():
+        fn()
+    samples: dict = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - start)
+    return samples
+
+
+def physical(costs: Costs) -> Costs:
+    """The cost table made physically possible: verifying more tokens never costs less than verifying fewer (nor
+    than a plain step), and drafting deeper never less than drafting shallower. Timing noise on a busy machine
+    breaks both (verifications measured at 0.47 of a plain step); left as measured, they predict speedups no
+    draft can give. A table that needed clamping says so."""
+    verify = [0.0] + list(itertools.accumulate(costs.verify_s[1:], max))
+    draft = list(itertools.accumulate(costs.draft_s, max))
+    moved = max([abs(a - b) / max(b, 1e-12) for a, b in zip(verify[1:], costs.verify_s[1:])]
+                + [abs(a - b) / max(b, 1e-12) for a, b in zip(draft[1:], costs.draft_s[1:])], default=0.0)
+    if moved > 0.1:
+        log.warning("depth auto: measured costs broke physical bounds by up to %.0f%% (a busy machine?): clamped",
+                    100 * moved)
+    return dataclasses.replace(costs, verify_s=verify, draft_s=draft, clamped=round(moved, 3))
 
 
 class _RecordingProposer(Proposer):
@@ -203,7 +242,8 @@ def choose(costs: Costs, calibration: Calibration, max_depth: int,
     for depth in range(1, max_depth + 1):
         for threshold in thresholds:
             candidate = (predicted_speedup(costs, calibration, depth, threshold), depth, threshold)
-            if candidate[0] > best[0] * 1.005:  # a real gain, not rounding: prefer the simpler choice
+            # a real gain, beyond the timing's own spread: otherwise the simpler choice (plain decoding first)
+            if candidate[0] > best[0] * (1 + max(0.005, costs.uncertainty)):
                 best = candidate
     speedup, depth, threshold = best
     return DepthChoice(depth, threshold, speedup, by_depth, costs, len(calibration.accepted))

@@ -6,6 +6,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
@@ -57,6 +58,18 @@ def drafter_class(kind: str) -> type[Drafter]:
     return KINDS[kind]
 
 
+def saved_max_depth(path: str | Path) -> int | None:
+    """The deepest draft the saved draft at ``path`` (checkpoint, run or export) can propose; None: any."""
+    directory = find_draft(path)
+    kind = saved_kind(directory)
+    try:
+        config = kind.config_class.model_validate(read_draft_config(directory)["drafttrain"]["draft"])
+    except ValidationError as err:
+        raise damaged(directory / CONFIG_NAME, f"holds an invalid {kind.kind} section ({err.errors()[0]['msg']})") \
+            from None
+    return kind.max_draft_depth(config)
+
+
 def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> Drafter:
     """A fresh draft of the recipe's kind for ``target`` (``run``: the run folder prepare wrote)."""
     cls = drafter_class(config.kind)
@@ -92,6 +105,18 @@ def _from_export(kind: type[Drafter], directory: Path, config: dict, target) -> 
     return kind.from_pretrained(directory, target)
 
 
+def _check_engine_config(drafter: Drafter, config: dict, directory: Path) -> None:
+    """What engines read from config.json must describe the draft we load (which is built from the ``drafttrain``
+    section and the weights): a Medusa config saying 2 heads over weights of 3 would be served as 2 heads by vLLM
+    and measured as 3 here. Compared: the top-level numbers, strings and flags of the config this draft writes."""
+    fmt = (config["drafttrain"].get("export") or {}).get("format")
+    written = drafter.exported(fmt).config if fmt else drafter.interchange_config()
+    for key, value in written.items():
+        if key in config and isinstance(value, (bool, int, float, str)) and config[key] != value:
+            raise damaged(directory / CONFIG_NAME, f"says {key} = {config[key]!r}, but the draft it holds has "
+                                                   f"{value!r}: engines would serve another draft than this one")
+
+
 def load_drafter(path: str | Path, target) -> Drafter:
     """Load a saved draft of any kind and attach ``target``. ``path`` may also be a run's output_dir or
     checkpoints folder: its best checkpoint is loaded.
@@ -118,6 +143,7 @@ def load_drafter(path: str | Path, target) -> Drafter:
         raise damaged(directory, f"holds a {kind.kind} draft whose files cannot be read ({type(err).__name__}: "
                                  f"{str(err).splitlines()[0][:200] if str(err) else 'unreadable'})") from None
     drafter.check_finite(directory)
+    _check_engine_config(drafter, config, directory)
     weights = directory / WEIGHTS_NAME
     sha = (checked.get(WEIGHTS_NAME) or {}).get("sha256") or (file_sha256(weights) if weights.is_file() else None)
     drafter.loaded_from = {"path": str(directory), "weights_sha256": sha}

@@ -46,19 +46,21 @@ def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress
     With ``eval.depth: auto`` the depth is chosen on ``calibration`` (default: the held-out validation prompts)."""
     if calibration is None:
         calibration = selection_prompts(recipe)
-    return evaluate(target, drafter, questions, recipe.eval.decode_settings(), progress=progress,
+    settings = recipe.eval.fitted_to(type(drafter).max_draft_depth(drafter.config)).decode_settings()
+    return evaluate(target, drafter, questions, settings, progress=progress,
                     calibration=calibration.questions[:CALIBRATION_PROMPTS] if calibration else ())
 
 
 def check_eval_shape(recipe: Recipe) -> None:
     """The recipe's eval tree parsed, and no deeper than its draft can fill. Called before training starts, so
     a mistake costs nothing."""
-    tree = tree_of(recipe.eval)
+    limit = drafter_class(recipe.draft.kind).max_draft_depth(recipe.draft) if recipe.draft is not None else None
+    settings = recipe.eval.fitted_to(limit)  # a default depth fits the draft; a depth the recipe gives is checked
+    tree = tree_of(settings)
     if recipe.draft is None or tree == "auto":  # "auto" is built no deeper than the draft can fill
         return
     deepest = getattr(tree, "depth", None) if not isinstance(tree, (str, list)) else None
-    deepest = deepest or recipe.eval.deepest
-    limit = drafter_class(recipe.draft.kind).max_draft_depth(recipe.draft)
+    deepest = deepest or settings.deepest
     if limit is not None and deepest > limit:
         raise DrafttrainError(f"eval: a draft of depth {deepest} (eval.tree {recipe.eval.tree}, eval.depth "
                               f"{recipe.eval.depth}) is deeper than this {recipe.draft.kind} draft can fill ({limit})")

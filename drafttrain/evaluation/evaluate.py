@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,9 +35,11 @@ from drafttrain.evaluation.records import (
     reference_line,
     run_turns,
 )
-from drafttrain.evaluation.run_info import jsonable, now, run_config
+from drafttrain.evaluation.run_info import LoadWatch, jsonable, now, run_config
 from drafttrain.evaluation.sides import BASELINE, COMPARED, HF_REFERENCE, ORIGINAL_TARGET, Compared, Side, SideBuilder
 from drafttrain.evaluation.suites import Question, Suite
+
+log = logging.getLogger(__name__)
 
 WARMUP_NEW_TOKENS = 16
 
@@ -84,7 +87,7 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
     reported ones (drafttrain.decoding.autodepth.choose_shape). ``cpu_linear``: on a CPU every side runs its linear
     layers through oneDNN with pre-packed weights ("packed", the default) or PyTorch's own ("default").
     """
-    settings, started_at = DecodeSettings.of(settings, **decode), now()
+    settings, started_at, load = DecodeSettings.of(settings, **decode), now(), LoadWatch()
     suite_name, questions = _as_questions(prompts)
     with PackedLinears(target.model, mode=cpu_linear) as kernels:
         stop_ids = stop_token_ids(target.tokenizer, target.model.generation_config)
@@ -107,6 +110,9 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
         report.config = run_config(target, sides[0].choice.settings, suite=suite_name, questions=questions,
                                    described=described, stop_ids=stop_ids, started_at=started_at)
         report.config["cpu_linear"] = {"mode": kernels.mode, "packed_layers": kernels.count}
+        report.config["machine_load"] = load.summary()
+        if report.config["machine_load"]["contended"]:
+            log.warning("%s", report.config["machine_load"]["note"])
         return report
 
 

@@ -119,6 +119,20 @@ def _depth_text(c: dict[str, Any]) -> str:
     return text
 
 
+def speedup_text(overall: dict[str, Any]) -> str | None:
+    """"speedup 1.13× (95% interval over prompts 1.06–1.21×)", where a baseline ran."""
+    if overall.get("speedup") is None:
+        return None
+    interval = overall.get("speedup_ci95")
+    spread = f" (95% interval over prompts {interval[0]:.2f}–{interval[1]:.2f}×)" if interval else ""
+    return f"speedup {overall['speedup']:.2f}×{spread}"
+
+
+def load_note(config: dict[str, Any]) -> str | None:
+    """The one plain line a report gets when the machine was busy while it measured."""
+    return (config.get("machine_load") or {}).get("note")
+
+
 def render_markdown(report: EvalReport) -> str:
     parts = ["# drafttrain eval\n", _config_line(report.config) + "\n", "## Results\n"]
     rows = [_metric_row("**overall**", report.overall)]
@@ -128,6 +142,9 @@ def render_markdown(report: EvalReport) -> str:
         f"\nSpeedup as SafeAILab/EAGLE's speed.py computes it (ratio of mean per-prompt speeds): "
         f"{fmt(report.overall.get('speedup_ratio_of_mean_speeds'), 2, '×')}\n"
     )
+    for line in (speedup_text(report.overall), load_note(report.config)):
+        if line:
+            parts.append(f"\n{line[0].upper()}{line[1:]}.\n")
     split = report.overall.get("step_ms")
     if split:
         parts.append(f"\nTime per speculative step: drafting {split['draft']:.1f} ms, verification "
@@ -224,6 +241,10 @@ def print_report(report: EvalReport, console=None) -> None:
         + "  ".join(f"d{i + 1} {_pct(c)} / {_pct(u)}" for i, (c, u) in enumerate(zip(pos["conditional"],
                                                                                      pos["cumulative"])))
     )
+    if speedup_text(report.overall):
+        console.print(speedup_text(report.overall))
+    if load_note(report.config):
+        console.print(f"NOTE: {load_note(report.config)}", style="bold yellow")
     split = report.overall.get("step_ms")
     if split:
         console.print(f"per step: drafting {split['draft']:.1f} ms, verification {split['verify']:.1f} ms, "

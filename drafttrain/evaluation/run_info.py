@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import time
 from typing import Any
 
 import torch
@@ -55,6 +56,42 @@ def machine_description() -> dict[str, Any]:
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+CONTENDED_SHARE = 0.6  # the run got less than this share of the CPU time its threads could use: others had it
+
+
+@dataclasses.dataclass
+class LoadWatch:
+    """Whether the machine was busy while the run measured: the 1-minute load average beside the cores, and the
+    CPU time this process got beside what its threads could have used in the wall time. A busy machine makes
+    every speed figure noisy and the auto choice's costs wrong, so the report says so in one plain line."""
+
+    load_start: float | None = dataclasses.field(default_factory=lambda: _load())
+    cpu_start: float = dataclasses.field(default_factory=time.process_time)
+    wall_start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def summary(self) -> dict[str, Any]:
+        wall, cpu = time.perf_counter() - self.wall_start, time.process_time() - self.cpu_start
+        threads, cores, load = torch.get_num_threads(), os.cpu_count() or 1, _load()
+        share = cpu / (wall * min(threads, cores)) if wall > 0 else None
+        busy_load = max(x for x in (self.load_start, load) if x is not None) if load is not None else None
+        reasons = []
+        if busy_load is not None and busy_load > cores + 0.5:
+            reasons.append(f"load average {busy_load:.1f} on {cores} cores")
+        if share is not None and share < CONTENDED_SHARE and not torch.cuda.is_available():
+            reasons.append(f"this run got {share:.0%} of the CPU time its {threads} threads could use")
+        note = (f"the machine was busy while this ran ({'; '.join(reasons)}): speeds and speedups are unreliable; "
+                "rerun alone for figures to trust") if reasons else None
+        return {"load_1m_start": self.load_start, "load_1m_end": load, "cores": cores, "threads": threads,
+                "cpu_share": None if share is None else round(share, 3), "contended": bool(reasons), "note": note}
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
 
 
 def run_config(target, settings: DecodeSettings, *, suite: str, questions: list, described: dict[str, Any],

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from huggingface_hub import HfApi
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub import HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 from drafttrain import DrafttrainError
 from drafttrain.runfolder import MANIFEST, read_json, verify_manifest
@@ -39,6 +40,14 @@ def export_files(folder: Path) -> list[tuple[str, int]]:
     return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in sorted(folder.rglob("*")) if p.is_file()]
 
 
+def check_repo_id(repo_id: str) -> None:
+    """A Hub model repo id (NAME or OWNER/NAME, Hub characters), checked before any export or upload."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise DrafttrainError(f"--repo {repo_id!r} is not a Hub repo id: {str(err).splitlines()[0]}") from None
+
+
 def push_export(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
                 message: str | None = None, built_from: dict | None = None) -> str:
     """Create the repo if needed (and the branch ``revision``) and upload the folder in one commit; returns the
@@ -46,6 +55,9 @@ def push_export(folder: str | Path, repo_id: str, private: bool = False, revisio
     ``built_from``: what ``check_export`` returned, when the caller checked the folder already."""
     folder = Path(folder)
     built_from = built_from if built_from is not None else check_export(folder)
+    check_repo_id(repo_id)
+    if get_token() is None:
+        raise DrafttrainError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (nothing was uploaded)")
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
@@ -59,4 +71,8 @@ def push_export(folder: str | Path, repo_id: str, private: bool = False, revisio
         status = getattr(err.response, "status_code", None)
         hint = " (check HF_TOKEN or `hf auth login`, and write access to the repo)" if status in (401, 403) else ""
         raise DrafttrainError(f"pushing to {repo_id} failed: HTTP {status}: {str(err).splitlines()[0]}{hint}") from None
+    except Exception as err:  # the network or the client (offline, DNS, timeouts): named, never a traceback
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DrafttrainError(f"pushing to {repo_id} failed: {type(err).__name__}: {reason} (is the Hub reachable "
+                              "from here? HF_ENDPOINT names another server)") from None
     return str(commit.commit_url if hasattr(commit, "commit_url") else commit)

@@ -99,8 +99,9 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
     card = build_card(drafter, fmt, exported.notes, measured, built_from.get("recipe"),
                       plot=ACCEPTANCE_PLOT if measured is not None else None)
     write_text_atomic(staging / "README.md", str(card))
+    # the card is left out of the checksums: editing it is the usual step before publishing
     write_manifest(staging, {"checkpoint": str(checkpoint), "format": fmt, **drafter.identity(),
-                             **{k: v for k, v in built_from.items() if k != "recipe"}})
+                             **{k: v for k, v in built_from.items() if k != "recipe"}}, skip=("README.md",))
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)

@@ -231,8 +231,9 @@ def load_tokenizer(cfg: TargetConfig | str):
     return tokenizer
 
 
-def load_target(cfg: TargetConfig | str, **overrides) -> Target:
-    """Load a frozen target (eval mode, no gradients) and its tokenizer."""
+def load_target(cfg: TargetConfig | str, *, role: str = "target", **overrides) -> Target:
+    """Load a frozen target (eval mode, no gradients) and its tokenizer. ``role``: what the model is to the user
+    ("target", "draft model"), for the error when it cannot be loaded."""
     cfg = TargetConfig(model=cfg, **overrides) if isinstance(cfg, str) else cfg.model_copy(update=overrides)
     where = resolve_model_dir(cfg.model)
     try:
@@ -247,7 +248,7 @@ def load_target(cfg: TargetConfig | str, **overrides) -> Target:
             device_map="auto" if cfg.device == "auto" else None,
         )
     except OSError as err:
-        raise DrafttrainError(_missing_model_message(cfg.model, err)) from None
+        raise DrafttrainError(_missing_model_message(cfg.model, err, role)) from None
     if _partitioned_at_load():
         log.info("target %s loaded partitioned over the processes (ZeRO-3)", cfg.model)
     elif cfg.device != "auto":
@@ -288,9 +289,9 @@ def check_same_tokenizer(target, draft) -> None:
         )
 
 
-def _missing_model_message(spec: str, err: Exception) -> str:
+def _missing_model_message(spec: str, err: Exception, role: str = "target") -> str:
     return (
-        f"could not load target {spec!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}). "
+        f"could not load {role} {spec!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}). "
         "Without the Hub, download it elsewhere (huggingface-cli download ORG/NAME --local-dir DIR), copy DIR here "
         f"and pass the folder; or use a built-in target: {', '.join(BUILTIN_TARGETS)}."
     )

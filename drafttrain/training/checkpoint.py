@@ -37,6 +37,8 @@ from drafttrain.runfolder import (
 log = logging.getLogger(__name__)
 
 _ORPHAN_SUFFIXES = (".tmp", ".old")
+DAMAGED_SUFFIX = ".damaged"  # a checkpoint that failed verification on resume, set aside (never deleted)
+DIVERGED_SUFFIX = ".diverged"  # the weights that produced a non-finite loss or gradient in the next step
 
 
 @dataclasses.dataclass
@@ -95,11 +97,12 @@ class CheckpointManager:
         """Committed checkpoints, oldest first."""
         return complete_checkpoints(self.root)
 
-    def latest(self) -> Path | None:
-        """The newest committed checkpoint. Found by scanning, since the rename is the commit point; the
-        ``latest`` file is a convenience pointer that lags by at most one checkpoint after a crash."""
-        done = self.complete()
-        return done[-1][1] if done else None
+    def latest(self, before: int | None = None) -> Path | None:
+        """The newest committed checkpoint (older than step ``before``, when given). Found by scanning, since the
+        rename is the commit point; the ``latest`` file is a convenience pointer that lags by at most one
+        checkpoint after a crash."""
+        done = [path for step, path in self.complete() if before is None or step < before]
+        return done[-1] if done else None
 
     def best(self) -> dict[str, Any] | None:
         return best_checkpoint_record(self.root)
@@ -148,17 +151,18 @@ class CheckpointManager:
         write_text_atomic(self.root / LATEST, final.name + "\n")
         return final
 
-    def resume_point(self, built_from: dict[str, Any]) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    def resume_point(self, built_from: dict[str, Any]) \
+            -> tuple[Path | None, dict[str, Any] | None, list[tuple[Path, str]]]:
         """The newest checkpoint that verifies (every file against its manifest checksum, a readable state), with
-        what it was built from, and why each newer one was skipped. A checkpoint built from other data, another
-        target or tokenizer is refused (that is another run, not damage)."""
+        what it was built from, and each newer one that was skipped with why. A checkpoint built from other data,
+        another target or tokenizer is refused (that is another run, not damage)."""
         skipped = []
         for _, path in reversed(self.complete()):
             try:
                 saved = verify_manifest(path)
                 TrainerState.read(path / STATE_FILE)
             except DrafttrainError as why:
-                skipped.append(f"skipped {path.name}: {why}")
+                skipped.append((path, f"skipped {path.name}: {why}"))
                 continue
             other = [f"{what} {saved.get(what)} (now {now})" for what, now in built_from.items()
                      if what != "recipe" and saved.get(what) != now]
@@ -167,9 +171,21 @@ class CheckpointManager:
                                       + "; use another output_dir for this run")
             return path, saved, skipped
         if skipped:
-            raise DrafttrainError(f"no checkpoint under {self.root} verifies: " + "; ".join(skipped)
+            raise DrafttrainError(f"no checkpoint under {self.root} verifies: " + "; ".join(w for _, w in skipped)
                                   + ". Delete them to start over, or use another output_dir")
         return None, None, []
+
+    def set_aside(self, path: Path, suffix: str = ".damaged") -> Path:
+        """Rename a checkpoint that must not be used to ``<name><suffix>`` (kept for inspection): it no longer
+        counts as a checkpoint, so it is never the newest, never resolved for evaluation, and never kept by
+        pruning in place of a good one."""
+        aside, n = path.with_name(path.name + suffix), 1
+        while aside.exists():
+            aside, n = path.with_name(f"{path.name}{suffix}.{n}"), n + 1
+        os.replace(path, aside)
+        fsync_dir(self.root)
+        log.warning("set aside checkpoint %s as %s", path.name, aside.name)
+        return aside
 
     def record_metrics(self, checkpoint: Path, step: int, metrics: dict[str, float]) -> bool:
         """Store a checkpoint's eval metrics; returns True when it became the best by ``best_metric``."""

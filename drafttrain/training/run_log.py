@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from drafttrain import DrafttrainError
+from drafttrain import PROGRESS_LOGGER, DrafttrainError
 from drafttrain.config import Recipe, WandbConfig
 from drafttrain.drafts.base import add_positions, simulated_tau
 from drafttrain.runfolder import ACCELERATE_DIR, RunFolder, damaged, write_text_atomic
 
 log = logging.getLogger(__name__)
+progress_log = logging.getLogger(PROGRESS_LOGGER)
 
 _SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
 
@@ -182,6 +183,7 @@ class MetricsLog:
         self._file = open(self.path, "a")
         self._wandb = self._start_wandb(recipe, resumed)
         self._bar = self._start_bar(total_steps, start_step)
+        self._total, self._start_step, self._started = total_steps, start_step, time.perf_counter()
 
     def _prepare_file(self, start_step: int, resumed: bool) -> None:
         """A fresh run starts an empty file; a resumed one drops records from steps it is about to redo."""
@@ -263,9 +265,17 @@ class MetricsLog:
         record = {k: _finite_or_none(v) for k, v in record.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._bar.disable:
-            log.info("%s", " ".join(f"{k}={_short(v)}" for k, v in record.items()))
+        if self._bar.disable and "loss" in record:  # no bar on a non-terminal: a progress record line instead
+            progress_log.info("%s", self._progress_line(record))
         return record
+
+    def _progress_line(self, record: dict[str, Any]) -> str:
+        """``step=S/T ... eta=...``: the record, with how far the run is and the time left at the rate so far."""
+        step, done = record["step"], record["step"] - self._start_step
+        left = (time.perf_counter() - self._started) / done * (self._total - step) if done > 0 else None
+        fields = {k: v for k, v in record.items() if k != "step"}
+        eta = "" if left is None else f" eta={left / 60:.1f}min"
+        return f"step={step}/{self._total} " + " ".join(f"{k}={_short(v)}" for k, v in fields.items()) + eta
 
     def advance(self, step: int, postfix: dict[str, float] | None = None) -> None:
         self._bar.update(step - self._bar.n)
@@ -297,12 +307,16 @@ def read_metrics(run: RunFolder) -> tuple[list[dict[str, Any]], list[dict[str, A
     if not run.metrics.is_file():
         raise DrafttrainError(f"{run.metrics} is missing: the run has not trained yet (`drafttrain train`)")
     train, evals = [], []
-    for number, line in enumerate(run.metrics.read_text().splitlines(), 1):
+    lines = run.metrics.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError:
+            if number == len(lines):  # what a crash mid-append leaves: the records before it are whole
+                log.warning("%s: skipping its half-written last line %d", run.metrics, number)
+                break
             raise damaged(run.metrics, f"line {number} is not JSON") from None
         (evals if any(k.startswith("eval/") for k in record) else train).append(record)
     return train, evals

@@ -24,15 +24,19 @@ from torch import nn
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
 from drafttrain.data.tokenize import split_fingerprint
-from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged, write_manifest
+from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged, step_dir_name, write_manifest
 from drafttrain.targets.outputs import TargetOutputs, run_target
-from drafttrain.training.checkpoint import CheckpointManager, TrainerState, recipe_changes
+from drafttrain.training.checkpoint import (DAMAGED_SUFFIX, DIVERGED_SUFFIX, CheckpointManager, TrainerState,
+                                           recipe_changes)
 from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids
 from drafttrain.training.run_log import CheckpointMetrics, MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator, gathered, local_part, shard_frozen, zero_stage_of
 from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
 
 log = logging.getLogger(__name__)
+
+# Weights this many times the largest at the start of training have exploded, however finite they still are.
+DIVERGED_FACTOR = 1e3
 
 # fn(step, checkpoint_dir) -> metrics ({"tau": 3.1}, or CheckpointMetrics with dashboard tables and images); runs
 # on the main process after each checkpoint.
@@ -143,6 +147,7 @@ class Trainer:
         self.module, self.optimizer, self.scheduler = acc.prepare(step_module, optimizer, scheduler)
         if resume_from is not None:
             self.state = state = self._restore(resume_from, state)
+        self.start_scale = self._weight_scale()  # what "exploded" is measured against (DIVERGED_FACTOR)
         acc.print(
             f"trainable parameters: {trainable:,}; target parameters: "
             f"{sum(getattr(p, 'ds_numel', p.numel()) for p in self.target.model.parameters() if not p.requires_grad):,}"
@@ -183,8 +188,13 @@ class Trainer:
         if not resume:
             return None
         path, self.resumed_built_from, skipped = self.checkpoints.resume_point(self.built_from)
-        for line in skipped:
-            acc.print(f"--resume: {line}")
+        for damaged_path, line in skipped:
+            acc.print(f"--resume: {line}; set aside as {damaged_path.name}{DAMAGED_SUFFIX}")
+        acc.wait_for_everyone()  # every process has verified before the main one moves anything
+        if acc.is_main_process:
+            for damaged_path, _ in skipped:
+                self.checkpoints.set_aside(damaged_path, DAMAGED_SUFFIX)
+        acc.wait_for_everyone()
         if path is None:
             acc.print(f"--resume: no checkpoint under {self.checkpoints.root}, starting from step 0")
         return path
@@ -303,8 +313,24 @@ class Trainer:
         if bad_anywhere:
             self._fail("non-finite loss on another process", state, micro, rows)
 
+    def _weight_scale(self) -> float:
+        """The largest absolute trainable weight (this process's part of each)."""
+        return max((float(local_part(p).detach().abs().max()) for p in self.module.parameters()
+                    if p.requires_grad and local_part(p).numel()), default=0.0)
+
     def _fail(self, what: str, state: TrainerState, micro: int, rows: list[int]) -> None:
-        latest = self.checkpoints.latest()
+        """Stop on a non-finite loss or gradient at step ``state.step + 1``. When the weights after ``state.step``
+        exploded (finite, but DIVERGED_FACTOR times the largest weight at the start: a learning rate far too high),
+        they produced it, so their checkpoint is no good either: it is set aside, and the one before it is named.
+        (A non-finite loss from a bad row leaves normal weights, and their checkpoint good.)"""
+        latest, scale = self.checkpoints.latest(), self._weight_scale()
+        if latest is not None and latest.name == step_dir_name(state.step) and scale > DIVERGED_FACTOR * max(
+                self.start_scale, 1e-6):
+            if self.accelerator.is_main_process:
+                aside = self.checkpoints.set_aside(latest, DIVERGED_SUFFIX)
+                log.warning("%s holds exploded weights (largest |w| %.3g, %.3g at the start) that gave %s: set aside "
+                            "as %s", latest.name, scale, self.start_scale, what, aside.name)
+            latest = self.checkpoints.latest(before=state.step)
         kept = f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved yet"
         raise DrafttrainError(
             f"{what} at step {state.step + 1}, epoch {state.epoch}, batch {micro} of the epoch "

@@ -15,6 +15,9 @@ import pytest
 import torch
 from trainer_helpers import StandInDraft, tiny_target
 
+# integration: several processes, or the real target trained end to end (CI runs them; `-m "not slow"` skips)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "trainer_helpers.py"
 ZERO2 = "recipes/deepspeed/zero2_cpu.json"

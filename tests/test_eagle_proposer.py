@@ -54,11 +54,13 @@ def trained_head(request, smollm2, prompt_and_greedy):
     return head, losses
 
 
+@pytest.mark.slow
 def test_overfitting_lowers_the_loss(trained_head):
     _, losses = trained_head
     assert losses[-1] < 0.5 * losses[0], losses[::10]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tree",
     ["chain", Chain(4, min_confidence=0.6), [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]],

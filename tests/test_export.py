@@ -57,6 +57,7 @@ def same_weights(a, b):
 
 # ---------------------------------------------------------------------------------------------------- EAGLE-3
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers, written", [(None, {"vllm": None, "sglang": None}),
                                              ([1, 3, 6], {"vllm": [1, 3, 6], "sglang": [0, 2, 5]})])
 def test_eagle3_layer_ids_are_written_so_each_engine_reads_the_trained_layers(tmp_path, layers, written):

@@ -41,6 +41,7 @@ def measured_recipe(tmp_path: Path, **training) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_plan_matches_a_measured_cpu_run_within_20_percent(tmp_path):
     recipe = measured_recipe(tmp_path)
     drafttrain("prepare", str(recipe), "--no-progress")
@@ -53,6 +54,7 @@ def test_the_plan_matches_a_measured_cpu_run_within_20_percent(tmp_path):
     assert abs(planned["total"] - peak) / peak < 0.20, (planned["memory"], peak / 2**20)
 
 
+@pytest.mark.slow
 def test_the_planned_offline_cache_matches_the_written_one(tmp_path):
     recipe = measured_recipe(tmp_path, hidden_states="offline")
     drafttrain("prepare", str(recipe), "--no-progress")
@@ -65,6 +67,7 @@ def test_the_planned_offline_cache_matches_the_written_one(tmp_path):
     assert fp8.cache_bytes == planned["tokens"] * 4 * (576 + 2) <= planned["tokens"] * 4 * 576 * 1.004
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe, config, nodes, target_bytes", [
     ("eagle3_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),  # bf16, whole
     ("medusa2_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),

@@ -11,6 +11,9 @@ from conftest import REPO
 from wandb_records import read_run
 from drafttrain.commands import main
 
+# integration: several processes, or the real target trained end to end (CI runs them; `-m "not slow"` skips)
+pytestmark = pytest.mark.slow
+
 
 def write_recipe(tmp_path, wandb=None, **training):
     recipe = {

@@ -65,7 +65,7 @@ class Costs:
     draft_s: list[float]  # [d]: the proposer drafting d tokens, d = 0 .. D
     accept_s: float  # the proposer consuming one step's accepted tokens
     uncertainty: float = 0.005  # relative spread of the plain step's timings: a gain below it is not one
-    clamped: float = 0.0  # how far (relative) the measured table broke physical bounds and was clamped
+    clamped: float = 0.0  # how far the measured table broke physical bounds, in plain steps (then clamped)
 
     def step_s(self, verify_width: int, drafted_positions: int) -> float:
         return self.verify_s[verify_width] + self.draft_s[drafted_positions] + self.accept_s
@@ -170,11 +170,12 @@ def physical(costs: Costs) -> Costs:
     draft can give. A table that needed clamping says so."""
     verify = [0.0] + list(itertools.accumulate(costs.verify_s[1:], max))
     draft = list(itertools.accumulate(costs.draft_s, max))
-    moved = max([abs(a - b) / max(b, 1e-12) for a, b in zip(verify[1:], costs.verify_s[1:])]
-                + [abs(a - b) / max(b, 1e-12) for a, b in zip(draft[1:], costs.draft_s[1:])], default=0.0)
+    # how far a cost moved, in plain steps (a microsecond draft's noise is not a busy machine)
+    moved = max([abs(a - b) for a, b in zip(verify, costs.verify_s)] + [abs(a - b) for a, b in zip(draft, costs.draft_s)],
+                default=0.0) / max(costs.plain_s, 1e-12)
     if moved > 0.1:
-        log.warning("depth auto: measured costs broke physical bounds by up to %.0f%% (a busy machine?): clamped",
-                    100 * moved)
+        log.warning("depth auto: measured costs broke physical bounds by up to %.0f%% of a plain step (a busy "
+                    "machine?): clamped", 100 * moved)
     return dataclasses.replace(costs, verify_s=verify, draft_s=draft, clamped=round(moved, 3))
 
 

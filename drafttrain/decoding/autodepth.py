@@ -131,12 +131,12 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
         cached_forward(model, cache, next_token.expand(1, width).contiguous())
         compact_cache(cache, prefix, [])
 
-    def draft(depth: int) -> None:
-        proposer.propose(DraftRequest(Chain(depth), Sampling(), torch.Generator(device=device).manual_seed(0)))
-
     widths, depths = range(1, max_depth + 2), range(1, max_depth + 1)
+    generator = torch.Generator(device=device).manual_seed(0)
+    requests = {d: DraftRequest(Chain(d), Sampling(), generator) for d in depths}  # built outside the timed calls
     samples = interleaved_samples({**{("verify", w): (lambda w=w: verify(w)) for w in widths},
-                                   **{("draft", d): (lambda d=d: draft(d)) for d in depths}}, repeats)
+                                   **{("draft", d): (lambda d=d: proposer.propose(requests[d])) for d in depths}},
+                                  repeats)
     two = torch.cat([next_token, next_token], dim=1)  # a typical step: one accepted token and the target's own
     step_hidden = None if hidden is None else hidden[:, -2:]
     accept_s = median_time(lambda: proposer.accept(two, step_hidden), repeats)  # last: it grows the draft's cache

@@ -88,8 +88,9 @@ def saved_kind(path: str | Path) -> type[Drafter]:
     return KINDS[kind]
 
 
-def _from_export(kind: type[Drafter], directory: Path, config: dict, target) -> Drafter:
-    """A folder ``drafttrain export`` wrote: read back into the kind's own layout, then loaded as a checkpoint."""
+def _from_export(kind: type[Drafter], directory: Path, config: dict, target) -> tuple[Drafter, dict]:
+    """A folder ``drafttrain export`` wrote: read back into the kind's own layout, then loaded as a checkpoint.
+    Returns the draft and its config in the checkpoint's layout."""
 
     fmt = config["drafttrain"]["export"]["format"]
     if fmt not in kind.formats:
@@ -101,17 +102,16 @@ def _from_export(kind: type[Drafter], directory: Path, config: dict, target) -> 
         with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/{WEIGHTS_NAME}")
             (Path(tmp) / CONFIG_NAME).write_text(json.dumps(config))
-            return kind.from_pretrained(tmp, target)
-    return kind.from_pretrained(directory, target)
+            return kind.from_pretrained(tmp, target), config
+    return kind.from_pretrained(directory, target), config
 
 
 def _check_engine_config(drafter: Drafter, config: dict, directory: Path) -> None:
     """What engines read from config.json must describe the draft we load (which is built from the ``drafttrain``
     section and the weights): a Medusa config saying 2 heads over weights of 3 would be served as 2 heads by vLLM
-    and measured as 3 here. Compared: the top-level numbers, strings and flags of the config this draft writes."""
-    fmt = (config["drafttrain"].get("export") or {}).get("format")
-    written = drafter.exported(fmt).config if fmt else drafter.interchange_config()
-    for key, value in written.items():
+    and measured as 3 here. ``config``: the file's, in the checkpoint's layout (an export's read back by the kind's
+    ``imported``). Compared: the top-level numbers, strings and flags of the config this draft writes."""
+    for key, value in drafter.interchange_config().items():
         if key in config and isinstance(value, (bool, int, float, str)) and config[key] != value:
             raise damaged(directory / CONFIG_NAME, f"says {key} = {config[key]!r}, but the draft it holds has "
                                                    f"{value!r}: engines would serve another draft than this one")
@@ -132,8 +132,8 @@ def load_drafter(path: str | Path, target) -> Drafter:
     config = read_draft_config(directory)
     check_target(config, target, directory)
     try:
-        drafter = _from_export(kind, directory, config, target) if config["drafttrain"].get("export") \
-            else kind.from_pretrained(directory, target)
+        drafter, config = _from_export(kind, directory, config, target) if config["drafttrain"].get("export") \
+            else (kind.from_pretrained(directory, target), config)
     except DrafttrainError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as err:  # a config edited or written by something else

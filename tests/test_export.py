@@ -9,6 +9,10 @@ numbering), SGLang adds 1 to explicit ids, both default to (2, L/2, L-3); vLLM's
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +85,8 @@ def test_eagle3_layer_ids_are_written_so_each_engine_reads_the_trained_layers(tm
     assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1
     assert "layers.0.self_attn.q_proj.weight" in tensors and not any(k.startswith("midlayer.") for k in tensors)
+    # speculators fills embed_tokens from the verifier only when it is NaN: the file must carry the target's own
+    assert torch.equal(tensors["embed_tokens.weight"], target.model.get_input_embeddings().weight.detach())
     same_weights(drafter, load_drafter(tmp_path / "speculators", target))
 
 
@@ -371,3 +377,27 @@ def test_a_damaged_draft_model_or_adapter_folder_is_named_not_a_traceback(tmp_pa
     (folder / "adapter" / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(DrafttrainError, match="adapter_model.safetensors|cannot be read"):
         load_drafter(folder, tiny_target())
+
+
+SPECULATORS_PYTHON = os.environ.get("DRAFTTRAIN_SPECULATORS_PYTHON")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SPECULATORS_PYTHON, reason="no speculators install given: set DRAFTTRAIN_SPECULATORS_PYTHON to a "
+                    "Python with speculators==0.9.0 (its own venv, never a drafttrain dependency) to run this check")
+def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_path, smollm2):
+    """The export loaded by speculators' Eagle3DraftModel (its token embeddings included: an export without them
+    loads them as zeros) predicts the same draft tokens as our head from the same target hidden states."""
+    drafter = build_drafter(Eagle3Config(), smollm2)
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.normal_(0, 0.02)
+    checkpoint = drafter.save_pretrained(tmp_path / "checkpoint")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "check_speculators_load.py"
+    done = subprocess.run([sys.executable, str(script), str(checkpoint), "--speculators-python", SPECULATORS_PYTHON,
+                           "--num-prompts", "1", "--max-new-tokens", "24", "--out", str(tmp_path / "check")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "check" / "speculators_check.json").read_text())
+    assert result["draft_tokens_equal"] == result["positions"] > 0 and not result["embed_zero"]
+

@@ -25,6 +25,7 @@ from drafttrain.targets.hidden import final_norm
 from drafttrain.targets.loading import verifier_path
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
+SPECULATORS_EMBEDDINGS = "embed_tokens.weight"  # the target's token embeddings, as speculators' files carry them
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format the export writes (and is tested with)
 
 
@@ -174,6 +175,9 @@ class Eagle3Drafter(EagleHead):
         }
         renamed = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
                    for k, v in tensors.items()}
+        # speculators' checkpoints carry the target's token embeddings; its loader fills them from the verifier only
+        # when the tensor is NaN, so a file without them loads a draft whose embeddings are HF's zero init
+        renamed[SPECULATORS_EMBEDDINGS] = self.target.model.get_input_embeddings().weight.detach().cpu().clone()
         return Exported(out, renamed)
 
     @classmethod
@@ -185,7 +189,7 @@ class Eagle3Drafter(EagleHead):
                       "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": config["draft_vocab_size"],
                       "target_hidden_size": config["target_hidden_size"], "drafttrain": config["drafttrain"]}
             tensors = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
-                       for k, v in tensors.items()}
+                       for k, v in tensors.items() if k != SPECULATORS_EMBEDDINGS}  # the target's own, not the draft's
         config = {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         return config, tensors
 

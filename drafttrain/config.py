@@ -308,6 +308,9 @@ class DecodeSettings(Section):
     top_k: int = 0  # sampling's top-k (0: off)
     seed: int = 0
     max_new_tokens: int = 64  # per turn
+    # an auto choice that speculates is checked while decoding and falls back (to a shallower chain, or plain
+    # decoding) when it does not pay on this machine now (drafttrain.decoding.guard); a fixed depth is never changed
+    runtime_check: bool = True
 
     @field_validator("depth", mode="before")
     @classmethod

@@ -90,3 +90,14 @@ def test_bad_selection():
         load_suite("gsm8k").select(0)
     with pytest.raises(DrafttrainError, match="turns"):
         load_suite("gsm8k").select(2, turns="3")
+
+
+def test_depth_auto_calibrates_on_the_served_suites_own_unreported_prompts():
+    from drafttrain.evaluation.suites import served_kind
+
+    reported = load_suite("mt_bench").select(6, turns="1")
+    chosen = served_kind(reported, 4)
+    firsts = {q.turns[0] for q in reported.questions}
+    assert len(chosen) == 4 and not firsts & {q.turns[0] for q in chosen}
+    assert len({q.category for q in chosen}) == 4  # one category at a time
+    assert served_kind(load_suite("mt_bench").select(turns="1"), 4) == ()  # every prompt reported: none left

@@ -29,7 +29,7 @@ from drafttrain.evaluation.checkpoint_eval import CALIBRATION_PROMPTS
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.report import print_report, write_report
 from drafttrain.evaluation.sides import Compared
-from drafttrain.evaluation.suites import Suite, load_suite, without_reported
+from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without_reported
 from drafttrain.runfolder import RunFolder, drafttrain_checkpoint
 from drafttrain.targets import BUILTIN_TARGETS, load_target
 
@@ -65,7 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-confidence", type=float, default=_DEFAULTS.min_confidence,
                         help="stop a chain once the product of the draft's top probabilities falls below this")
     parser.add_argument("--calibration", help="prompts for --depth auto (a suite name or FastChat .jsonl); default: "
-                                              "the draft run's held-out validation prompts, else another suite")
+                                              "the suite's own prompts that are not reported, else the draft run's "
+                                              "held-out validation prompts, else another suite")
+    parser.add_argument("--no-runtime-check", action="store_true",
+                        help="keep an auto choice all run long (default: it is checked while decoding and falls back "
+                             "to a shallower chain or plain decoding when it does not pay on this machine)")
     parser.add_argument("--tree", default=_DEFAULTS.tree,
                         help="chain | dynamic | a named static tree (medusa-16, ...) | a .json file of paths | "
                              "static:PATHS_JSON (inline, Medusa's format: [[0], [1], [0, 0]]) | auto (a static tree "
@@ -158,7 +162,8 @@ def eval_settings(args: argparse.Namespace) -> EvalConfig:
     values = dict(suite=args.questions or args.suite, num_prompts=args.num_prompts,
                   max_depth=args.max_depth, min_confidence=args.min_confidence, tree=args.tree,
                   total_tokens=args.total_tokens, tree_top_k=args.top_k, temperature=args.temperature,
-                  top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens)
+                  top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                  runtime_check=not args.no_runtime_check)
     if args.depth is not None:  # left out otherwise, so the default can fit the draft (EvalConfig.fitted_to)
         values["depth"] = args.depth
     try:
@@ -169,10 +174,13 @@ def eval_settings(args: argparse.Namespace) -> EvalConfig:
 
 
 def _calibration(args: argparse.Namespace, suite: Suite) -> tuple:
-    """Held-out prompts for depth or tree auto: the given ones; else the draft run's validation prompts; else the
-    first prompts of a suite other than the one reported."""
+    """Held-out prompts for depth or tree auto: the given ones; else the reported suite's own prompts that are not
+    reported (the served kind); else the draft run's validation prompts; else the first prompts of a suite other
+    than the one reported."""
     if args.calibration:
         chosen = load_suite(args.calibration)
+    elif served_kind(suite, CALIBRATION_PROMPTS):
+        return served_kind(suite, CALIBRATION_PROMPTS)
     else:
         draft = Path(args.draft).expanduser() if args.draft else None
         runs = [RunFolder.of(p) for p in ([draft, *list(draft.parents)[:2]] if draft else [])]  # run, or a checkpoint

@@ -8,11 +8,20 @@ measured acceptance.
 2. Acceptance (``calibrate``): speculative decoding at the maximum depth D on a few calibration prompts (never
    the prompts being reported), recording per step how many tokens were accepted and, per drafted position, the
    draft's top probability.
+   The same run times every real decoding cycle (drafting + verification + the loop's bookkeeping), and plain
+   decoding through the same loop on every other calibration prompt, interleaved. The cost table is then moved
+   onto the loop (``on_the_loop``): the plain step is the loop's own, and a speculative cycle costs the table plus
+   the per-cycle overhead the loop measured beyond it. A microbenchmark alone understated both (a 115 ms plain step
+   and 23 + 137 ms cycles in the loop, against 12 + 120 ms in the table).
 3. Choice (``choose``): for every depth d <= D and confidence threshold t, replay the recorded steps (a chain of
    depth d accepts min(accepted, d); the threshold cuts the chain where the product of top probabilities falls
    below t, exactly as drafttrain.decoding.trees.Chain does), add up tokens and predicted time, and keep the best
-   expected speedup over plain decoding. Depth 0 (plain decoding, speedup 1) is always a candidate, so a draft
+   expected speedup over plain decoding, if it beats plain decoding by more than the standard error of the
+   calibration's own measured speedup. Depth 0 (plain decoding, speedup 1) is always a candidate, so a draft
    that costs more than it saves is not used.
+4. The check while decoding (drafttrain.decoding.guard): a chosen shape comes with a ``RuntimeGuard`` that measures
+   the real speedup as the engine decodes, and falls back to a shallower chain or plain decoding when it does not
+   pay (``DecodeSettings.runtime_check``).
 
 ``choose_shape`` is the one call the evaluator makes: it resolves a side's depth and tree "auto" into settings the
 engine takes as they are (or plain decoding, when no shape pays).
@@ -24,6 +33,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -36,11 +46,13 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DecodeSettings
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding.engine import SpeculativeDecoder
+from drafttrain.decoding.guard import RuntimeGuard, measured_speedup
 from drafttrain.decoding.proposers import DraftRequest, NoDraft, Proposer
 from drafttrain.decoding.trees import (
     Chain,
     StaticTree,
     ancestor_matrix,
+    as_shape,
     build_static_tree,
     cached_forward,
     compact_cache,
@@ -64,17 +76,29 @@ class Costs:
     verify_s: list[float]  # [w]: a verification forward of w tokens, w = 0 .. D+1 ([0] unused)
     draft_s: list[float]  # [d]: the proposer drafting d tokens, d = 0 .. D
     accept_s: float  # the proposer consuming one step's accepted tokens
-    uncertainty: float = 0.005  # relative spread of the plain step's timings: a gain below it is not one
+    uncertainty: float = 0.005  # relative standard error of the predicted speedup: a gain below it is not one
     clamped: float = 0.0  # how far the measured table broke physical bounds, in plain steps (then clamped)
+    overhead_s: float = 0.0  # what a real decoding cycle costs beyond the table (``on_the_loop``)
+    timing_spread: float = 0.0  # relative interquartile range of the table's plain-step timings
 
     def step_s(self, verify_width: int, drafted_positions: int) -> float:
-        return self.verify_s[verify_width] + self.draft_s[drafted_positions] + self.accept_s
+        """A cycle verifying ``verify_width`` tokens after drafting ``drafted_positions``: never below a plain step
+        (a verification forward does at least a plain step's work)."""
+        table = self.verify_s[verify_width] + self.draft_s[drafted_positions] + self.accept_s
+        return max(self.plain_s, table + self.overhead_s)
 
 
 @dataclasses.dataclass
 class Calibration:
     accepted: list[int]  # per step, at the maximum depth
     confidences: list[list[float]]  # per step, the draft's top probability at each drafted position
+    drafted: list[int] = dataclasses.field(default_factory=list)  # per step, the positions drafted
+    cycle_s: list[float] = dataclasses.field(default_factory=list)  # per step, the real cycle's wall time
+    plain_s: list[float] = dataclasses.field(default_factory=list)  # plain decoding's steps, same loop and prompts
+
+    def measured(self) -> tuple[float, float]:
+        """The calibration run's own speedup over plain decoding (at the maximum depth), and its standard error."""
+        return measured_speedup([(a + 1, s) for a, s in zip(self.accepted, self.cycle_s)], self.plain_s)
 
 
 @dataclasses.dataclass
@@ -85,6 +109,7 @@ class DepthChoice:
     by_depth: dict[int, float]  # predicted speedup of each depth without a threshold
     costs: Costs
     calibration_steps: int
+    calibration_measured: float | None = None  # the calibration run's own speedup at the deepest depth
 
     def summary(self) -> dict:
         return {"depth": self.depth, "min_confidence": self.min_confidence,
@@ -93,8 +118,11 @@ class DepthChoice:
                 "plain_step_ms": round(1e3 * self.costs.plain_s, 2),
                 "verify_ms": [round(1e3 * s, 2) for s in self.costs.verify_s[1:]],
                 "draft_ms": [round(1e3 * s, 2) for s in self.costs.draft_s],
-                "timing_spread": round(self.costs.uncertainty, 3), "costs_clamped": self.costs.clamped,
-                "calibration_steps": self.calibration_steps}
+                "cycle_overhead_ms": round(1e3 * self.costs.overhead_s, 2),
+                "uncertainty": round(self.costs.uncertainty, 3), "timing_spread": round(self.costs.timing_spread, 3),
+                "costs_clamped": self.costs.clamped, "calibration_steps": self.calibration_steps,
+                "calibration_measured_speedup": None if self.calibration_measured is None
+                else round(self.calibration_measured, 3)}
 
 
 def median_time(fn, repeats: int) -> float:
@@ -146,7 +174,21 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
     quartiles = statistics.quantiles(plain, n=4) if len(plain) > 1 else [0.0, 0.0, 0.0]
     spread = (quartiles[2] - quartiles[0]) / statistics.median(plain) if len(plain) > 1 else 0.0
     return physical(Costs(plain_s=verify_s[1], verify_s=verify_s, draft_s=draft_s, accept_s=accept_s,
-                          uncertainty=spread))
+                          uncertainty=spread, timing_spread=spread))
+
+
+def on_the_loop(costs: Costs, calibration: Calibration) -> Costs:
+    """The table moved onto the decoding loop's own timings: plain decoding's real step, and the mean overhead of a
+    real cycle beyond what the table predicts for the same drafts; the uncertainty is the standard error of the
+    calibration's measured speedup (no table without the loop's timings is changed)."""
+    if not calibration.cycle_s or not calibration.plain_s:
+        return costs
+    plain = statistics.median(calibration.plain_s)
+    table = dataclasses.replace(costs, plain_s=plain, overhead_s=0.0)
+    predicted = sum(table.verify_s[d + 1] + table.draft_s[d] + table.accept_s for d in calibration.drafted)
+    overhead = (sum(calibration.cycle_s) - predicted) / len(calibration.cycle_s)
+    _, se = calibration.measured()
+    return dataclasses.replace(table, overhead_s=overhead, uncertainty=se if math.isfinite(se) else costs.uncertainty)
 
 
 def interleaved_samples(fns: dict, repeats: int) -> dict:
@@ -201,14 +243,23 @@ class _RecordingProposer(Proposer):
 
 def calibrate(target, proposer: Proposer, prompts: list[torch.Tensor], max_depth: int, max_new_tokens: int,
               stop_token_ids: set[int], sampling: Sampling, seed: int = 0) -> Calibration:
-    """Speculative decoding at depth ``max_depth`` on ``prompts``: per step, accepted tokens and confidences."""
+    """Speculative decoding at depth ``max_depth`` on ``prompts``: per step, accepted tokens, confidences, drafted
+    positions and the cycle's wall time; and plain decoding's step times through the same loop, on every other
+    prompt, just before it (a slow phase of a shared machine falls on both alike)."""
     recorder = _RecordingProposer(proposer)
-    decoder = SpeculativeDecoder(target, recorder, depth=max_depth, temperature=sampling.temperature,
-                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
-    accepted: list[int] = []
-    for prompt in prompts:
-        accepted += decoder.generate(prompt, max_new_tokens, stop_token_ids).stats.accepted_per_step
-    return Calibration(accepted=accepted, confidences=recorder.confidences[: len(accepted)])
+    warp = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
+    decoder = SpeculativeDecoder(target, recorder, depth=max_depth, **warp)
+    plain = SpeculativeDecoder(target, NoDraft(), depth=1, **warp)
+    calibration = Calibration(accepted=[], confidences=[])
+    for index, prompt in enumerate(prompts):
+        if index % 2 == 0:
+            calibration.plain_s += plain.generate(prompt, max_new_tokens, stop_token_ids).stats.cycle_s
+        stats = decoder.generate(prompt, max_new_tokens, stop_token_ids).stats
+        calibration.accepted += stats.accepted_per_step
+        calibration.drafted += stats.drafted_per_step
+        calibration.cycle_s += stats.cycle_s
+    calibration.confidences = recorder.confidences[: len(calibration.accepted)]
+    return calibration
 
 
 def drafted_length(confidences: list[float], depth: int, threshold: float) -> int:
@@ -262,6 +313,7 @@ class TreeChoice:
     by_size: dict[int, float]
     verify_ms: dict[int, float]
     accuracies: list[list[float]]
+    plain_s: float = 0.0  # the plain step it was costed against
 
     @property
     def plain(self) -> bool:
@@ -300,7 +352,7 @@ def best_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_t
         by_size[size] = expected_tree_tokens(tree.paths, accuracies) * plain / (verify_s + draft_s)
         trees[size] = tree.paths
     best = max(by_size, key=lambda n: (by_size[n], -n))
-    return TreeChoice(trees[best], by_size[best], by_size, verify_ms, accuracies)
+    return TreeChoice(trees[best], by_size[best], by_size, verify_ms, accuracies, plain)
 
 
 def _verify(model, cache, prefix: int, root: torch.Tensor, tree) -> None:
@@ -325,17 +377,22 @@ class ShapeChoice:
     settings: DecodeSettings
     depth_auto: dict[str, Any] | None = None
     tree_auto: dict[str, Any] | None = None
+    guard: RuntimeGuard | None = None  # the runtime check of an auto choice that speculates
 
     @property
     def plain(self) -> bool:
         return isinstance(self.proposer, NoDraft)
+
+    def runtime_check(self) -> dict[str, Any] | None:
+        """What the runtime check saw and did, for the report (None when it had nothing to check)."""
+        return None if self.guard is None else self.guard.summary()
 
 
 def choose_shape(target, proposer: Proposer, settings: DecodeSettings, calibration: Sequence[str]) -> ShapeChoice:
     """Resolve ``settings``' tree (a spec is parsed) and its depth or tree "auto", chosen for ``proposer`` on this
     machine from the ``calibration`` prompts (first-turn texts, never the reported ones)."""
     tree, depth, min_confidence = tree_of(settings), settings.depth, settings.min_confidence
-    choice = ShapeChoice(proposer, settings)
+    choice, checked = ShapeChoice(proposer, settings), None  # checked: (costs, plain step, prediction) of the choice
     if tree == "auto" or depth == "auto":
         prompts, stops = _calibration_prompts(target, calibration)
         budget = min(settings.max_new_tokens, CALIBRATION_NEW_TOKENS)
@@ -344,14 +401,20 @@ def choose_shape(target, proposer: Proposer, settings: DecodeSettings, calibrati
             log.info("tree auto: %d nodes, predicted speedup %.2fx (by size: %s)", len(chosen.paths),
                      chosen.predicted_speedup, ", ".join(f"{n}: {s:.2f}" for n, s in chosen.by_size.items()))
             tree, choice.tree_auto = StaticTree(chosen.paths), chosen.summary()
+            checked = (None, chosen.plain_s, chosen.predicted_speedup)
             if chosen.plain:  # the best tree still loses to plain decoding here
                 choice.proposer, depth, tree = NoDraft(), 1, "chain"
         if depth == "auto":
             chosen = _best_depth(target, choice.proposer, prompts, stops, settings, budget)
             depth, min_confidence, choice.depth_auto = chosen.depth, chosen.min_confidence, chosen.summary()
+            checked = (chosen.costs, chosen.costs.plain_s, chosen.predicted_speedup)
             if depth == 0:  # drafting would cost more than it saves: plain decoding
                 choice.proposer, depth = NoDraft(), 1
     choice.settings = DecodeSettings.of(settings, depth=depth, tree=tree, min_confidence=min_confidence)
+    if checked is not None and not choice.plain and settings.runtime_check:
+        costs, plain_s, predicted = checked
+        choice.guard = RuntimeGuard(as_shape(tree, depth, min_confidence), costs, plain_s, predicted,
+                                    plain_spread=costs.uncertainty if costs is not None else 0.0)
     return choice
 
 
@@ -361,10 +424,11 @@ def _best_depth(target, proposer: Proposer, prompts: list[torch.Tensor], stops: 
     the proposer can fill)."""
     deepest = min(settings.max_depth, proposer.max_depth or settings.max_depth)
     with torch.inference_mode():
-        costs = measure_costs(target, proposer, prompts[0], deepest)
+        table = measure_costs(target, proposer, prompts[0], deepest)
     acceptance = calibrate(target, proposer, prompts, deepest, budget, stops, Sampling(**settings.sampling),
                            settings.seed)
-    choice = choose(costs, acceptance, deepest)
+    choice = choose(on_the_loop(table, acceptance), acceptance, deepest)
+    choice.calibration_measured = acceptance.measured()[0] if acceptance.plain_s else None
     log.info("depth auto: depth %d, min_confidence %.1f, predicted speedup %.2fx (by depth: %s)", choice.depth,
              choice.min_confidence, choice.predicted_speedup,
              ", ".join(f"{d}: {s:.2f}" for d, s in choice.by_depth.items()))

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DecodeSettings
+from drafttrain.decoding.guard import Cycle, RuntimeGuard
 from drafttrain.decoding.proposers import DraftRequest, NoDraft, Proposer, build_proposer
 from drafttrain.decoding.trees import (
     Draft,
@@ -48,6 +49,7 @@ class DecodeStats:
     position_accepted: list[int] = dataclasses.field(default_factory=list)  # [i]: steps accepting depth i+1
     proposer_time_s: float = 0.0  # proposer prefill + propose + accept
     verify_time_s: float = 0.0  # verification forwards + acceptance + cache update
+    cycle_s: list[float] = dataclasses.field(default_factory=list)  # per step: draft + verify + the proposer's accept
 
 
 @dataclasses.dataclass
@@ -85,7 +87,8 @@ class SpeculativeDecoder:
     the target's distribution warped by temperature / top_k / top_p, seeded by ``seed`` per generate call.
     """
 
-    def __init__(self, target, proposer: Proposer | str, settings: DecodeSettings | None = None, **changes):
+    def __init__(self, target, proposer: Proposer | str, settings: DecodeSettings | None = None, *,
+                 guard: RuntimeGuard | None = None, **changes):
         settings = DecodeSettings.of(settings, **changes)
         if settings.depth == "auto" or settings.tree == "auto":
             raise DrafttrainError("the engine decodes a chosen shape: resolve depth or tree 'auto' first "
@@ -104,6 +107,7 @@ class SpeculativeDecoder:
         if limit is not None and self.shape.depth > limit:
             raise DrafttrainError(f"a draft of depth {self.shape.depth} is deeper than proposer "
                                   f"{self.proposer.name!r} can fill ({limit}: the deepest its draft proposes)")
+        self.guard = guard  # an auto choice's runtime check: it picks each cycle's shape (None: always self.shape)
         self.cache = None  # the target's KV cache after the last generate (for inspection)
         self.tap = None
 
@@ -121,15 +125,16 @@ class SpeculativeDecoder:
             with _timed(stats, "prefill_time_s"):
                 logits, hidden = self._prefill(ids)
                 out = [self._first_token(logits, generator)]
-            with _timed(stats, "proposer_time_s"):
-                self.proposer.prefill(ids, hidden, self._tensor([out]))
+            fed = self.guard is None or self.guard.start_prompt()  # whether the proposer follows this prompt
+            if fed:
+                with _timed(stats, "proposer_time_s"):
+                    self.proposer.prefill(ids, hidden, self._tensor([out]))
             while len(out) < max_new_tokens and out[-1] not in stop:
-                with _timed(stats, "proposer_time_s"):
-                    draft = self.proposer.propose(request)
-                with _timed(stats, "verify_time_s"):
-                    emitted, hidden = self._verify(draft, out[-1], generator, stats)
-                with _timed(stats, "proposer_time_s"):
-                    self.proposer.accept(self._tensor([emitted]), hidden)
+                request.shape = self.shape if self.guard is None else self.guard.next_shape()
+                emitted, cycle = self._cycle(request, out[-1], generator, stats, fed)
+                if self.guard is not None:
+                    self.guard.observe(request.shape, cycle)
+                    fed = fed and self.guard.shape is not None  # a fallback to plain decoding stops feeding it
                 for tok in emitted:
                     out.append(tok)
                     if tok in stop or len(out) == max_new_tokens:
@@ -137,6 +142,23 @@ class SpeculativeDecoder:
             compact_cache(self.cache, ids.shape[1] + len(out) - 1, [])  # drop a truncated step's tail
         stats.new_tokens, stats.wall_time_s = len(out), time.perf_counter() - start
         return DecodeOutput(out, stats)
+
+    def _cycle(self, request: DraftRequest, root: int, generator, stats: DecodeStats, fed: bool):
+        """Draft (nothing when ``request.shape`` is None: a plain step), verify, and let the proposer consume the
+        emitted tokens (when it follows this prompt). Returns the emitted tokens and the cycle's timings."""
+        start = time.perf_counter()
+        draft = Draft.empty(self.target.device) if request.shape is None else self.proposer.propose(request)
+        drafted = time.perf_counter()
+        emitted, hidden = self._verify(draft, root, generator, stats)
+        verified = time.perf_counter()
+        if fed:
+            self.proposer.accept(self._tensor([emitted]), hidden)
+        end = time.perf_counter()
+        stats.proposer_time_s += (drafted - start) + (end - verified)
+        stats.verify_time_s += verified - drafted
+        stats.cycle_s.append(end - start)
+        return emitted, Cycle(tokens=len(emitted), seconds=end - start, verify_s=verified - drafted,
+                              drafted=draft.depth)
 
     def _prefill(self, ids: torch.Tensor):
         self.cache = DynamicCache(config=self.model.config)

@@ -119,6 +119,40 @@ def _depth_text(c: dict[str, Any]) -> str:
     return text
 
 
+def auto_choices(report: EvalReport) -> list[dict[str, Any]]:
+    """Every side whose shape was chosen by depth or tree auto: what it chose, the speedup it predicted, the speedup
+    the run measured against the same baseline, and what the runtime check did."""
+    c = report.config
+    sides = [(c["proposer"], c, report.overall.get("speedup"))]
+    sides += [(side["label"], side, (report.comparisons.get(side["label"]) or {}).get("speed_vs_baseline"))
+              for side in c.get("compare") or ()]
+    rows = []
+    for label, side, measured in sides:
+        depth, tree = side.get("depth_auto"), side.get("tree_auto")
+        if not depth and not tree:
+            continue
+        auto = depth or tree
+        chose = (f"depth {auto['depth']}" if depth else f"static tree, {auto['size']} nodes")
+        if (depth and auto["depth"] == 0) or (tree and auto.get("plain_decoding")):
+            chose = "plain decoding"
+        rows.append({"side": label, "chose": chose, "predicted": auto["predicted_speedup"], "measured": measured,
+                     "runtime_check": runtime_text(side.get("runtime_check"))})
+    return rows
+
+
+def runtime_text(check: dict[str, Any] | None) -> str:
+    """What the runtime check of an auto choice did, in a few words."""
+    if not check:
+        return "—"
+    if not check["switches"]:
+        window = check.get("last_window_speedup")
+        return "kept it" + (f" (last window measured {window:.2f}×)" if window is not None else "")
+    moves = [f"{e['from']} → {e['to']} at cycle {e['cycle']}"
+             + (f" (measured {e['measured_speedup']:.2f}×)" if "measured_speedup" in e else f" ({e['reason']})")
+             for e in check["switches"]]
+    return "; ".join(moves)
+
+
 def speedup_text(overall: dict[str, Any]) -> str | None:
     """"speedup 1.13× (95% interval over prompts 1.06–1.21×)", where a baseline ran."""
     if overall.get("speedup") is None:
@@ -155,6 +189,14 @@ def render_markdown(report: EvalReport) -> str:
         ["depth", "conditional P(d given d-1)", "cumulative P(d)"],
         [[str(i + 1), _pct(c), _pct(u)] for i, (c, u) in enumerate(zip(pos["conditional"], pos["cumulative"]))],
     ))
+    autos = auto_choices(report)
+    if autos:
+        parts.append("\n## Auto choices: predicted and measured on this machine, same run\n")
+        parts.append(_table(
+            ["side", "chose", "predicted speedup", "measured speedup", "runtime check"],
+            [[f"`{a['side']}`", a["chose"], fmt(a["predicted"], 2, "×"), fmt(a["measured"], 2, "×"),
+              a["runtime_check"]] for a in autos],
+        ))
     if report.references:
         parts.append("\n## Hugging Face references (not our numbers)\n")
         parts.append(_table(
@@ -249,6 +291,9 @@ def print_report(report: EvalReport, console=None) -> None:
     if split:
         console.print(f"per step: drafting {split['draft']:.1f} ms, verification {split['verify']:.1f} ms, "
                       f"other {split['other']:.1f} ms")
+    for auto in auto_choices(report):
+        console.print(f"auto choice of {auto['side']}: {auto['chose']}, predicted {fmt(auto['predicted'], 2, '×')}, "
+                      f"measured {fmt(auto['measured'], 2, '×')}; runtime check: {auto['runtime_check']}")
     for key, line in report.comparisons.items():
         console.print(
             f"same run, proposer {key}: τ {fmt(line['tau'])}, acceptance {_pct(line['acceptance_rate'])}, "

@@ -42,10 +42,16 @@ class Side:
     proposer_name: str | None = None
     proposer_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def warmed_up(self) -> None:
+        """After the uncounted warm-up run: an auto choice's runtime check forgets what it measured there."""
+        if self.choice is not None and self.choice.guard is not None:
+            self.choice.guard.restart()
+
     def described(self) -> dict[str, Any]:
         """What the report's config says of a compared side (its auto choices included when it had any)."""
         settings = self.choice.settings
-        autos = {k: v for k, v in (("depth_auto", self.choice.depth_auto), ("tree_auto", self.choice.tree_auto)) if v}
+        autos = {k: v for k, v in (("depth_auto", self.choice.depth_auto), ("tree_auto", self.choice.tree_auto),
+                                   ("runtime_check", self.choice.runtime_check())) if v}
         return {"label": self.label, "proposer": self.proposer_name, **autos, "depth": settings.depth,
                 "tree": describe_tree(settings.tree), "min_confidence": settings.min_confidence}
 
@@ -89,7 +95,7 @@ class SideBuilder:
         self.kernels.add(*built.modules())
         name = proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
         choice = choose_shape(self.target, built, side.settings(self.settings), self.calibration)
-        decoder = SpeculativeDecoder(self.target, choice.proposer, choice.settings)
+        decoder = SpeculativeDecoder(self.target, choice.proposer, choice.settings, guard=choice.guard)
         stops = set(self.stop_ids)
 
         def generator(budget: int) -> GenerateFn:

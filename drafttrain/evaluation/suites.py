@@ -135,3 +135,12 @@ def without_reported(candidates: Suite, reported: Suite) -> Suite:
     return dataclasses.replace(candidates, questions=tuple(q for q in candidates.questions
                                                            if q.turns[0].strip() not in seen))
 
+
+def served_kind(reported: Suite, count: int) -> tuple[Question, ...]:
+    """Up to ``count`` first turns of the reported suite that are not themselves reported (taken one category at a
+    time): prompts of the kind being served, for depth or tree auto to calibrate on. Prompts of the training
+    mixture accept better than a served suite does, and a choice calibrated there overstates its gain."""
+    whole = load_suite(reported.name).select(turns="1")
+    rest = without_reported(whole, reported)
+    return rest.select(count).questions if rest.questions else ()
+

@@ -391,6 +391,9 @@ class EvalConfig(DecodeSettings):
         return None if value is None else _positive_int(value)
 
     every_checkpoint: bool = True
+    # a checkpoint evaluation during training starts no new prompt after this many minutes, and says it ran over
+    # (a busy machine once made a 4-prompt evaluation take 15 minutes); None: no budget
+    checkpoint_budget_minutes: float | None = Field(5.0, gt=0)
 
 
 class WandbConfig(Section):

@@ -19,7 +19,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
 LAYERS = ["foundation", "data", "targets", "drafts", "training", "decoding", "evaluation", "export", "commands", "main"]
-FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear"}
+FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear",
+              "drafttrain.progress"}
 MAX_FUNCTION_LINES = 80
 MAX_EVALUATE_LINES = 60
 SIDE_MODULES = {"drafttrain.evaluation.evaluate", "drafttrain.evaluation.sides", "drafttrain.evaluation.records"}

@@ -177,3 +177,38 @@ def test_a_busy_machine_is_said_in_one_plain_line(monkeypatch):
     loaded = run_info.LoadWatch().summary()
     assert loaded["contended"] and "load average" in loaded["note"]
     assert load_note({"machine_load": loaded}) == loaded["note"] and load_note({}) is None
+
+
+def test_every_auto_choice_is_reported_with_its_prediction_beside_the_measured_speedup():
+    report = synthetic_report()
+    fell_back = {"initial": "depth 3", "final": "plain", "cycles": {"depth 3": 24, "plain": 80},
+                 "switches": [{"cycle": 24, "from": "depth 3", "to": "plain", "reason": "measured below plain decoding",
+                               "measured_speedup": 0.81, "plain_step_ms": 60.0}]}
+    report.config.update(depth_auto={"depth": 3, "predicted_speedup": 1.2, "calibration_steps": 40},
+                         runtime_check=fell_back,
+                         compare=[{"label": "prompt_lookup@auto", "depth_auto": {"depth": 2, "predicted_speedup": 1.3},
+                                   "runtime_check": {"switches": [], "last_window_speedup": 1.25}}])
+    report.comparisons = {"prompt_lookup@auto": {"tau": 1.5, "acceptance_rate": 0.3, "tokens_per_s": 30.0,
+                                                 "speed_vs_baseline": 1.22, "greedy_match_vs_baseline": 1.0}}
+    md = render_markdown(report)
+    assert "## Auto choices: predicted and measured" in md
+    method_row = next(line for line in md.splitlines() if line.startswith("| `prompt_lookup` |"))
+    assert "1.20×" in method_row and f"{report.overall['speedup']:.2f}×" in method_row
+    assert "depth 3 → plain at cycle 24 (measured 0.81×)" in method_row
+    compared = next(line for line in md.splitlines() if line.startswith("| `prompt_lookup@auto` |"))
+    assert "1.30×" in compared and "1.22×" in compared and "kept it (last window measured 1.25×)" in compared
+
+
+def test_an_evaluation_over_its_time_budget_stops_starting_prompts_and_says_so(smollm2):
+    from drafttrain.evaluation.evaluate import evaluate
+
+    prompts = ["Name a colour.", "Name a fruit.", "Name a planet."]
+    report = evaluate(smollm2, "prompt_lookup", prompts, depth=2, max_new_tokens=4, progress=False, warmup=False,
+                      time_budget_s=1e-3)
+    budget = report.config["time_budget"]
+    assert report.overall["num_prompts"] == 1 and len(report.prompts) == 1  # at least one prompt, then no more
+    assert budget["over"] and budget["prompts_measured"] == 1 and budget["prompts_planned"] == 3
+    assert "1 of 3 prompts measured" in budget["note"]
+    whole = evaluate(smollm2, "prompt_lookup", prompts, depth=2, max_new_tokens=4, progress=False, warmup=False,
+                     time_budget_s=600)
+    assert whole.overall["num_prompts"] == 3 and not whole.config["time_budget"]["over"]

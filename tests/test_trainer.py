@@ -256,7 +256,7 @@ def test_a_time_budget_stops_on_time_with_the_schedule_run_over_it(tmp_path):
 def test_without_a_terminal_training_writes_progress_records_with_the_total_and_time_left(tmp_path, caplog):
     """A log file, CI or nohup gets one line per log step (no bar can be drawn): step of total, loss, tokens/s,
     and an ETA from the rate so far; the quickstart shows them on such a console every 30 s at most."""
-    from drafttrain import PROGRESS_LOGGER
+    from drafttrain.progress import PROGRESS_LOGGER
     from drafttrain.commands.quickstart import ConsoleLines
 
     with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
@@ -278,3 +278,30 @@ def test_without_a_terminal_training_writes_progress_records_with_the_total_and_
     assert not every_30s.filter(record("transformers", logging.WARNING, 41.0))
     on_a_terminal = ConsoleLines(progress_every_s=None)  # the progress bar shows it there
     assert not on_a_terminal.filter(record(PROGRESS_LOGGER, logging.INFO, 100.0))
+
+
+def test_training_throughput_far_below_the_runs_own_rate_is_a_warning_once_per_slow_spell(caplog):
+    from drafttrain.training.run_log import ThroughputWatch
+
+    watch = ThroughputWatch()
+    with caplog.at_level("INFO", logger="drafttrain.training.run_log"):
+        for step, rate in enumerate([500.0, 520, 480, 510, 150, 160, 500, 505, 140], 1):
+            watch.check({"step": step * 20, "tokens_per_s": rate})
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2  # at step 100 and again at 180, not at 120 (the same spell)
+    assert "fell to 150 tokens/s at step 100" in warnings[0] and "30% of this run's earlier 505" in warnings[0]
+    assert any("back to 500 tokens/s" in r.getMessage() for r in caplog.records)
+
+
+def test_every_long_stage_writes_progress_records_where_there_is_no_terminal(caplog, monkeypatch):
+    import sys
+
+    from drafttrain.progress import progress_bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    with caplog.at_level("INFO", logger="drafttrain.progress"):
+        for _ in progress_bar(range(5), "regenerate", "conv", every_s=0):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "drafttrain.progress"]
+    assert lines and lines[-1].startswith("regenerate: 5/5 conv (100%)") and "eta=" in lines[-1]
+    assert all("\r" not in line for line in lines)

@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from drafttrain import PROGRESS_LOGGER, DrafttrainError
+from drafttrain import DrafttrainError
 from drafttrain.config import load_recipe
+from drafttrain.progress import PROGRESS_EVERY_S, PROGRESS_LOGGER, on_terminal
 from drafttrain.runfolder import RunFolder
 
 DEFAULT_RECIPE = "recipes/smollm2_eagle3_quick.yaml"
@@ -69,7 +70,7 @@ def libraries_log_to(path: Path):
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     consoles = [h for h in root.handlers if type(h) is logging.StreamHandler]
-    console_filter = ConsoleLines(progress_every_s=None if sys.stderr.isatty() else PROGRESS_EVERY_S)
+    console_filter = ConsoleLines(progress_every_s=None if on_terminal() else PROGRESS_EVERY_S)
     for h in consoles:
         h.addFilter(console_filter)
     root.addHandler(handler)
@@ -87,9 +88,6 @@ def libraries_log_to(path: Path):
             for h in consoles:
                 h.removeFilter(console_filter)
             logging.captureWarnings(False)
-
-
-PROGRESS_EVERY_S = 30.0  # a progress record on a non-terminal console at most this often
 
 
 class ConsoleLines(logging.Filter):
@@ -138,7 +136,7 @@ def print_summary(report, checkpoint: Path, run: RunFolder, minutes: float) -> N
     from rich.console import Console
     from rich.table import Table
 
-    from drafttrain.evaluation.report import fmt
+    from drafttrain.evaluation.report import fmt, runtime_text
 
     overall, config = report.overall, report.config
     auto = config.get("depth_auto")
@@ -149,6 +147,9 @@ def print_summary(report, checkpoint: Path, run: RunFolder, minutes: float) -> N
     else:
         threshold = f", stop below confidence {auto['min_confidence']:g}" if auto["min_confidence"] else ""
         depth = f"{auto['depth']}{threshold} (auto: predicted {auto['predicted_speedup']:.2f}x on this machine)"
+        check = config.get("runtime_check")
+        if check and check["switches"]:
+            depth += f"; checked while decoding: {runtime_text(check)}"
     positions = overall["acceptance_per_position"]["conditional"]
     table = Table(title=f"drafttrain quickstart: done in {minutes:.1f} min", show_header=False, title_justify="left")
     table.add_column("what", style="bold")

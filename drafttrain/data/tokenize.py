@@ -39,10 +39,8 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-from datasets import Dataset, Features
+from datasets import Dataset, Features, Value
 from datasets import Sequence as Seq
-from datasets import Value
-from tqdm.auto import tqdm
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DataConfig
@@ -53,6 +51,7 @@ from drafttrain.data.chat import (
     render_text,
     template_support,
 )
+from drafttrain.progress import progress_bar
 from drafttrain.runfolder import DataManifest, RunFolder, cache_root, damaged, file_sha256, open_dataset, read_json
 
 log = logging.getLogger(__name__)
@@ -348,7 +347,7 @@ def _features(packed: bool):
 def _row_generator(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, stats: dict):
     def generate():
         skipped: Counter = Counter()
-        bar = tqdm(conversations, desc="tokenising", unit="conv", disable=len(conversations) < 1000)
+        bar = progress_bar(conversations, desc="tokenising", unit="conv", enabled=len(conversations) >= 1000)
         for conv in bar:
             row = tokenize_conversation(tokenizer, conv, data_cfg.max_length, data_cfg.overlength, skipped)
             if row is None:

@@ -28,7 +28,7 @@ from drafttrain.drafts.layers import shift_left
 from drafttrain.drafts.losses import cross_entropy
 from drafttrain.evaluation.evaluate import EvalReport, evaluate
 from drafttrain.evaluation.report import write_report
-from drafttrain.evaluation.suites import Suite, load_suite, without_reported
+from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without_reported
 from drafttrain.runfolder import EVAL_DIR, RunFolder
 from drafttrain.targets import TargetNeeds
 from drafttrain.targets.outputs import run_target
@@ -41,14 +41,19 @@ CALIBRATION_PROMPTS = 4  # held-out prompts that depth auto measures acceptance 
 
 
 def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress: bool = True,
-                     calibration: Suite | None = None) -> EvalReport:
+                     calibration: Suite | None = None, time_budget_s: float | None = None) -> EvalReport:
     """The evaluator on ``questions`` with the recipe's eval settings, against plain decoding in the same run.
-    With ``eval.depth: auto`` the depth is chosen on ``calibration`` (default: the held-out validation prompts)."""
+    With ``eval.depth: auto`` the depth is chosen on ``calibration`` (default: the questions' own suite's prompts
+    that are not reported, the served kind; else the held-out validation prompts)."""
     if calibration is None:
-        calibration = selection_prompts(recipe)
+        served = served_kind(questions, CALIBRATION_PROMPTS)
+        fallback = selection_prompts(recipe)
+        chosen = served or (fallback.questions[:CALIBRATION_PROMPTS] if fallback else ())
+    else:
+        chosen = calibration.questions[:CALIBRATION_PROMPTS]
     settings = recipe.eval.fitted_to(type(drafter).max_draft_depth(drafter.config)).decode_settings()
-    return evaluate(target, drafter, questions, settings, progress=progress,
-                    calibration=calibration.questions[:CALIBRATION_PROMPTS] if calibration else ())
+    return evaluate(target, drafter, questions, settings, progress=progress, calibration=chosen,
+                    time_budget_s=time_budget_s)
 
 
 def check_eval_shape(recipe: Recipe) -> None:
@@ -132,8 +137,9 @@ class CheckpointEvaluator:
         if drafter.adapts_target:
             metrics.update(self.target_drift(drafter))
         if self.questions is not None:
+            minutes = self.recipe.eval.checkpoint_budget_minutes
             report = evaluate_drafter(self.recipe, self.target, drafter, self.questions, progress=False,
-                                      calibration=self.questions)
+                                      calibration=self.questions, time_budget_s=None if minutes is None else 60 * minutes)
             paths = write_report(report, checkpoint / EVAL_DIR)
             measured.merge(dashboard_metrics(report, paths["plot"]))
         log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()

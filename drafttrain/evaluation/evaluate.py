@@ -20,8 +20,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from drafttrain import DrafttrainError
 from drafttrain.config import DecodeSettings
 from drafttrain.cpu_linear import PackedLinears
@@ -35,9 +33,10 @@ from drafttrain.evaluation.records import (
     reference_line,
     run_turns,
 )
-from drafttrain.evaluation.run_info import LoadWatch, jsonable, now, run_config
+from drafttrain.evaluation.run_info import Budget, LoadWatch, jsonable, now, run_config
 from drafttrain.evaluation.sides import BASELINE, COMPARED, HF_REFERENCE, ORIGINAL_TARGET, Compared, Side, SideBuilder
 from drafttrain.evaluation.suites import Question, Suite
+from drafttrain.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
              settings: DecodeSettings | None = None, *, calibration: Sequence[Question] = (),
              compare: Sequence[str | Compared] = (), baseline: bool = True, hf_reference: bool = False,
              proposer_kwargs: dict[str, Any] | None = None, progress: bool = True, warmup: bool = True,
-             cpu_linear: str | None = None, **decode: Any) -> EvalReport:
+             cpu_linear: str | None = None, time_budget_s: float | None = None, **decode: Any) -> EvalReport:
     """Run ``method`` (a registered proposer name, a Proposer, or a trained Drafter) through the speculative
     decoder on every prompt, with plain decoding as the baseline, and return the metrics (drafttrain.evaluation.
     metrics defines them). ``settings`` (or ``decode`` keywords: depth=3, tree="dynamic", ...) say how to decode.
@@ -86,8 +85,11 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
     lines to ``report.references``. Depth or tree "auto" is chosen on ``calibration`` questions, never the
     reported ones (drafttrain.decoding.autodepth.choose_shape). ``cpu_linear``: on a CPU every side runs its linear
     layers through oneDNN with pre-packed weights ("packed", the default) or PyTorch's own ("default").
+    ``time_budget_s``: no new prompt is started once the run (calibration included) has taken this long; at least
+    one prompt is measured, and the report says how many were left out.
     """
     settings, started_at, load = DecodeSettings.of(settings, **decode), now(), LoadWatch()
+    budget = Budget(time_budget_s)
     suite_name, questions = _as_questions(prompts)
     with PackedLinears(target.model, mode=cpu_linear) as kernels:
         stop_ids = stop_token_ids(target.tokenizer, target.model.generation_config)
@@ -103,8 +105,12 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
         _check_labels(sides)
         if warmup:
             _warm_up(target, questions[0], sides, min(WARMUP_NEW_TOKENS, settings.max_new_tokens))
-        bar = tqdm(questions, desc="eval", unit="prompt", leave=False, disable=not progress)
-        runs = [_run_interleaved(target, q, sides, settings.max_new_tokens, index) for index, q in enumerate(bar)]
+        runs, planned = [], len(questions)
+        for index, question in enumerate(progress_bar(questions, "eval", "prompt", enabled=progress)):
+            if runs and budget.spent():
+                break
+            runs.append(_run_interleaved(target, question, sides, settings.max_new_tokens, index))
+        questions = questions[: len(runs)]
         report = _summary(sides, questions, runs, settings.temperature)
         described = _described(sides, baseline, hf_reference)
         report.config = run_config(target, sides[0].choice.settings, suite=suite_name, questions=questions,
@@ -113,6 +119,10 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
         report.config["machine_load"] = load.summary()
         if report.config["machine_load"]["contended"]:
             log.warning("%s", report.config["machine_load"]["note"])
+        if budget.limit_s is not None:
+            report.config["time_budget"] = budget.summary(len(runs), planned)
+            if report.config["time_budget"]["over"]:
+                log.warning("%s", report.config["time_budget"]["note"])
         return report
 
 
@@ -128,6 +138,7 @@ def _warm_up(target, question: Question, sides: list[Side], budget: int) -> None
     first_turn = dataclasses.replace(question, turns=question.turns[:1])
     for side in sides:
         run_turns(target.tokenizer, first_turn, side.generator(budget), target.device)
+        side.warmed_up()
 
 
 def _run_interleaved(target, question: Question, sides: list[Side], budget: int, rotation: int) -> list[SideRun]:
@@ -169,7 +180,8 @@ def _described(sides: list[Side], baseline: bool, hf_reference: bool) -> dict[st
             "compare": [side.described() for side in sides[1:] if side.role == COMPARED],
             "draft": method.draft.identity() if method.draft is not None else None,
             "min_confidence": method.choice.settings.min_confidence,
-            "depth_auto": method.choice.depth_auto, "tree_auto": method.choice.tree_auto}
+            "depth_auto": method.choice.depth_auto, "tree_auto": method.choice.tree_auto,
+            "runtime_check": method.choice.runtime_check()}
 
 
 def _as_questions(prompts: Suite | Sequence[Question | str]) -> tuple[str, list[Question]]:

@@ -62,6 +62,25 @@ CONTENDED_SHARE = 0.6  # the run got less than this share of the CPU time its th
 
 
 @dataclasses.dataclass
+class Budget:
+    """A run's wall-clock budget, counted from its creation (None: no budget)."""
+
+    limit_s: float | None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def spent(self) -> bool:
+        return self.limit_s is not None and time.perf_counter() - self.started > self.limit_s
+
+    def summary(self, measured: int, planned: int) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self.started
+        over = measured < planned
+        note = (f"the evaluation ran over its time budget ({self.limit_s / 60:.1f} min; {elapsed / 60:.1f} min "
+                f"spent): {measured} of {planned} prompts measured") if over else None
+        return {"budget_s": self.limit_s, "elapsed_s": round(elapsed, 1), "prompts_measured": measured,
+                "prompts_planned": planned, "over": over, "note": note}
+
+
+@dataclasses.dataclass
 class LoadWatch:
     """Whether the machine was busy while the run measured: the 1-minute load average beside the cores, and the
     CPU time this process got beside what its threads could have used in the wall time. A busy machine makes
@@ -114,7 +133,7 @@ def run_config(target, settings: DecodeSettings, *, suite: str, questions: list,
         "num_prompts": len(questions),
         "num_turns": sum(len(q.turns) for q in questions),
         **{key: described[key] for key in ("baseline", "hf_reference", "compare", "draft", "min_confidence",
-                                        "depth_auto", "tree_auto")},
+                                        "depth_auto", "tree_auto", "runtime_check")},
         "dtype": str(param.dtype).removeprefix("torch."),
         "device": str(param.device),
         "threads": torch.get_num_threads(),

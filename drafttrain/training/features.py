@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from drafttrain import DrafttrainError
+from drafttrain.progress import progress_bar
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
 from drafttrain.targets.hidden import HiddenStateTap
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, target_logits, top_k_of
@@ -118,8 +118,8 @@ def write_shards(target, dataset, needs: TargetNeeds, out_dir: str | Path, setti
     dtype = DTYPES[settings["dtype"]]
     rows_of = {k: list(range(k * per_shard, min((k + 1) * per_shard, len(dataset))))
                for k in range(-(-len(dataset) // per_shard)) if k % world == rank and _finished(out_dir, k) is None}
-    bar = tqdm(total=sum(map(len, rows_of.values())), desc=f"target features (rank {rank})", unit="row",
-               disable=not progress)
+    bar = progress_bar(total=sum(map(len, rows_of.values())), desc=f"target features (rank {rank})", unit="row",
+                       enabled=progress)
     for k, rows in rows_of.items():
         shard: dict[str, torch.Tensor] = {}
         for row in rows:

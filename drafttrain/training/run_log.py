@@ -18,7 +18,7 @@ import math
 import os
 import re
 import resource
-import sys
+import statistics
 import time
 import uuid
 from collections import defaultdict
@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from drafttrain import PROGRESS_LOGGER, DrafttrainError
+from drafttrain import DrafttrainError
 from drafttrain.config import Recipe, WandbConfig
 from drafttrain.drafts.base import add_positions, simulated_tau
+from drafttrain.progress import PROGRESS_LOGGER, on_terminal
 from drafttrain.runfolder import ACCELERATE_DIR, RunFolder, damaged, write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class MetricsLog:
         self._wandb = self._start_wandb(recipe, resumed)
         self._bar = self._start_bar(total_steps, start_step)
         self._total, self._start_step, self._started = total_steps, start_step, time.perf_counter()
+        self._throughput = ThroughputWatch()
 
     def _prepare_file(self, start_step: int, resumed: bool) -> None:
         """A fresh run starts an empty file; a resumed one drops records from steps it is about to redo."""
@@ -222,11 +224,12 @@ class MetricsLog:
     def _start_bar(self, total_steps: int, start_step: int):
         # On a non-terminal (log files, CI) the bar is off and each record becomes a log line instead.
         return tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                    disable=not sys.stderr.isatty())
+                    disable=not on_terminal())
 
     def write(self, record: dict[str, Any]) -> None:
         """One training record (``step`` and numbers)."""
         record = self._append(record)
+        self._throughput.check(record)
         if self._wandb is not None:
             self._wandb.log({"train/step": record["step"],
                              **{f"train/{k}": v for k, v in record.items() if k != "step"}})
@@ -287,6 +290,35 @@ class MetricsLog:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class ThroughputWatch:
+    """Warns when training's tokens/s falls far below the run's own earlier rate (another job on the machine, a
+    throttled GPU), once per slow spell: a run that quietly trains at a third of its speed misses its budget."""
+
+    SLOW_SHARE = 0.5  # below this share of the earlier median rate
+    EARLIER = 3  # records needed before a rate is judged
+
+    def __init__(self):
+        self.rates: list[float] = []
+        self.slow = False
+
+    def check(self, record: dict[str, Any]) -> None:
+        rate = record.get("tokens_per_s")
+        if not isinstance(rate, (int, float)) or not rate > 0:
+            return
+        usual = statistics.median(self.rates) if len(self.rates) >= self.EARLIER else None
+        self.rates.append(rate)
+        if usual is None:
+            return
+        now_slow = rate < self.SLOW_SHARE * usual
+        if now_slow and not self.slow:
+            log.warning("training throughput fell to %.0f tokens/s at step %s, %.0f%% of this run's earlier %.0f "
+                        "tokens/s: is another job sharing the machine? (checkpoint evaluations are not counted)",
+                        rate, record.get("step"), 100 * rate / usual, usual)
+        elif self.slow and not now_slow:
+            log.info("training throughput is back to %.0f tokens/s at step %s", rate, record.get("step"))
+        self.slow = now_slow
 
 
 def _short(value: Any) -> str:

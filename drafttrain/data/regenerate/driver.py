@@ -43,8 +43,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from drafttrain import DrafttrainError
 from drafttrain.config import RegenerateConfig
 from drafttrain.data.regenerate.hf import HFBackend
@@ -59,6 +57,7 @@ from drafttrain.data.regenerate.resume import (
     read_jsonl_resumable,
 )
 from drafttrain.data.regenerate.store import AnswerStore
+from drafttrain.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +238,7 @@ def regenerate_conversations(
     store = AnswerStore(settings, target.fingerprint if target is not None else None) if cfg.reuse_answers else None
     with Recorder(paths, settings, store, done, dropped, on_row) as recorder:
         todo = recorder.answer_from_store(todo, wanted)
-        with tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress or not todo) as bar:
+        with progress_bar(total=len(todo), desc="regenerate", unit="conv", enabled=progress and bool(todo)) as bar:
             recorder.bar = bar
             if todo:
                 BACKENDS[settings.backend](target, cfg, settings).run(todo, recorder.finished)

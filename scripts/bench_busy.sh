@@ -4,7 +4,7 @@
 # trained head, alone and with the hog. Prints wall time, the auto choice, its predicted and measured speedup with
 # the 95% interval, and whether the report said the machine was busy.
 #
-#   scripts/bench_busy.sh OUT_DIR [EVAL_DRAFT]
+#   scripts/bench_busy.sh OUT_DIR [EVAL_DRAFT]        (SKIP_QUICKSTART=1: the evals only)
 #
 # Run it with nothing else on the machine: the "alone" figures are only alone if the machine is.
 set -euo pipefail
@@ -55,8 +55,10 @@ evaluate() {  # $1: label
   summary "$out/eval-$1/report.json"
 }
 
-quickstart alone
-start_hog; quickstart busy; stop_hog
+if [ -z "${SKIP_QUICKSTART:-}" ]; then
+  quickstart alone
+  start_hog; quickstart busy; stop_hog
+fi
 if [ -n "$draft" ]; then
   evaluate alone
   start_hog; evaluate busy; stop_hog

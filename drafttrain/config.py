@@ -229,9 +229,42 @@ class DraftModelConfig(DraftConfig):
         return self
 
 
+class DFlashConfig(DraftConfig):
+    """DFlash block drafting (arXiv 2602.06036): a small stack of draft layers reads the target's hidden states from
+    several layers as context and predicts a block of tokens after an anchor in one forward."""
+
+    kind: Literal["dflash"] = "dflash"
+    num_layers: int = Field(1, ge=1)
+    # the block: the anchor (a known token) and block_size - 1 mask tokens, each predicting the token at its position
+    block_size: int = Field(8, ge=2)
+    # target taps (HF hidden_states numbering, as for eagle3); default: inputs of layers 2, L/2 and L-3
+    layers: list[int] | None = Field(None, min_length=1)
+    draft_vocab: str | None = None  # as for eagle3: default the run's draft_vocab.safetensors when it exists
+    anchors: int = Field(64, ge=1)  # blocks trained per row: random anchors among its trainable positions
+    # how the block's positions are weighted in the loss: "dpace" (each by how much the expected acceptance length
+    # depends on it, from the draft's own detached confidence: speculators' and SpecForge's best practice) or
+    # "decay" (w_k = exp(-(k-1)/decay_gamma), the paper's)
+    weighting: Literal["dpace", "decay"] = "dpace"
+    dpace_alpha: float = Field(0.5, ge=0, le=1)  # D-PACE's smoothing: s_k = (1 - alpha) q_k + alpha
+    decay_gamma: float = Field(4.0, gt=0)
+    # attention inside the block: "bidirectional" (DFlash) or "causal" (speculators' default sliding layers)
+    block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    sample_from_anchor: bool = False  # DSpark's mode: every slot predicts, the anchor's included (block_size tokens)
+    mask_token_id: int | None = None  # default: the tokenizer's mask token, else an unused embedding row, else unk/pad
+    intermediate_size: int | None = Field(None, gt=0)
+    # start the draft layers as copies of the target's last layers (q/k norms at one) and its norm and lm_head rows,
+    # instead of noise
+    init_from_target: bool = True
+
+    @field_validator("layers")
+    @classmethod
+    def _aux_layer_ids(cls, layers: list[int] | None) -> list[int] | None:
+        return Eagle3Config._aux_layer_ids(layers)
+
+
 # The draft section is one of the kinds' sections, chosen by its ``kind``: the built-in kinds' here, and any other
 # kind's added when drafttrain.drafts.registry.register_kind registers it (tests tie these to the registry).
-DRAFT_SECTIONS: list[type[DraftConfig]] = [Eagle3Config, EagleConfig, MedusaConfig, DraftModelConfig]
+DRAFT_SECTIONS: list[type[DraftConfig]] = [Eagle3Config, EagleConfig, MedusaConfig, DraftModelConfig, DFlashConfig]
 DRAFT_KINDS: list[str] = [section.model_fields["kind"].default for section in DRAFT_SECTIONS]
 
 

@@ -5,7 +5,9 @@ so a long stage is never silent and a log file holds no carriage-return clutter.
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import time
 from collections.abc import Iterable
 
 from tqdm.auto import tqdm
@@ -20,11 +22,17 @@ progress_log = logging.getLogger(PROGRESS_LOGGER)
 
 
 class _Records:
-    """A file for tqdm that turns each refresh into one log record."""
+    """A file for tqdm that turns its refreshes into log records, at most one every ``every_s`` seconds (a refresh
+    forced by a postfix or a burst of updates does not add one) and the last one (100%) always."""
+
+    def __init__(self, every_s: float):
+        self.every_s, self.last = every_s, -math.inf
 
     def write(self, text: str) -> None:
         line = text.strip("\r\n ")
-        if line:
+        now = time.monotonic()
+        if line and (now - self.last >= self.every_s or "(100%)" in line):
+            self.last = now
             progress_log.info("%s", line)
 
     def flush(self) -> None:
@@ -40,5 +48,6 @@ def progress_bar(iterable: Iterable | None = None, desc: str = "", unit: str = "
     """``tqdm(iterable, ...)`` on a terminal; progress records every ``every_s`` seconds elsewhere."""
     if on_terminal():
         return tqdm(iterable, desc=desc, unit=unit, total=total, disable=not enabled, leave=False, **kwargs)
-    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=not enabled, file=_Records(),
-                mininterval=every_s, bar_format=RECORD_FORMAT, ascii=True, **kwargs)
+    # smoothing 0: the rate and ETA over the whole stage (work that finishes in batches fools a moving average)
+    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=not enabled, file=_Records(every_s),
+                mininterval=every_s, smoothing=0, bar_format=RECORD_FORMAT, ascii=True, **kwargs)

@@ -1,12 +1,12 @@
-"""Proof in a real client: load an EAGLE-3 draft's speculators-format export with speculators' own classes (in their
-own venv) and compare its first drafting step with drafttrain's on the same target hidden states.
+"""Proof in a real client: load an EAGLE-3 or DFlash draft's speculators-format export with speculators' own classes
+(in their own venv) and compare its drafting forward with drafttrain's on the same target hidden states.
 
     python scripts/check_speculators_load.py RUN_OR_CHECKPOINT [--speculators-python /work/venvs/speculators/bin/python]
         [--num-prompts 4] [--max-new-tokens 64] [--out DIR]
 
 For each prompt the target's greedy answer is generated, the target's tapped hidden states are taken over prompt +
-answer, and both sides predict every next-next token from them (EAGLE-3's first step: the hidden state at t and
-the token t+1 give token t+2). It prints how many of speculators' draft tokens equal ours, the largest logit
+answer, and both sides predict from them: EAGLE-3's first step at every position (the hidden state at t and the
+token t+1 give token t+2), DFlash's block at every answer position (speculators' own forward, given our anchors). It prints how many of speculators' draft tokens equal ours, the largest logit
 difference, and whether speculators loaded the token embeddings (an export without them loads as all zeros).
 Exit 0 when every draft token agrees.
 """
@@ -35,17 +35,33 @@ from drafttrain.targets import HiddenStateTap, load_target
 WORKER = Path(__file__).with_name("serving") / "speculators_worker.py"
 
 
-def ours(drafter, target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(taps [1, T, k*H], draft-vocabulary logits [1, T, V'], the ids fed: token t+1 at position t)."""
+def taps_of(drafter, target, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad(), HiddenStateTap(target.model, drafter.tap_layers) as tap:
         target.model(input_ids=ids, use_cache=False)
-        taps = tap.stacked()
-    fed = shift_left(ids, 1)
+        return tap.stacked()
+
+
+def eagle3_inputs(drafter, target, ids: torch.Tensor, start: int) -> tuple[dict, torch.Tensor, int]:
+    """EAGLE-3's first step at every position: (the worker's inputs, our draft-vocabulary logits [T', V'], how many
+    positions count: the last has no next token fed)."""
+    taps, fed = taps_of(drafter, target, ids), shift_left(ids, 1)
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
     with torch.no_grad():
         hidden, _ = drafter.step(drafter.fuse(taps), fed, positions, drafter.new_caches())
-        logits = drafter.lm_head(drafter.norm(hidden))
-    return taps, logits, fed
+        logits = drafter.lm_head(drafter.norm(hidden))[0]
+    return {"hidden": taps.float(), "input_ids": fed}, logits, ids.shape[1] - 1
+
+
+def dflash_inputs(drafter, target, ids: torch.Tensor, start: int) -> tuple[dict, torch.Tensor, int]:
+    """A block anchored at every answer position whose block fits: (inputs, our logits [A*W, V'], all count)."""
+    taps = taps_of(drafter, target, ids)
+    anchors = torch.arange(start, ids.shape[1] - drafter.block_size)
+    with torch.no_grad():
+        logits = drafter.block_logits_at(taps, ids, anchors.unsqueeze(0))[0].flatten(0, 1)
+    return {"hidden": taps.float(), "input_ids": ids, "anchors": anchors}, logits, logits.shape[0]
+
+
+INPUTS = {"eagle3": eagle3_inputs, "dflash": dflash_inputs}
 
 
 def main() -> int:
@@ -72,10 +88,11 @@ def main() -> int:
         prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": question.turns[0]}])
         answer = plain_decode(target, torch.tensor([prompt]), args.max_new_tokens, stop_token_ids=stops).tokens
         ids = torch.tensor([prompt + answer])
-        taps, logits, fed = ours(drafter, target, ids)
-        save_file({"hidden": taps.float().contiguous(), "input_ids": fed.contiguous()}, str(out / f"inputs-{i}.safetensors"))
+        inputs, logits, valid = INPUTS[drafter.kind](drafter, target, ids, len(prompt))
+        save_file({k: v.contiguous() for k, v in inputs.items()}, str(out / f"inputs-{i}.safetensors"))
         job = out / f"job-{i}.json"
-        job.write_text(json.dumps({"draft": str(export.resolve()), "inputs": str(out / f"inputs-{i}.safetensors")}))
+        job.write_text(json.dumps({"kind": drafter.kind, "draft": str(export.resolve()),
+                                   "inputs": str(out / f"inputs-{i}.safetensors")}))
         done = subprocess.run([args.speculators_python, str(WORKER), str(job), str(out / f"theirs-{i}.safetensors")],
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -83,11 +100,10 @@ def main() -> int:
             return 1
         theirs = load_file(str(out / f"theirs-{i}.safetensors"))
         loaded = {"embed_zero": bool(theirs["embed_zero"].item()), "embed_nan": bool(theirs["embed_nan"].item())}
-        valid = ids.shape[1] - 1  # the last position has no next token fed
-        mine = logits[0, :valid].argmax(-1)
-        agree += int((mine == theirs["draft_tokens"][0, :valid]).sum())
+        mine = logits[:valid].argmax(-1)
+        agree += int((mine == theirs["draft_tokens"].reshape(-1)[:valid]).sum())
         total += valid
-        worst = max(worst, float((logits[0, :valid] - theirs["logits"][0, :valid]).abs().max()))
+        worst = max(worst, float((logits[:valid] - theirs["logits"].reshape(-1, logits.shape[-1])[:valid]).abs().max()))
     result = {"draft": str(checkpoint), "positions": total, "draft_tokens_equal": agree,
               "max_logit_difference": worst, **loaded}
     (out / "speculators_check.json").write_text(json.dumps(result, indent=1))

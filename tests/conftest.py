@@ -98,3 +98,21 @@ def small_recipe(folder: Path, draft: dict, **sections) -> Path:
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+@pytest.fixture(scope="session")
+def folder_target(tmp_path_factory) -> Path:
+    """A small random Llama saved as a model folder with SmolLM2's tokenizer: a target that loads in a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from drafttrain.targets import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("target")
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                     ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

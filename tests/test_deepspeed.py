@@ -136,27 +136,12 @@ def test_zero3_checkpoints_hold_the_whole_draft_and_resume(zero3_run, two_proces
         assert report["losses"] == pytest.approx({k: straight[k] for k in ("5", "6", "7", "8")}, abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def folder_target(tmp_path_factory) -> Path:
-    """A small random Llama saved as a model folder with SmolLM2's tokenizer: a target that loads in a second."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from drafttrain.targets import load_tokenizer
-
-    folder = tmp_path_factory.mktemp("target")
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-                     ).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_saves(tmp_path, folder_target):
+@pytest.mark.parametrize("draft", [
+    pytest.param({"kind": "eagle3", "ttt_steps": 2, "init_from_target": ["lm_head", "layer", "fc"]}, id="eagle3"),
+    pytest.param({"kind": "dflash", "block_size": 4, "anchors": 8, "num_layers": 2}, id="dflash")])
+def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_saves(tmp_path, folder_target, draft):
     """`accelerate launch -m drafttrain train` under ZeRO-3: the target (a saved folder) loads partitioned, the
-    EAGLE-3 head starts from its gathered lm_head, last layer and norm, and the run's losses and checkpoint equal
+    draft starts from its gathered weights (lm_head, last layers, norm), and the run's losses and checkpoint equal
     those of the same run under ZeRO-2; the checkpoint loads in one process."""
     from conftest import small_recipe
     from safetensors.torch import load_file
@@ -168,9 +153,8 @@ def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_
     for name, launch, config in (("zero3", "recipes/accelerate/cpu_2proc_zero3.yaml", ZERO3),
                                  ("zero2", LAUNCH_CONFIG, ZERO2)):
         (tmp_path / name).mkdir()
-        recipe = small_recipe(tmp_path / name, {"kind": "eagle3", "ttt_steps": 2,
-                                                "init_from_target": ["lm_head", "layer", "fc"]},
-                              target={"model": str(folder_target)}, eval={"every_checkpoint": False},
+        recipe = small_recipe(tmp_path / name, draft, target={"model": str(folder_target)},
+                              eval={"every_checkpoint": False},
                               training={"batch_size": 2, "max_steps": 4, "save_every": 4, "log_every": 1,
                                         "deepspeed": str(REPO / config)})
         _run([sys.executable, "-m", "drafttrain", "prepare", str(recipe), "--no-progress"])
@@ -188,7 +172,7 @@ def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in expected.items()}
     for key in expected:
         torch.testing.assert_close(saved[key], expected[key], rtol=0, atol=1e-5)
-    assert load_drafter(runs["zero3"], load_target(str(folder_target))).kind == "eagle3"
+    assert load_drafter(runs["zero3"], load_target(str(folder_target))).kind == draft["kind"]
 
 
 def test_launched_prepare_splits_the_offline_cache_over_the_processes(tmp_path, folder_target):

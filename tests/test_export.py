@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain import DrafttrainError
-from drafttrain.config import Eagle3Config, EagleConfig, MedusaConfig
+from drafttrain.config import DFlashConfig, Eagle3Config, EagleConfig, MedusaConfig
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.layers import DraftDecoderLayer
 from drafttrain.export import export_draft
@@ -385,13 +385,17 @@ SPECULATORS_PYTHON = os.environ.get("DRAFTTRAIN_SPECULATORS_PYTHON")
 @pytest.mark.slow
 @pytest.mark.skipif(not SPECULATORS_PYTHON, reason="no speculators install given: set DRAFTTRAIN_SPECULATORS_PYTHON to a "
                     "Python with speculators==0.9.0 (its own venv, never a drafttrain dependency) to run this check")
-def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_path, smollm2):
-    """The export loaded by speculators' Eagle3DraftModel (its token embeddings included: an export without them
-    loads them as zeros) predicts the same draft tokens as our head from the same target hidden states."""
-    drafter = build_drafter(Eagle3Config(), smollm2)
+@pytest.mark.parametrize("config", [pytest.param(Eagle3Config(), id="eagle3"),
+                                    pytest.param(DFlashConfig(num_layers=2, block_size=4), id="dflash")])
+def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_path, smollm2, config):
+    """The export loaded by speculators' own model class (EAGLE-3: its token embeddings included, since an export
+    without them loads them as zeros; DFlash: its blocks drafted by speculators' forward at our anchors) predicts
+    the same draft tokens as our draft from the same target hidden states."""
+    drafter = build_drafter(config, smollm2)
     with torch.no_grad():
         for param in drafter.parameters():
-            param.normal_(0, 0.02)
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.02)
     checkpoint = drafter.save_pretrained(tmp_path / "checkpoint")
     script = Path(__file__).resolve().parents[1] / "scripts" / "check_speculators_load.py"
     done = subprocess.run([sys.executable, str(script), str(checkpoint), "--speculators-python", SPECULATORS_PYTHON,

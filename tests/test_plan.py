@@ -72,6 +72,8 @@ def test_the_planned_offline_cache_matches_the_written_one(tmp_path):
     ("eagle3_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),  # bf16, whole
     ("medusa2_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),
     ("eagle_llama70b.yaml", "meta-llama--Llama-3.3-70B-Instruct.json", 2, 70.55e9 * 2 / 16),  # ZeRO-3 over 16
+    ("dflash_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),
+    ("dflash_qwen3_8b.yaml", "Qwen--Qwen3-8B.json", 1, 8.19e9 * 2),
 ])
 def test_the_cluster_recipes_fit_their_clusters(recipe, config, nodes, target_bytes):
     result = plan(load_recipe(REPO / "recipes" / recipe), Cluster(gpus=8, nodes=nodes, gpu_memory=80 * GIB),
@@ -154,6 +156,8 @@ def test_the_two_node_cluster_files_agree():
     ("smollm2_distill.yaml", ["draft.on_policy=1.0", "draft.divergence=tvd"]),
     ("smollm2_distill.yaml", ["draft.loss_vocab=draft", "draft.divergence=sft"]),
     ("smollm2_distill.yaml", ["draft.loss_vocab=draft"]),
+    ("smollm2_dflash.yaml", []),
+    ("smollm2_dflash.yaml", ["draft.block_attention=causal", "draft.weighting=decay", "draft.sample_from_anchor=true"]),
 ])
 def test_every_kind_is_planned(recipe, overrides, tmp_path):
     """The meta-device step runs for every kind (and on-policy distillation), so train's check never trips."""

@@ -16,7 +16,7 @@ from drafttrain import DrafttrainError, targets
 from drafttrain.config import Recipe, load_recipe
 from drafttrain.data.tokenize import describe_run_data, split_fingerprint
 from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
-from drafttrain.drafts import build_drafter
+from drafttrain.drafts import build_drafter, drafter_class
 from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator, check_eval_shape
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset
 from drafttrain.targets.hidden import decoder_layers, final_norm
@@ -96,7 +96,8 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     fingerprint = check_split_is_current(run, dataset, target)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
-    with gathered(start_weights(target), zero3):  # what a draft may start from, whole while it is built
+    layers = drafter_class(recipe.draft.kind).start_layers(recipe.draft)
+    with gathered(start_weights(target, layers), zero3):  # what a draft may start from, whole while it is built
         drafter = build_drafter(recipe.draft, target, run)
     if recipe.training.hidden_states == "offline":
 
@@ -116,11 +117,12 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     return result
 
 
-def start_weights(target) -> list:
+def start_weights(target, layers: int = 1) -> list:
     """The target weights drafts start from (init_from_target): its embeddings, lm_head, final norm and last
-    layer. Under ZeRO-3 only these are gathered while the draft is built, never the whole target."""
+    ``layers`` layers. Under ZeRO-3 only these are gathered while the draft is built, never the whole target."""
     model = target.model
-    parts = [model.get_input_embeddings(), model.get_output_embeddings(), final_norm(model), decoder_layers(model)[-1]]
+    last = decoder_layers(model)[-layers:] if layers > 0 else []
+    parts = [model.get_input_embeddings(), model.get_output_embeddings(), final_norm(model), *last]
     return list(dict.fromkeys(p for part in parts if part is not None for p in part.parameters()))
 
 

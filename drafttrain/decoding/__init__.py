@@ -8,6 +8,7 @@ proposers (prompt lookup, draft model, EAGLE heads), registered by name.
 """
 
 # importing a proposer module registers it by name
+from drafttrain.decoding.block import BlockProposer
 from drafttrain.decoding.draft_model import DraftModelProposer
 from drafttrain.decoding.eagle import EagleProposer
 from drafttrain.decoding.engine import DecodeOutput, DecodeStats, SpeculativeDecoder, plain_decode
@@ -27,6 +28,7 @@ from drafttrain.sampling import Sampling
 
 __all__ = [
     "PROPOSERS",
+    "BlockProposer",
     "Chain",
     "DecodeOutput",
     "DecodeStats",

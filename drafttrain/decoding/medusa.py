@@ -2,8 +2,8 @@
 tree (Medusa's format: each path lists the rank of the candidate at each depth) or a chain (the top-1 path).
 
 All candidates come from one forward of the heads on the last accepted position's hidden state: the node at depth
-d with rank r is head d-1's r-th most likely token. Candidates are a deterministic function of the context (top-k,
-also when sampling), so verification treats them as one-hot drafts and sampling stays exactly lossless.
+d with rank r is head d-1's r-th most likely token (drafttrain.decoding.positional: deterministic candidates, so
+sampling stays exactly lossless).
 
 ``measure_rank_accuracies`` measures how often each head's rank-r candidate is right while the target decodes, the
 input of trees.build_static_tree (Medusa's tree tool), so a tree can be sized for this draft and machine.
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from drafttrain.decoding.engine import plain_decode
+from drafttrain.decoding.positional import positional_draft
 from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer, trained_draft
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
-from drafttrain.sampling import top_probability
 from drafttrain.targets import HiddenStateTap
 
 
@@ -43,27 +43,9 @@ class MedusaProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, request: DraftRequest) -> Draft:
-        shape = request.shape
         logits = self.head.head_logits(self.last.to(self.head.lm_heads[0].weight.dtype))[0]  # [K, V]
-        if isinstance(shape, Chain):
-            return self._chain(logits, shape, request)
-        widest = max(shape.ranks) + 1
-        candidates = torch.topk(logits[: shape.depth], widest, dim=-1).indices.tolist()
-        tokens = [candidates[d - 1][r] for d, r in zip(shape.depths, shape.ranks)]
-        return Draft(torch.tensor([tokens], dtype=torch.long, device=self.device), shape.parents)
-
-    def _chain(self, logits: torch.Tensor, shape: Chain, request: DraftRequest) -> Draft:
-        """The top-1 of each head, stopping once the product of their top probabilities falls below
-        ``min_confidence`` (which reads the distributions only: still lossless)."""
-        tokens, confidence, self.last_confidences = [], 1.0, []
-        for row in logits[: shape.depth]:
-            top = top_probability(row, request.sampling)
-            confidence *= top
-            if shape.stops_at(confidence):
-                break
-            self.last_confidences.append(top)
-            tokens.append(int(row.argmax()))
-        return Draft.chain(torch.tensor([tokens], dtype=torch.long, device=self.device).reshape(1, -1))
+        draft, self.last_confidences = positional_draft(logits, request.shape, request.sampling, self.device)
+        return draft
 
 
 @torch.no_grad()

@@ -140,6 +140,12 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     @classmethod
+    def start_layers(cls, config: DraftConfig) -> int:
+        """How many of the target's last decoder layers ``build`` may copy (init_from_target): under ZeRO-3 these are
+        gathered whole while the draft is built."""
+        return 1
+
+    @classmethod
     def max_draft_depth(cls, config: DraftConfig) -> int | None:
         """The deepest draft it can propose (None: any)."""
         return None

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftConfig, register_draft_section
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config
+from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.draft_model import DraftModelDrafter
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
@@ -43,7 +44,7 @@ def register_kind(cls: type[Drafter]) -> type[Drafter]:
     return cls
 
 
-for _kind in (Eagle3Drafter, EagleDrafter, MedusaDrafter, DraftModelDrafter):
+for _kind in (Eagle3Drafter, EagleDrafter, MedusaDrafter, DraftModelDrafter, DFlashDrafter):
     register_kind(_kind)
 
 

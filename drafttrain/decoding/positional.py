@@ -1,0 +1,41 @@
+"""A draft from per-position logits: drafters whose candidates at every depth come from one forward, each depth's
+independent of the tokens drafted before it (Medusa's heads, a block drafter's slots).
+
+A chain takes each depth's top-1, stopping once the product of their top probabilities falls below the chain's
+``min_confidence`` (which reads the distributions only); a static tree's node at depth d with rank r is depth d's
+r-th candidate. Candidates are a deterministic function of the context (top-k, also when sampling), so verification
+treats them as one-hot drafts and sampling stays exactly lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafttrain.decoding.trees import Chain, Draft, StaticTree
+from drafttrain.sampling import Sampling, top_probability
+
+
+def positional_draft(logits: torch.Tensor, shape: Chain | StaticTree, sampling: Sampling,
+                     device: torch.device | str) -> tuple[Draft, list[float]]:
+    """``logits`` [depths, V] -> (the draft, the top probability at each drafted chain position)."""
+    if isinstance(shape, Chain):
+        tokens, confidence, confidences = [], 1.0, []
+        for row in logits[: shape.depth]:
+            top = top_probability(row, sampling)
+            confidence *= top
+            if shape.stops_at(confidence):
+                break
+            confidences.append(top)
+            tokens.append(int(row.argmax()))
+        return Draft.chain(torch.tensor([tokens], dtype=torch.long, device=device).reshape(1, -1)), confidences
+    widest = max(shape.ranks) + 1
+    candidates = torch.topk(logits[: shape.depth], widest, dim=-1).indices.tolist()
+    tokens = [candidates[d - 1][r] for d, r in zip(shape.depths, shape.ranks)]
+    return Draft(torch.tensor([tokens], dtype=torch.long, device=device), shape.parents), []
+
+
+def rank_hits(ranked: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per depth and rank, how often the rank-r candidate is the wanted token: ``ranked`` [N, depths, k] candidate
+    ids, ``wanted`` [N, depths], ``valid`` [N, depths] -> (hits [depths, k], counted [depths, 1])."""
+    hits = ((ranked == wanted.unsqueeze(-1)) & valid.unsqueeze(-1)).float().sum(0)
+    return hits, valid.float().sum(0).unsqueeze(-1)

@@ -1,0 +1,284 @@
+"""DFlash block drafting: anchors, the attention mask, the loss weights, a training step, the block proposer
+(it drafts exactly what training computes, and it is lossless), save/export/load, and recipes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafttrain.config import DFlashConfig, load_recipe
+from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.decoding.trees import Chain, StaticTree
+from drafttrain.drafts import build_drafter, load_drafter
+from drafttrain.drafts.dflash import Blocks, dpace_weights, sample_anchors
+from drafttrain.export import export_draft
+from drafttrain.targets import Target, run_target
+
+from conftest import REPO, draft_vocab_file
+
+TINY_MASK = 63  # the tiny target's last row: the mask token
+
+
+def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 6) -> Target:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Target("tiny", LlamaForCausalLM(config).eval().requires_grad_(False), None)
+
+
+def randomised(drafter):
+    """Trained-looking weights: every trainable parameter random, so a misplaced tensor or mask shows."""
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if param.requires_grad:
+                param.normal_(0, 0.3 if param.dim() > 1 else 0.05).add_(1.0 if param.dim() == 1 else 0.0)
+    return drafter
+
+
+def tiny_dflash(target, **changes) -> torch.nn.Module:
+    config = DFlashConfig(block_size=4, anchors=8, num_layers=2, mask_token_id=TINY_MASK, **changes)
+    return randomised(build_drafter(config, target))
+
+
+def batch_of(target, rows=2, seq=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size - 1, (rows, seq), generator=g)
+    mask = torch.ones(rows, seq)
+    mask[:, :6] = 0  # a prompt
+    mask[1, 18:] = 0  # a shorter second row (padding)
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
+
+
+def test_anchors_are_distinct_sorted_and_have_a_trainable_next_token():
+    mask = torch.zeros(2, 20)
+    mask[0, 5:15] = 1
+    mask[1, 12:14] = 1
+    blocks = sample_anchors(mask, 6, torch.Generator().manual_seed(0))
+    for row in range(2):
+        real = blocks.anchors[row][blocks.valid[row]].tolist()
+        assert real == sorted(set(real)) and all(mask[row, p + 1] == 1 and p >= 1 for p in real)
+    assert int(blocks.valid[0].sum()) == 6 and int(blocks.valid[1].sum()) == 2  # capped, and what there is
+
+
+def test_dpace_weights_are_the_suffix_sums_of_the_acceptance_prefix_products():
+    sure, mask = torch.ones(3), torch.ones(3)
+    assert dpace_weights(sure, mask, 0.5).tolist() == [3.0, 2.0, 1.0]  # a slot counts for itself and all after it
+    unsure = torch.zeros(3)  # s = alpha = 0.5 at every slot: prefix products 0.5, 0.25, 0.125
+    assert dpace_weights(unsure, mask, 0.5).tolist() == pytest.approx([0.875, 0.375, 0.125])
+    gap = torch.tensor([1.0, 1.0, 0.0])  # a slot without a label weighs nothing and does not cut the chain
+    assert dpace_weights(sure, gap, 0.5).tolist() == [2.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "causal"])
+def test_a_block_sees_its_context_and_itself_never_another_block_or_later_context(attention):
+    target = tiny_target()
+    drafter = tiny_dflash(target, block_attention=attention).eval()
+    anchors = torch.tensor([[3, 7]])
+    blocks = Blocks(anchors, torch.ones_like(anchors, dtype=torch.bool))
+    assert drafter.context_mask(blocks, 10)[0, 0, :, 0].tolist() == [[i < a for i in range(10)] for a in (3, 7)]
+    inner = drafter.block_mask(4, "cpu")
+    assert inner.all() if attention == "bidirectional" else torch.equal(inner, torch.ones(4, 4).tril().bool())
+    # what the computation sees: perturb the target states at and after block 0's anchor, and block 0's own token
+    ids = batch_of(target)["input_ids"][:1, :10]
+    taps = run_target(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, drafter.needs()).hidden
+    with torch.no_grad():
+        base = drafter.block_logits(taps, ids, blocks)
+        later = taps.clone()
+        later[:, 3:] += 1.0
+        moved = drafter.block_logits(later, ids, blocks)
+        torch.testing.assert_close(moved[0, 0], base[0, 0])  # block 0 never sees positions >= its anchor
+        assert not torch.allclose(moved[0, 1], base[0, 1])  # block 1 sees positions 3..6
+        other = ids.clone()
+        other[0, 3] = (ids[0, 3] + 1) % 60  # block 0's anchor token
+        changed = drafter.block_logits(taps, other, blocks)
+        assert not torch.allclose(changed[0, 0], base[0, 0])
+        torch.testing.assert_close(changed[0, 1], base[0, 1])  # another block's tokens are never seen
+
+
+def test_a_training_step_has_the_shapes_the_weights_and_the_gradients_it_should():
+    target = tiny_target()
+    drafter = tiny_dflash(target).train()
+    batch = batch_of(target)
+    outputs = run_target(target, batch, drafter.needs())
+    out = drafter.training_step(batch, outputs)
+    assert torch.isfinite(out.loss) and out.loss > 0
+    assert len(out.correct) == len(out.counted) == 3  # block 4: three predicted slots
+    assert all(c <= n for c, n in zip(out.correct, out.counted)) and out.counted[0] > 0
+    out.loss.backward()
+    assert drafter.lm_head.weight.grad is None  # the target's rows, frozen
+    for name in ("fc.weight", "hidden_norm.weight", "layers.0.self_attn.q_norm.weight", "layers.1.mlp.down_proj.weight",
+                 "norm.weight"):
+        grad = dict(drafter.named_parameters())[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_the_block_proposer_drafts_exactly_what_training_computes():
+    """At inference the context is cached position by position and the block attends to it; in training every
+    block is computed in one batched forward under the mask. The two must give the same predictions."""
+    target = tiny_target()
+    for attention in ("bidirectional", "causal"):
+        drafter = tiny_dflash(target, block_attention=attention).eval()
+        ids = batch_of(target)["input_ids"][:1]
+        outputs = run_target(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, drafter.needs())
+        anchor = 11
+        trained = drafter.block_logits_at(outputs.hidden, ids, torch.tensor([[anchor]]))[0, 0, 1:]
+        proposer = build_proposer("block", target, draft=drafter)
+        proposer.prefill(ids[:, :anchor], outputs.hidden[:, :5], ids[:, anchor: anchor + 1])  # the context in two parts
+        proposer.accept(ids[:, anchor: anchor + 1], outputs.hidden[:, 5:anchor])
+        from drafttrain.decoding import DraftRequest, Sampling
+
+        draft = proposer.propose(DraftRequest(Chain(3), Sampling()))
+        expected = drafter.draft_to_target[trained.argmax(-1)]
+        assert draft.tokens[0].tolist() == expected.tolist(), attention
+
+
+def test_sample_from_anchor_drafts_the_whole_block():
+    target = tiny_target()
+    drafter = tiny_dflash(target, sample_from_anchor=True)
+    assert type(drafter).max_draft_depth(drafter.config) == 4 and drafter.first_predicted_slot() == 0
+    out = drafter.training_step(batch_of(target), run_target(target, batch_of(target), drafter.needs()))
+    assert len(out.counted) == 4
+
+
+@pytest.mark.parametrize("tree", [pytest.param([[0], [1], [0, 0], [1, 0], [0, 0, 0]], id="static-tree"),
+                                  pytest.param("chain", id="chain")])
+def test_the_block_proposer_samples_the_target_exactly(tree):
+    """The χ² engine test of test_decoding_sampling with a block drafter (its candidates are deterministic: one-hot
+    drafts, so the target's distribution is kept)."""
+    from test_decoding_sampling import P_THRESHOLD, engine_pvalue
+
+    def block(target):
+        config = DFlashConfig(block_size=4, anchors=4, mask_token_id=5, init_from_target=False)
+        return build_proposer("block", target, draft=randomised(build_drafter(config, target)))
+
+    assert engine_pvalue(tree, proposer=block) > P_THRESHOLD
+
+
+def test_save_export_and_load_round_trip(tmp_path):
+    target = tiny_target()
+    keep = list(range(0, 64, 2))
+    config = DFlashConfig(block_size=4, anchors=8, mask_token_id=TINY_MASK,
+                          draft_vocab=str(draft_vocab_file(tmp_path, keep, 64)))
+    drafter = randomised(build_drafter(config, target)).eval()
+    checkpoint = drafter.save_pretrained(tmp_path / "checkpoint")
+    export = export_draft(checkpoint, "speculators", tmp_path / "export", target)
+    written = json.loads((export / "config.json").read_text())
+    assert written["speculators_model_type"] == "dflash" and written["mask_token_id"] == TINY_MASK
+    assert written["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert written["sliding_window_non_causal"] is True and "model_type" not in written
+    assert written["aux_hidden_state_layer_ids"] == drafter.layer_ids
+    tensors = load_file(str(export / "model.safetensors"))
+    assert tensors["lm_head.weight"].shape == (32, 32) and tensors["d2t"].shape == (32,)
+    assert "layers.0.self_attn.q_norm.weight" in tensors and "embed_tokens.weight" not in tensors
+    ids = batch_of(target)["input_ids"][:1]
+    outputs = run_target(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, drafter.needs())
+    anchors = torch.tensor([[8, 12]])
+    expected = drafter.block_logits_at(outputs.hidden, ids, anchors)
+    for folder in (checkpoint, export):
+        loaded = load_drafter(folder, target)
+        torch.testing.assert_close(loaded.block_logits_at(outputs.hidden, ids, anchors), expected)
+
+
+def test_a_whole_vocabulary_export_has_no_vocabulary_map_and_loads_back(tmp_path):
+    target = tiny_target()
+    drafter = tiny_dflash(target, block_attention="causal")
+    export = export_draft(drafter.save_pretrained(tmp_path / "c"), "speculators", tmp_path / "e", target)
+    tensors = load_file(str(export / "model.safetensors"))
+    assert not {"d2t", "t2d"} & set(tensors) and "lm_head.weight" in tensors  # vLLM wants d2t only for a draft vocab
+    written = json.loads((export / "config.json").read_text())
+    assert written["sliding_window_non_causal"] is False
+    assert written["transformer_layer_config"]["layer_types"] == ["sliding_attention"] * 2
+    loaded = load_drafter(export, target)
+    assert torch.equal(loaded.lm_head.weight, drafter.lm_head.weight)
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_targets_on_smollm2_chain_and_tree(smollm2):
+    """A block drafter fitted for a few steps on the target's own answer (it learns: the loss falls), served through
+    chains and a static tree: identical tokens to plain greedy decoding."""
+    prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "List three facts about the moon."}],
+                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
+    greedy = plain_decode(smollm2, prompt, 40).tokens
+    torch.manual_seed(0)
+    drafter = build_drafter(DFlashConfig(block_size=4, anchors=32), smollm2).train()
+    tokens = torch.tensor([prompt + greedy])
+    mask = torch.zeros_like(tokens, dtype=torch.float32)
+    mask[:, len(prompt):] = 1
+    batch = {"input_ids": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)}
+    with torch.no_grad():
+        outputs = run_target(smollm2, batch, drafter.needs())
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for _ in range(30):
+        loss = drafter.training_step(batch, outputs).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] / 2, losses
+    drafter.eval()
+    for tree in ("chain", StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])):
+        out = SpeculativeDecoder(smollm2, build_proposer("block", smollm2, draft=drafter), depth=3,
+                                 tree=tree).generate(prompt, 40)
+        assert out.tokens == greedy
+
+
+def test_the_dflash_recipes_validate():
+    recipe = load_recipe(REPO / "recipes" / "smollm2_dflash.yaml")
+    assert recipe.draft.kind == "dflash" and recipe.draft.block_size >= 4
+    for name in ("dflash_llama3.1_8b.yaml", "dflash_qwen3_8b.yaml"):
+        cluster = load_recipe(REPO / "recipes" / name)
+        assert cluster.draft.num_layers >= 3 and not math.isnan(cluster.training.learning_rate)
+
+
+@pytest.mark.slow
+def test_a_dflash_run_killed_mid_training_resumes_to_the_uninterrupted_runs_losses(tmp_path, folder_target):
+    """`drafttrain train` killed (SIGKILL) once its step-3 checkpoint is written, then `--resume`: steps 4-6 give the
+    losses of a run that was never interrupted (the anchors come from the restored random state)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import small_recipe
+
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+    def command(recipe, *extra):
+        return [sys.executable, "-m", "drafttrain", "train", str(recipe), *extra]
+
+    losses = {}
+    for name in ("straight", "killed"):
+        (tmp_path / name).mkdir()
+        recipe = small_recipe(tmp_path / name, {"kind": "dflash", "block_size": 4, "anchors": 8},
+                              target={"model": str(folder_target)}, eval={"every_checkpoint": False},
+                              training={"batch_size": 2, "max_steps": 6, "save_every": 3, "log_every": 1})
+        subprocess.run([sys.executable, "-m", "drafttrain", "prepare", str(recipe), "--no-progress"], cwd=REPO,
+                       env=env, check=True, capture_output=True)
+        if name == "killed":
+            proc = subprocess.Popen(command(recipe), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            checkpoint = tmp_path / name / "run" / "checkpoints" / "step-000003"
+            deadline = time.monotonic() + 240
+            while not (checkpoint / "model.safetensors").is_file() and proc.poll() is None:
+                assert time.monotonic() < deadline, "no step-3 checkpoint in 4 minutes"
+                time.sleep(0.05)
+            proc.kill()
+            assert proc.wait() == -9, "the run ended before it could be killed"
+            metrics = tmp_path / name / "run" / "metrics.jsonl"
+            assert len(metrics.read_text().splitlines()) < 6 if metrics.is_file() else True
+            extra = ("--resume",)
+        else:
+            extra = ()
+        done = subprocess.run(command(recipe, *extra), cwd=REPO, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses["killed"]) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert losses["killed"][step] == pytest.approx(losses["straight"][step], rel=0, abs=1e-5)

@@ -119,6 +119,19 @@ class Eagle3Config(DraftConfig):
     # final norm), "layer" (the decoder layer from the target's last layer), "fc" (a pass-through of the last tap).
     init_from_target: list[Literal["lm_head", "layer", "fc"]] = []
     noise: float = Field(0.0, ge=0)  # width of uniform noise added to the target taps while training (0: none)
+    # P-EAGLE: k >= 2 draft tokens from one forward (mask slots after the last real pair), trained by COD sampling
+    # instead of the training-time test (ttt_steps and step_decay are then not used); 0: sequential EAGLE-3
+    parallel_depths: int = Field(0, ge=0)
+    cod_ratio: float = Field(0.7, gt=0, le=1)  # COD: depth d keeps max(cod_ratio**d, cod_min) of the rollouts
+    cod_min: float = Field(0.2, ge=0, le=1)
+    mask_token_id: int | None = None  # P-EAGLE's mask token (default as for dflash)
+
+    @field_validator("parallel_depths")
+    @classmethod
+    def _parallel(cls, depths: int) -> int:
+        if depths == 1:
+            raise ValueError("parallel_depths 1 is one token per forward, what EAGLE-3 does already: give 0 (off) or >= 2")
+        return depths
 
     @field_validator("layers")
     @classmethod

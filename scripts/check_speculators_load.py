@@ -27,6 +27,7 @@ from drafttrain.decoding import plain_decode
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import read_draft_config
 from drafttrain.drafts.layers import shift_left
+from drafttrain.drafts.peagle import Rollouts
 from drafttrain.evaluation.suites import load_suite
 from drafttrain.export import export_draft
 from drafttrain.runfolder import find_draft
@@ -61,7 +62,22 @@ def dflash_inputs(drafter, target, ids: torch.Tensor, start: int) -> tuple[dict,
     return {"hidden": taps.float(), "input_ids": ids, "anchors": anchors}, logits, logits.shape[0]
 
 
-INPUTS = {"eagle3": eagle3_inputs, "dflash": dflash_inputs}
+def peagle_inputs(drafter, target, ids: torch.Tensor, start: int) -> tuple[dict, torch.Tensor, int]:
+    """Every real pair, and a whole rollout of mask slots from every fourth answer position: (inputs, our logits over
+    them, all count)."""
+    taps = taps_of(drafter, target, ids)
+    t, depths = ids.shape[1], drafter.config.parallel_depths
+    anchors = [a for a in range(start, t - depths - 1, 4) for _ in range(1, depths)]
+    levels = [d for _ in range(start, t - depths - 1, 4) for d in range(1, depths)]
+    rollouts = Rollouts(torch.tensor(anchors), torch.tensor(levels))
+    with torch.no_grad():
+        logits = drafter._parallel_logits(taps[0], ids[0], rollouts)[0]
+    slots = torch.stack([torch.cat([torch.arange(t), rollouts.anchors]),
+                         torch.cat([torch.zeros(t, dtype=torch.long), rollouts.depths])])
+    return {"hidden": taps.float(), "input_ids": shift_left(ids, 1), "slots": slots}, logits, logits.shape[0]
+
+
+INPUTS = {"eagle3": eagle3_inputs, "dflash": dflash_inputs, "peagle": peagle_inputs}
 
 
 def main() -> int:
@@ -81,6 +97,7 @@ def main() -> int:
     export = export_draft(checkpoint, "speculators", out / "export", target, overwrite=True,
                           verifier=str(target.source_dir))
     stops = set(stop_token_ids(target.tokenizer, target.model.generation_config))
+    kind = "peagle" if getattr(drafter, "parallel", False) and drafter.kind == "eagle3" else drafter.kind
     agree = total = 0
     worst = 0.0
     loaded = {}
@@ -88,10 +105,10 @@ def main() -> int:
         prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": question.turns[0]}])
         answer = plain_decode(target, torch.tensor([prompt]), args.max_new_tokens, stop_token_ids=stops).tokens
         ids = torch.tensor([prompt + answer])
-        inputs, logits, valid = INPUTS[drafter.kind](drafter, target, ids, len(prompt))
+        inputs, logits, valid = INPUTS[kind](drafter, target, ids, len(prompt))
         save_file({k: v.contiguous() for k, v in inputs.items()}, str(out / f"inputs-{i}.safetensors"))
         job = out / f"job-{i}.json"
-        job.write_text(json.dumps({"kind": drafter.kind, "draft": str(export.resolve()),
+        job.write_text(json.dumps({"kind": kind, "draft": str(export.resolve()),
                                    "inputs": str(out / f"inputs-{i}.safetensors")}))
         done = subprocess.run([args.speculators_python, str(WORKER), str(job), str(out / f"theirs-{i}.safetensors")],
                               capture_output=True, text=True)

@@ -386,7 +386,8 @@ SPECULATORS_PYTHON = os.environ.get("DRAFTTRAIN_SPECULATORS_PYTHON")
 @pytest.mark.skipif(not SPECULATORS_PYTHON, reason="no speculators install given: set DRAFTTRAIN_SPECULATORS_PYTHON to a "
                     "Python with speculators==0.9.0 (its own venv, never a drafttrain dependency) to run this check")
 @pytest.mark.parametrize("config", [pytest.param(Eagle3Config(), id="eagle3"),
-                                    pytest.param(DFlashConfig(num_layers=2, block_size=4), id="dflash")])
+                                    pytest.param(DFlashConfig(num_layers=2, block_size=4), id="dflash"),
+                                    pytest.param(Eagle3Config(parallel_depths=4), id="peagle")])
 def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_path, smollm2, config):
     """The export loaded by speculators' own model class (EAGLE-3: its token embeddings included, since an export
     without them loads them as zeros; DFlash: its blocks drafted by speculators' forward at our anchors) predicts

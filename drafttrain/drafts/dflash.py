@@ -34,7 +34,7 @@ from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, t
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits
 from drafttrain.drafts.eagle3 import SPECULATORS_VERSION, check_aux_layers, default_aux_layers
-from drafttrain.drafts.layers import LayerCache, llama_config_like
+from drafttrain.drafts.layers import LayerCache, llama_config_like, resolve_mask_token
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import decoder_layers, final_norm
 from drafttrain.targets.loading import verifier_path
@@ -155,21 +155,6 @@ def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: float) ->
     s = torch.where(mask > 0, (1 - alpha) * confidence + alpha, torch.ones_like(confidence))
     prefix = torch.cumprod(s, dim=-1) * mask
     return prefix.flip(-1).cumsum(-1).flip(-1)
-
-
-def resolve_mask_token(configured: int | None, target) -> int:
-    """The mask token: the recipe's; else the tokenizer's mask token; else the first embedding row no token uses;
-    else unk / pad / eos (as the references choose it)."""
-    tokenizer, vocab = target.tokenizer, target.vocab_size
-    if tokenizer is None and configured is None:  # a target known by its config alone (`drafttrain plan`): any row
-        return vocab - 1
-    size = len(tokenizer) if hasattr(tokenizer, "__len__") else vocab
-    candidates = [configured, getattr(tokenizer, "mask_token_id", None), size if size < vocab else None,
-                  *(getattr(tokenizer, f"{name}_token_id", None) for name in ("unk", "pad", "eos"))]
-    chosen = next((c for c in candidates if c is not None), None)
-    if chosen is None or not 0 <= chosen < vocab:
-        raise DrafttrainError(f"draft.mask_token_id {chosen!r} is not a row of the target's {vocab}-token embeddings")
-    return int(chosen)
 
 
 class DFlashDrafter(Drafter):

@@ -19,7 +19,8 @@ from drafttrain.data.vocab import draft_ids, draft_vocab_for, to_target_vocab
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
-from drafttrain.drafts.layers import DraftDecoderLayer, llama_config_like, shift_left
+from drafttrain.drafts.layers import DraftDecoderLayer, LayerCache, llama_config_like, resolve_mask_token, shift_left
+from drafttrain.drafts.peagle import cod_rollouts, parallel_mask
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import final_norm
 from drafttrain.targets.loading import verifier_path
@@ -52,7 +53,8 @@ class Eagle3Drafter(EagleHead):
     engine_methods = {"vllm": "eagle3", "sglang": "EAGLE3"}
     config_class = Eagle3Config
 
-    def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d):
+    def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d,
+                 mask_token_id: int | None = None):
         super().__init__(config)
         self.layer_config = layer_config
         self.layer_ids = list(layer_ids)
@@ -67,6 +69,10 @@ class Eagle3Drafter(EagleHead):
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
         self.rotary = LlamaRotaryEmbedding(layer_config)  # buffers only, not persistent
+        self.mask_token_id = mask_token_id
+        if self.parallel:  # P-EAGLE: the mask slots' hidden input (before fc, as real taps) and token embedding
+            self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(layer_ids) * h))
+            self.mask_embedding = nn.Parameter(torch.zeros(h))
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -86,8 +92,31 @@ class Eagle3Drafter(EagleHead):
         layer_ids = cls.aux_layers(config, target.num_layers)
         d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size)
-        head = cls(config, layer_config, layer_ids, d2t, t2d).to(target.device).attach_target(target)
+        mask = resolve_mask_token(config.mask_token_id, target) if config.parallel_depths else None
+        head = cls(config, layer_config, layer_ids, d2t, t2d, mask).to(target.device).attach_target(target)
+        if head.parallel:  # the mask token starts as the target's own embedding of it
+            with torch.no_grad():
+                head.mask_embedding.copy_(target.model.get_input_embeddings().weight[mask])
         return head.init_from_target(config.init_from_target)
+
+    @property
+    def parallel(self) -> bool:
+        """P-EAGLE: several draft tokens per forward (drafttrain.drafts.peagle)."""
+        return self.config.parallel_depths > 0
+
+    @classmethod
+    def max_draft_depth(cls, config: Eagle3Config) -> int | None:
+        return config.parallel_depths or None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = super().embed(input_ids)
+        if not self.parallel:
+            return embeds
+        return torch.where((input_ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds)
+
+    def mask_hidden_fused(self) -> torch.Tensor:
+        """The hidden input of a mask slot: the learned mask state through fc, as a real tap is (1, 1, H)."""
+        return self.fuse(self.mask_hidden)
 
     @torch.no_grad()
     def init_from_target(self, parts: list[str]) -> "Eagle3Drafter":
@@ -113,18 +142,21 @@ class Eagle3Drafter(EagleHead):
         n = config["draft_vocab_size"]
         layer_config = llama_config_like(target.config, intermediate_size=config["intermediate_size"])
         head = cls(cfg, layer_config, layer_ids, torch.zeros(n, dtype=torch.long),
-                   torch.zeros(target.vocab_size, dtype=torch.bool))
+                   torch.zeros(target.vocab_size, dtype=torch.bool), config.get("mask_token_id"))
         head.load_weights(directory)
         return head.to(target.device).attach_target(target)
 
     def interchange_config(self) -> dict:
-        return {
+        config = {
             "architectures": ["LlamaForCausalLMEagle3"],
             **self.llama_fields(),
             "target_hidden_size": self.layer_config.hidden_size,
             "draft_vocab_size": int(self.d2t.numel()),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids, "use_aux_hidden_state": True},
         }
+        if self.parallel:
+            config["mask_token_id"] = self.mask_token_id
+        return config
 
     # -- export -------------------------------------------------------------------------------------------
     formats = ("vllm", "sglang", "speculators")
@@ -139,6 +171,10 @@ class Eagle3Drafter(EagleHead):
         tensors = self.state_tensors()
         if fmt == "speculators":
             return self._speculators(config, tensors)
+        if self.parallel:
+            raise DrafttrainError(f"a P-EAGLE head (parallel_depths {self.config.parallel_depths}) is served from "
+                                  f"speculators' format (vLLM reads its mask slots from there), not {fmt!r}: "
+                                  "export --format speculators")
         num_layers = self.target.num_layers
         engine_default = [2, num_layers // 2, num_layers - 3]
         if ids == engine_default:
@@ -151,7 +187,7 @@ class Eagle3Drafter(EagleHead):
 
     def _speculators(self, config, tensors) -> Exported:
         layer = {k: v for k, v in config.items() if k not in (
-            "architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "drafttrain")}
+            "architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "drafttrain", "mask_token_id")}
         layer["num_hidden_layers"] = self.config.num_layers
         out = {
             "architectures": ["Eagle3Speculator"],
@@ -174,22 +210,43 @@ class Eagle3Drafter(EagleHead):
             "drafttrain": {**config["drafttrain"], "writer": f"drafttrain {__version__}"},
         }
         renamed = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
-                   for k, v in tensors.items()}
+                   for k, v in tensors.items() if k != "mask_embedding"}
         # speculators' checkpoints carry the target's token embeddings; its loader fills them from the verifier only
         # when the tensor is NaN, so a file without them loads a draft whose embeddings are HF's zero init
-        renamed[SPECULATORS_EMBEDDINGS] = self.target.model.get_input_embeddings().weight.detach().cpu().clone()
+        embeddings = self.target.model.get_input_embeddings().weight.detach().cpu().clone()
+        if self.parallel:  # P-EAGLE trains the mask token's row (speculators trains the table: the same row)
+            embeddings[self.mask_token_id] = self.mask_embedding.detach().cpu()
+            out.update(self._peagle_fields())
+        renamed[SPECULATORS_EMBEDDINGS] = embeddings
         return Exported(out, renamed)
+
+    def _peagle_fields(self) -> dict:
+        """What speculators' peagle config adds; vLLM serves it as eagle3 with parallel drafting (its pard_token is
+        this mask_token_id)."""
+        depths = self.config.parallel_depths
+        return {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
+                "mask_token_id": self.mask_token_id, "embed_requires_grad": True, "norm_before_fc": False,
+                "fc_norm": False, "norm_output": False,
+                "speculators_config": {"algorithm": "peagle", "default_proposal_method": "greedy",
+                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depths,
+                                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                                       "verifier": {"name_or_path": verifier_path(self.target), "architectures": list(
+                                           getattr(self.target.config, "architectures", None) or [])}}}
 
     @classmethod
     def imported(cls, fmt, config, tensors):
         ids = config["drafttrain"]["export"]["aux_layer_ids"]
         if fmt == "speculators":
             layer = config["transformer_layer_config"]
+            mask = config["mask_token_id"] if config.get("speculators_model_type") == "peagle" else None
             config = {**{k: v for k, v in layer.items() if k != "architectures"},
                       "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": config["draft_vocab_size"],
-                      "target_hidden_size": config["target_hidden_size"], "drafttrain": config["drafttrain"]}
+                      "target_hidden_size": config["target_hidden_size"], "drafttrain": config["drafttrain"],
+                      **({} if mask is None else {"mask_token_id": mask})}
+            if mask is not None:  # P-EAGLE: the mask token's trained row; the rest is the target's own
+                tensors = {**tensors, "mask_embedding": tensors[SPECULATORS_EMBEDDINGS][mask]}
             tensors = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
-                       for k, v in tensors.items() if k != SPECULATORS_EMBEDDINGS}  # the target's own, not the draft's
+                       for k, v in tensors.items() if k != SPECULATORS_EMBEDDINGS}
         config = {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         return config, tensors
 
@@ -216,6 +273,8 @@ class Eagle3Drafter(EagleHead):
 
     # -- training ------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
+        if self.parallel:
+            return self._parallel_step(batch, outputs)
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         with torch.no_grad():  # the target's logits over the draft vocabulary, its argmax over all of it
@@ -246,3 +305,50 @@ class Eagle3Drafter(EagleHead):
             metrics[f"loss_{i}"] = float(loss_i.detach())
             hidden = h
         return StepOutput(loss=total, metrics=metrics, correct=correct, counted=counted)
+
+    def _parallel_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
+        """P-EAGLE (drafttrain.drafts.peagle): every real pair and a COD sample of mask slots in one forward per row;
+        the loss is the soft cross-entropy to the target at every slot with a label, one mean over all depths."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
+        with torch.no_grad():
+            target_ids, target_logits = rows_and_argmax(outputs, self.draft_to_target)
+            in_vocab = self.t2d[target_ids].float()
+        taps = outputs.hidden.to(self.fc.weight.dtype)
+        if self.training and self.config.noise > 0:
+            taps = taps + (torch.rand_like(taps) - 0.5) * self.config.noise
+        k, total, weight = self.config.parallel_depths, 0.0, 0.0
+        correct, counted = [0.0] * k, [0.0] * k
+        for row in range(input_ids.shape[0]):
+            # a slot at position p predicts token p + 2 from the target's distribution at p + 1
+            trainable = shift_left(loss_mask[row: row + 1], 2)[0] * shift_left(in_vocab[row: row + 1], 1)[0]
+            rollouts = cod_rollouts(trainable, k, self.config.cod_ratio, self.config.cod_min)
+            logits, positions, depths = self._parallel_logits(taps[row], input_ids[row], rollouts)
+            labels = shift_left(target_logits[row: row + 1], 1)[0][positions]
+            mask = trainable[positions]
+            per_slot = losses.per_position("soft_ce", losses.log_probs(logits), losses.log_probs(labels))
+            total, weight = total + (per_slot * mask).sum(), weight + mask.sum()
+            with torch.no_grad():
+                hits = (self.draft_to_target[logits.argmax(-1)] == shift_left(target_ids[row: row + 1], 1)[0][positions])
+                for d in range(k):
+                    at = (depths == d).float() * mask
+                    correct[d] += float((hits.float() * at).sum())
+                    counted[d] += float(at.sum())
+        loss = total / weight.clamp(min=1.0) if isinstance(weight, torch.Tensor) else total
+        return StepOutput(loss=loss, metrics={"mask_slots": float(sum(counted[1:]))}, correct=correct, counted=counted)
+
+    def _parallel_logits(self, taps: torch.Tensor, input_ids: torch.Tensor, rollouts) -> tuple:
+        """One row's real pairs (T) and mask slots (S) through the head: draft-vocabulary logits (T + S, V'), each
+        slot's position and depth."""
+        t = input_ids.shape[0]
+        s = rollouts.anchors.numel()
+        hidden = torch.cat([self.fuse(taps), self.mask_hidden_fused()[0].expand(s, -1)])[None]
+        tokens = torch.cat([shift_left(input_ids[None], 1)[0],
+                            torch.full((s,), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)])
+        positions = torch.cat([torch.arange(t, device=input_ids.device), rollouts.positions])
+        depths = torch.cat([torch.zeros(t, dtype=torch.long, device=input_ids.device), rollouts.depths])
+        cos, sin = self.rotary(hidden, positions[None])
+        mask = parallel_mask(t, rollouts)
+        h = self.midlayer(hidden, self.embed(tokens[None]), cos, sin, LayerCache(), mask)
+        for layer in self._extra_layers():
+            h = layer(h, None, cos, sin, LayerCache(), mask)
+        return self.lm_head(self.norm(h))[0], positions, depths

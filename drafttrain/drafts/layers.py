@@ -199,3 +199,18 @@ def llama_config_like(target_config, **overrides) -> LlamaConfig:
         fields["rope_parameters"] = dict(rope)
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return LlamaConfig(**fields)
+
+
+def resolve_mask_token(configured: int | None, target) -> int:
+    """The mask token: the recipe's; else the tokenizer's mask token; else the first embedding row no token uses;
+    else unk / pad / eos (as the references choose it)."""
+    tokenizer, vocab = target.tokenizer, target.vocab_size
+    if tokenizer is None and configured is None:  # a target known by its config alone (`drafttrain plan`): any row
+        return vocab - 1
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else vocab
+    candidates = [configured, getattr(tokenizer, "mask_token_id", None), size if size < vocab else None,
+                  *(getattr(tokenizer, f"{name}_token_id", None) for name in ("unk", "pad", "eos"))]
+    chosen = next((c for c in candidates if c is not None), None)
+    if chosen is None or not 0 <= chosen < vocab:
+        raise DrafttrainError(f"draft.mask_token_id {chosen!r} is not a row of the target's {vocab}-token embeddings")
+    return int(chosen)

@@ -3,9 +3,10 @@ own classes and runs its drafting forward over given target hidden states, writi
 
     python speculators_worker.py JOB.json OUT.safetensors
 
-JOB: {"kind": "eagle3" | "dflash", "draft": dir, "inputs": file.safetensors with hidden [1, T, k*H] (the target's
+JOB: {"kind": "eagle3" | "dflash" | "peagle", "draft": dir, "inputs": file.safetensors with hidden [1, T, k*H] (the target's
       tapped states) and input_ids [1, T] (eagle3: token t+1 at position t, as speculators' data pipeline feeds
-      them; dflash: the tokens themselves) and, for dflash, anchors [A] (the block anchors to draft from)}
+      them; dflash: the tokens themselves), for dflash anchors [A] (the block anchors to draft from), for peagle
+      slots [2, T + S] (the anchor and depth of every real pair and mask slot, as its COD sampler returns them)}
 OUT: logits of its lm_head (eagle3 [1, T, V']; dflash [1, A*W, V']), draft_tokens (their argmax, draft ids), and
      embed_zero (1 if its token embeddings loaded all zeros), embed_nan (1 if any is NaN).
 """
@@ -19,8 +20,10 @@ from safetensors.torch import load_file, save_file
 from speculators.models.dflash import core as dflash_core
 from speculators.models.dflash.core import DFlashDraftModel
 from speculators.models.eagle3.core import Eagle3DraftModel
+from speculators.models.peagle import core as peagle_core
+from speculators.models.peagle.core import PEagleDraftModel
 
-CLASSES = {"eagle3": Eagle3DraftModel, "dflash": DFlashDraftModel}
+CLASSES = {"eagle3": Eagle3DraftModel, "dflash": DFlashDraftModel, "peagle": PEagleDraftModel}
 
 
 def load(kind: str, folder: str):
@@ -51,6 +54,16 @@ def run_dflash(model, inputs):
     return logits.argmax(-1)
 
 
+def run_peagle(model, inputs):
+    ids, slots = inputs["input_ids"], inputs["slots"]  # slots: (anchor, depth) of every real pair and mask slot
+    # our slots instead of its random COD sample
+    peagle_core.generate_cod_sample_indices = lambda **kwargs: (slots[0], slots[1])
+    peagle_core.compute_metrics = lambda **kwargs: (torch.zeros(()), {})  # its loss (a Triton kernel) is not needed
+    model(hidden_states=inputs["hidden"], input_ids=ids, document_ids=torch.zeros_like(ids),
+          verifier_last_hidden_states=torch.zeros(1, ids.shape[1], model.hidden_size))
+    return None
+
+
 def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     model = load(job["kind"], job["draft"])
@@ -58,7 +71,9 @@ def main(job_path: str, out_path: str) -> None:
     captured = {}
     model.lm_head.register_forward_hook(lambda module, args, out: captured.__setitem__("logits", out))
     with torch.no_grad():
-        tokens = {"eagle3": run_eagle3, "dflash": run_dflash}[job["kind"]](model, inputs)
+        tokens = {"eagle3": run_eagle3, "dflash": run_dflash, "peagle": run_peagle}[job["kind"]](model, inputs)
+    if tokens is None:
+        tokens = captured["logits"].argmax(-1)
     embed = model.embed_tokens.weight
     save_file({"logits": captured["logits"].float().contiguous(), "draft_tokens": tokens.contiguous(),
                "embed_zero": torch.tensor([int(bool((embed == 0).all()))]),

@@ -1,0 +1,155 @@
+"""P-EAGLE (the EAGLE-3 kind's parallel_depths): COD sampling, the mask, a training step, the proposer drafting what
+training computes, losslessness, and the speculators export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafttrain import DrafttrainError
+from drafttrain.config import Eagle3Config
+from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.decoding.trees import Chain, StaticTree
+from drafttrain.drafts import build_drafter, load_drafter
+from drafttrain.drafts.peagle import Rollouts, cod_rollouts, parallel_mask
+from drafttrain.export import export_draft
+from drafttrain.targets import run_target
+from test_dflash import batch_of, randomised, tiny_target
+
+MASK = 63
+
+
+def tiny_peagle(target, depths: int = 4, **changes):
+    config = Eagle3Config(parallel_depths=depths, mask_token_id=MASK, ttt_steps=1, **changes)
+    return randomised(build_drafter(config, target))
+
+
+def test_cod_keeps_contiguous_rollouts_of_labelled_slots_in_shrinking_shares():
+    trainable = torch.zeros(40)
+    trainable[5:35] = 1
+    rollouts = cod_rollouts(trainable, 5, ratio=0.7, floor=0.2, generator=torch.Generator().manual_seed(0))
+    slots = set(zip(rollouts.anchors.tolist(), rollouts.depths.tolist()))
+    for anchor, depth in slots:
+        assert trainable[anchor + depth] == 1  # every slot has a label
+        assert depth == 1 or (anchor, depth - 1) in slots  # a rollout reaches depth d only through d - 1
+    seeds = 30
+    for depth in range(1, 5):
+        kept = sum(1 for _, d in slots if d == depth)
+        assert kept <= int((seeds - depth) * max(0.7**depth, 0.2))
+    assert sum(1 for _, d in slots if d == 1) == int(29 * 0.7)
+
+
+def test_a_mask_slot_sees_the_text_up_to_its_anchor_and_its_own_rollout():
+    rollouts = Rollouts(anchors=torch.tensor([2, 2, 4]), depths=torch.tensor([1, 2, 1]))
+    mask = parallel_mask(6, rollouts)
+    assert torch.equal(mask[:6, :6], torch.ones(6, 6, dtype=torch.bool).tril())  # the text: causal
+    assert not mask[:6, 6:].any()  # the text never sees mask slots
+    assert mask[6].tolist() == [True, True, True, False, False, False, True, False, False]  # (2, 1)
+    assert mask[7].tolist() == [True, True, True, False, False, False, True, True, False]  # (2, 2)
+    assert mask[8].tolist() == [True] * 5 + [False, False, False, True]  # (4, 1): not anchor 2's rollout
+
+
+def test_a_parallel_training_step_trains_the_mask_state_and_scores_every_depth():
+    target = tiny_target()
+    drafter = tiny_peagle(target).train()
+    batch = batch_of(target)
+    out = drafter.training_step(batch, run_target(target, batch, drafter.needs()))
+    assert torch.isfinite(out.loss) and len(out.counted) == 4 and all(n > 0 for n in out.counted)
+    assert out.counted[0] > out.counted[1] > out.counted[3]  # COD keeps fewer slots at each depth
+    out.loss.backward()
+    for name in ("mask_hidden", "mask_embedding", "fc.weight", "midlayer.self_attn.q_proj.weight"):
+        grad = dict(drafter.named_parameters())[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_the_parallel_proposer_drafts_what_training_computes():
+    target = tiny_target()
+    drafter = tiny_peagle(target).eval()
+    ids = batch_of(target)["input_ids"][:1]
+    outputs = run_target(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, drafter.needs())
+    anchor = 10  # the last real pair: (state at 10, token 11); it and its mask slots predict tokens 12..15
+    rollout = Rollouts(anchors=torch.full((3,), anchor), depths=torch.arange(1, 4))
+    with torch.no_grad():
+        logits, positions, _ = drafter._parallel_logits(outputs.hidden[0, : anchor + 2], ids[0, : anchor + 2], rollout)
+    trained = drafter.draft_to_target[logits[[anchor, anchor + 2, anchor + 3, anchor + 4]].argmax(-1)]  # real, then masks
+    proposer = build_proposer("eagle", target, draft=drafter)
+    proposer.prefill(ids[:, : anchor + 1], outputs.hidden[:, : anchor + 1], ids[:, anchor + 1: anchor + 2])
+    draft = proposer.propose(DraftRequest(Chain(4), Sampling()))
+    assert draft.tokens[0].tolist() == trained.tolist()
+    assert proposer.length == anchor + 1 and all(c.length == anchor + 1 for c in proposer.caches)  # drafts forgotten
+
+
+@pytest.mark.parametrize("tree", [pytest.param([[0], [1], [0, 0], [1, 0], [0, 0, 0]], id="static-tree"),
+                                  pytest.param("chain", id="chain")])
+def test_the_parallel_proposer_samples_the_target_exactly(tree):
+    from test_decoding_sampling import P_THRESHOLD, engine_pvalue
+
+    def peagle(target):
+        config = Eagle3Config(parallel_depths=3, mask_token_id=5, ttt_steps=1)
+        return build_proposer("eagle", target, draft=randomised(build_drafter(config, target)))
+
+    assert engine_pvalue(tree, proposer=peagle) > P_THRESHOLD
+
+
+def test_the_speculators_export_carries_the_mask_state_and_row_and_loads_back(tmp_path):
+    target = tiny_target()
+    drafter = tiny_peagle(target).eval()
+    checkpoint = drafter.save_pretrained(tmp_path / "checkpoint")
+    with pytest.raises(DrafttrainError, match="speculators"):
+        export_draft(checkpoint, "vllm", tmp_path / "vllm", target)
+    export = export_draft(checkpoint, "speculators", tmp_path / "export", target)
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == MASK
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert "mask_token_id" not in config["transformer_layer_config"]
+    tensors = load_file(str(export / "model.safetensors"))
+    assert tensors["mask_hidden"].shape == drafter.mask_hidden.shape
+    assert torch.equal(tensors["embed_tokens.weight"][MASK], drafter.mask_embedding.detach())
+    assert torch.equal(tensors["embed_tokens.weight"][0], target.model.get_input_embeddings().weight[0])
+    ids = batch_of(target)["input_ids"][:1]
+    outputs = run_target(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, drafter.needs())
+    rollout = Rollouts(anchors=torch.full((3,), 9), depths=torch.arange(1, 4))
+    with torch.no_grad():
+        expected = drafter._parallel_logits(outputs.hidden[0], ids[0], rollout)[0]
+        for folder in (checkpoint, export):
+            loaded = load_drafter(folder, target)
+            torch.testing.assert_close(loaded._parallel_logits(outputs.hidden[0], ids[0], rollout)[0], expected)
+
+
+def test_parallel_depths_of_one_is_refused_with_its_reason():
+    with pytest.raises(ValueError, match="parallel_depths 1"):
+        Eagle3Config(parallel_depths=1)
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_targets_on_smollm2_chain_and_tree(smollm2):
+    prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "List three facts about the moon."}],
+                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
+    greedy = plain_decode(smollm2, prompt, 40).tokens
+    torch.manual_seed(0)
+    drafter = build_drafter(Eagle3Config(parallel_depths=4, init_from_target=["lm_head", "layer", "fc"]),
+                            smollm2).train()
+    tokens = torch.tensor([prompt + greedy])
+    mask = torch.zeros_like(tokens, dtype=torch.float32)
+    mask[:, len(prompt):] = 1
+    batch = {"input_ids": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)}
+    with torch.no_grad():
+        outputs = run_target(smollm2, batch, drafter.needs())
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(20):
+        loss = drafter.training_step(batch, outputs).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] / 2, losses
+    drafter.eval()
+    for tree in ("chain", StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])):
+        out = SpeculativeDecoder(smollm2, build_proposer("eagle", smollm2, draft=drafter), depth=4,
+                                 tree=tree).generate(prompt, 40)
+        assert out.tokens == greedy
+        assert sum(out.stats.accepted_per_step) > 5, out.stats.accepted_per_step

@@ -229,6 +229,20 @@ class DraftModelConfig(DraftConfig):
     # lm_head and the divergence cost a fraction of the whole vocabulary's; the rows outside are left untrained,
     # so serve it with its draft vocabulary. "full": the whole vocabulary (engines without draft vocabularies).
     loss_vocab: Literal["full", "draft"] = "full"
+    # PARD: k >= 2 draft tokens from one forward of the draft model (the accepted text, then k - 1 mask tokens),
+    # trained with the same divergence on COD-sampled mask slots (AMD's PARD); 0: one token per forward
+    parallel: int = Field(0, ge=0)
+    cod_ratio: float = Field(0.7, gt=0, le=1)  # COD: depth d keeps max(cod_ratio**d, cod_min) of the rollouts
+    cod_min: float = Field(0.2, ge=0, le=1)
+    mask_token_id: int | None = None  # PARD's mask token (default as for dflash)
+
+    @model_validator(mode="after")
+    def _parallel(self) -> "DraftModelConfig":
+        if self.parallel == 1:
+            raise ValueError("parallel 1 is one token per forward, what a draft model does already: 0 (off) or >= 2")
+        if self.parallel and self.on_policy > 0:
+            raise ValueError("parallel (PARD) trains on the data's answers: on_policy must be 0")
+        return self
 
     @model_validator(mode="after")
     def _one_student(self) -> "DraftModelConfig":

@@ -157,6 +157,8 @@ def test_the_two_node_cluster_files_agree():
     ("smollm2_distill.yaml", ["draft.loss_vocab=draft", "draft.divergence=sft"]),
     ("smollm2_distill.yaml", ["draft.loss_vocab=draft"]),
     ("smollm2_dflash.yaml", []),
+    ("smollm2_peagle.yaml", []),
+    ("smollm2_pard.yaml", []),
     ("smollm2_dflash.yaml", ["draft.block_attention=causal", "draft.weighting=decay", "draft.sample_from_anchor=true"]),
 ])
 def test_every_kind_is_planned(recipe, overrides, tmp_path):

@@ -18,6 +18,7 @@ from typing import Any, Union
 import torch
 
 from drafttrain import DrafttrainError
+from drafttrain.targets.masks import additive_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,16 +283,6 @@ def feed_mask(parents: list[int], fed: list[int], nodes: list[int]) -> torch.Ten
     rows = torch.tensor([n + 1 for n in nodes])
     cols = torch.tensor([n + 1 for n in [*fed, *nodes]])
     return anc[rows][:, cols]
-
-
-def additive_mask(allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A 4D float mask [1, 1, q, prefix_len + k] from ``allowed`` [q, k]: every query sees the whole cached
-    prefix, and of the k new keys only those allowed. Float (0 / dtype-min) works for both sdpa and eager
-    attention; transformers passes a 4D mask through untouched (masking_utils._preprocess_mask_arguments)."""
-    q, k = allowed.shape
-    mask = torch.zeros(q, prefix_len + k, dtype=dtype, device=device)
-    mask[:, prefix_len:].masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 def tree_position_ids(parents: list[int], prefix_len: int, device) -> torch.Tensor:

@@ -41,10 +41,12 @@ from drafttrain.data.chat import stop_token_ids
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, read_vocab_mapping, target_to_draft
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, with_lora
-from drafttrain.drafts.layers import shift_left
+from drafttrain.drafts.layers import resolve_mask_token, shift_left
+from drafttrain.drafts.peagle import cod_rollouts, parallel_mask
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets import check_same_tokenizer, load_target
 from drafttrain.targets.hidden import decoder_layers
+from drafttrain.targets.masks import additive_mask
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, plain_lm_head, rows_and_argmax, run_target
 
 log = logging.getLogger(__name__)
@@ -62,10 +64,15 @@ class DraftModelDrafter(Drafter):
     proposer = "draft_model"
 
     def __init__(self, config: DraftModelConfig, student: torch.nn.Module,
-                 vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 vocab: tuple[torch.Tensor, torch.Tensor] | None = None, mask_token_id: int | None = None):
         super().__init__(config)
         self.student = student
         self.vocab = vocab  # (d2t, t2d) of the draft vocabulary it is served with, or None: the whole vocabulary
+        self.mask_token_id = mask_token_id  # PARD's mask token (config.parallel), else None
+
+    @classmethod
+    def max_draft_depth(cls, config: DraftModelConfig) -> int | None:
+        return config.parallel or None
 
     @property
     def serving_vocab(self) -> torch.Tensor | None:
@@ -103,7 +110,8 @@ class DraftModelDrafter(Drafter):
                 raise DrafttrainError("draft.loss_vocab: draft needs a draft vocabulary: enable draft_vocab in the "
                                       "recipe (prepare builds it) or give draft.draft_vocab")
             plain_lm_head(student, draft_ids(d2t))
-        return cls(config, student.train(), vocab).attach_target(target)
+        mask = resolve_mask_token(config.mask_token_id, target) if config.parallel else None
+        return cls(config, student.train(), vocab, mask).attach_target(target)
 
     @classmethod
     def from_pretrained(cls, directory, target) -> "DraftModelDrafter":
@@ -112,7 +120,8 @@ class DraftModelDrafter(Drafter):
         student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
         vocab_file = directory / SERVING_VOCAB
         vocab = read_vocab_mapping(vocab_file, target.vocab_size) if vocab_file.is_file() else None
-        return cls(config, student.to(target.device).eval(), vocab).attach_target(target)
+        mask = read_json(directory / CONFIG_NAME).get("pard_token") if config.parallel else None
+        return cls(config, student.to(target.device).eval(), vocab, mask).attach_target(target)
 
     def save_pretrained(self, directory, **meta) -> Path:
         """A plain HF model folder (weights, config, the target's tokenizer) with a ``drafttrain`` section in its
@@ -130,8 +139,20 @@ class DraftModelDrafter(Drafter):
             save_file({"d2t": self.vocab[0].cpu(), "t2d": self.vocab[1].cpu()}, str(directory / SERVING_VOCAB))
         return directory
 
+    def card_notes(self) -> list[str]:
+        if not self.config.parallel:
+            return []
+        return [f"A PARD draft: it proposes up to {self.config.parallel} tokens per forward after mask token "
+                f"{self.mask_token_id} (`pard_token` in config.json). vLLM 0.16 and later serve it with "
+                f"`--speculative-config '{{\"model\": \"THIS_FOLDER\", \"method\": \"draft_model\", "
+                f"\"parallel_drafting\": true, \"num_speculative_tokens\": {self.config.parallel}}}'`."]
+
     def interchange_config(self) -> dict:
-        return {}  # the student's own HF config is the interchange config (save_pretrained writes it)
+        """The student's own HF config is the interchange config (save_pretrained writes it); a PARD draft adds its
+        mask token as vLLM's parallel drafting reads it (``pard_token``) and as PARD's own code does."""
+        if not self.config.parallel:
+            return {}
+        return {"pard_token": self.mask_token_id, "mask_token_id": self.mask_token_id, "spd_type": "pard"}
 
     # -- export -------------------------------------------------------------------------------------------
     formats = ("hf",)
@@ -186,12 +207,18 @@ class DraftModelDrafter(Drafter):
             metrics["on_policy_s"] = time.perf_counter() - started
             with torch.no_grad():  # run_target computes the logits online (a teacher cache's top-k is not used)
                 outputs = run_target(self.target, batch, self.needs())
-        logits = self.student_logits(batch, rows)
-        weight = shift_left(batch["loss_mask"].float(), 1)  # position t predicts token t+1
-        labels = shift_left(batch["input_ids"], 1)
+        if cfg.parallel:  # PARD: the real tokens and COD-sampled mask slots, each scored at its own position
+            if outputs.top_k is not None:
+                raise DrafttrainError("draft.parallel (PARD) takes the target's logits online: set "
+                                      "training.hidden_states: online (a teacher cache holds no mask slots)")
+            logits, scored_at, depths = self.parallel_logits(batch, rows)
+        else:
+            logits, scored_at, depths = self.student_logits(batch, rows), None, None
+        weight = _at(shift_left(batch["loss_mask"].float(), 1), scored_at)  # position t predicts token t+1
+        labels = _at(shift_left(batch["input_ids"], 1), scored_at)
         teacher_top1 = teacher = None
         if outputs.logits is not None and outputs.top_k is None:  # SFT is given them on held-out rows, for beta
-            teacher_top1, teacher = self._teacher(outputs, rows)
+            teacher_top1, teacher = (_at(x, scored_at) for x in self._teacher(outputs, rows))
         if cfg.divergence == "sft":
             targets = labels
             teacher_top1 = labels if teacher_top1 is None else teacher_top1
@@ -219,9 +246,41 @@ class DraftModelDrafter(Drafter):
         loss = losses.masked_mean(per, weight)
         with torch.no_grad():
             drafted = logits.argmax(-1)
-            correct, counted = top1_hits(drafted if rows is None else rows[drafted], teacher_top1, weight)
+            drafted = drafted if rows is None else rows[drafted]
+            hits = [top1_hits(drafted, teacher_top1, weight if depths is None else weight * (depths == d))
+                    for d in range(max(cfg.parallel, 1))]  # per draft position (PARD: per depth)
         metrics["loss_" + cfg.divergence] = float(loss.detach())
-        return StepOutput(loss=loss, metrics=metrics, correct=[correct], counted=[counted], measures=measures)
+        return StepOutput(loss=loss, metrics=metrics, correct=[c for c, _ in hits], counted=[n for _, n in hits],
+                          measures=measures)
+
+    def parallel_logits(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None) \
+            -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """PARD's training layout (drafttrain.drafts.peagle's COD sampler and mask): per row, its real tokens and mask
+        slots (anchor a, depth d: the text up to a, then d mask tokens; at position a + d, predicting token a + d + 1)
+        in one forward under a 4D mask. Returns the logits (B, N, V), each slot's position and depth (B, N), the rows
+        padded to the longest with position -1 (``_at`` gives them weight 0)."""
+        input_ids = batch["input_ids"]
+        trainable = shift_left(batch["loss_mask"].float(), 1)
+        outs, places, levels = [], [], []
+        for row in range(input_ids.shape[0]):
+            ids, t = input_ids[row], input_ids.shape[1]
+            rollouts = cod_rollouts(trainable[row], self.config.parallel, self.config.cod_ratio, self.config.cod_min)
+            masks = torch.full_like(rollouts.anchors, self.mask_token_id)
+            positions = torch.cat([torch.arange(t, device=ids.device), rollouts.positions])
+            mask = additive_mask(parallel_mask(t, rollouts), 0, self.student.dtype, ids.device)
+            inputs = dict(input_ids=torch.cat([ids, masks])[None], position_ids=positions[None], attention_mask=mask,
+                          use_cache=False)
+            if rows is None:
+                outs.append(self.aligned(self.student(**inputs).logits)[0])
+            else:
+                hidden = self.student.get_decoder()(**inputs).last_hidden_state
+                outs.append(torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])[0])
+            places.append(positions)
+            levels.append(torch.cat([torch.zeros(t, dtype=torch.long, device=ids.device), rollouts.depths]))
+        n = max(len(p) for p in places)
+        logits = torch.stack([torch.nn.functional.pad(o, (0, 0, 0, n - len(o))) for o in outs])
+        scored_at = torch.stack([torch.nn.functional.pad(p, (0, n - len(p)), value=-1) for p in places])
+        return logits, scored_at, torch.stack([torch.nn.functional.pad(d, (0, n - len(d))) for d in levels])
 
     @staticmethod
     def _teacher(outputs: TargetOutputs, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,3 +414,14 @@ def warn_if_larger(student: torch.nn.Module, target) -> None:
 def _merged_copy(peft_model: torch.nn.Module) -> torch.nn.Module:
     """The student with its adapters merged, leaving the training model untouched."""
     return copy.deepcopy(peft_model).merge_and_unload()
+
+
+def _at(values: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """``values`` (B, T, ...) at each slot's position (B, N) (PARD's layout; -1: a padding slot, given zeros), or
+    as they are when ``positions`` is None."""
+    if positions is None:
+        return values
+    index = positions.clamp(min=0)
+    picked = values.gather(1, index.view(*index.shape, *([1] * (values.dim() - 2))).expand(-1, -1, *values.shape[2:]))
+    keep = (positions >= 0).view(*positions.shape, *([1] * (values.dim() - 2)))
+    return picked * keep if picked.is_floating_point() else torch.where(keep, picked, torch.zeros_like(picked))

@@ -250,6 +250,13 @@ class Eagle3Drafter(EagleHead):
         config = {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         return config, tensors
 
+    def card_notes(self) -> list[str]:
+        if not self.parallel:
+            return []
+        return [f"A P-EAGLE head: it proposes up to {self.config.parallel_depths} tokens per forward from mask slots "
+                f"(mask token {self.mask_token_id}). vLLM reads its speculators export (`speculators_model_type: "
+                "peagle`) as EAGLE-3 with parallel drafting."]
+
     # -- shared forward pieces ---------------------------------------------------------------------------
     @property
     def draft_to_target(self) -> torch.Tensor:

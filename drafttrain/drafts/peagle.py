@@ -38,6 +38,10 @@ def cod_rollouts(trainable: torch.Tensor, depths: int, ratio: float, floor: floa
     d keeps ``int((n - d) * max(ratio**d, floor))`` rollouts chosen at random among those that reached depth d - 1 and
     whose depth-d slot still has a label (n: the number of seeds)."""
     t = trainable.shape[0]
+    if trainable.is_meta:  # `drafttrain plan`: shapes only, as many slots as a row that trains every position gets
+        sizes = [int((t - d) * max(ratio**d, floor)) for d in range(1, depths)]
+        levels = torch.cat([torch.full((n,), d, dtype=torch.long) for d, n in enumerate(sizes, 1)]).to("meta")
+        return Rollouts(torch.zeros_like(levels), levels)
     seeds = torch.nonzero(trainable > 0).flatten()
     pool = seeds  # anchors whose rollout reached the previous depth
     anchors, levels = [], []

@@ -116,3 +116,33 @@ def folder_target(tmp_path_factory) -> Path:
                      ).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def fitted_on_its_answer(target, config, steps: int, lr: float):
+    """A draft of ``config`` trained for ``steps`` on the target's own greedy answer to one prompt: (the draft in
+    eval mode, the prompt's ids, the answer, the losses). The serving tests then decode that prompt with it."""
+    from drafttrain.decoding import plain_decode
+    from drafttrain.drafts import build_drafter
+    from drafttrain.targets import run_target
+
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "List three facts about the moon."}],
+                                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+    greedy = plain_decode(target, prompt, 40).tokens
+    torch.manual_seed(0)
+    drafter = build_drafter(config, target).train()
+    tokens = torch.tensor([prompt + greedy])
+    mask = torch.zeros_like(tokens, dtype=torch.float32)
+    mask[:, len(prompt):] = 1
+    batch = {"input_ids": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)}
+    with torch.no_grad():
+        outputs = run_target(target, batch, drafter.needs())
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = drafter.training_step(batch, outputs).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return drafter.eval(), prompt, greedy, losses
+

@@ -9,26 +9,19 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain.config import DFlashConfig, load_recipe
-from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.decoding import SpeculativeDecoder, build_proposer
 from drafttrain.decoding.trees import Chain, StaticTree
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.dflash import Blocks, dpace_weights, sample_anchors
 from drafttrain.export import export_draft
-from drafttrain.targets import Target, run_target
+from drafttrain.targets import run_target
 
-from conftest import REPO, draft_vocab_file
+from conftest import REPO, draft_vocab_file, fitted_on_its_answer
+from test_export import tiny_target
 
 TINY_MASK = 63  # the tiny target's last row: the mask token
-
-
-def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 6) -> Target:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return Target("tiny", LlamaForCausalLM(config).eval().requires_grad_(False), None)
 
 
 def randomised(drafter):
@@ -201,27 +194,8 @@ def test_a_whole_vocabulary_export_has_no_vocabulary_map_and_loads_back(tmp_path
 def test_greedy_output_is_the_targets_on_smollm2_chain_and_tree(smollm2):
     """A block drafter fitted for a few steps on the target's own answer (it learns: the loss falls), served through
     chains and a static tree: identical tokens to plain greedy decoding."""
-    prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "List three facts about the moon."}],
-                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
-    greedy = plain_decode(smollm2, prompt, 40).tokens
-    torch.manual_seed(0)
-    drafter = build_drafter(DFlashConfig(block_size=4, anchors=32), smollm2).train()
-    tokens = torch.tensor([prompt + greedy])
-    mask = torch.zeros_like(tokens, dtype=torch.float32)
-    mask[:, len(prompt):] = 1
-    batch = {"input_ids": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)}
-    with torch.no_grad():
-        outputs = run_target(smollm2, batch, drafter.needs())
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for _ in range(30):
-        loss = drafter.training_step(batch, outputs).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
+    drafter, prompt, greedy, losses = fitted_on_its_answer(smollm2, DFlashConfig(block_size=4, anchors=32), 30, 1e-3)
     assert losses[-1] < losses[0] / 2, losses
-    drafter.eval()
     for tree in ("chain", StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])):
         out = SpeculativeDecoder(smollm2, build_proposer("block", smollm2, draft=drafter), depth=3,
                                  tree=tree).generate(prompt, 40)

@@ -10,10 +10,12 @@ import torch
 from pydantic import ValidationError
 
 from drafttrain.config import DraftModelConfig
-from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer
 from drafttrain.decoding.trees import Chain, StaticTree
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.targets import run_target
+
+from conftest import fitted_on_its_answer
 from test_dflash import batch_of, tiny_target
 
 MASK = 63
@@ -90,27 +92,8 @@ def test_bad_parallel_settings_are_refused_with_their_reason():
 
 @pytest.mark.slow
 def test_greedy_output_is_the_targets_on_smollm2_chain_and_tree(smollm2):
-    prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "List three facts about the moon."}],
-                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
-    greedy = plain_decode(smollm2, prompt, 40).tokens
-    torch.manual_seed(0)
-    drafter = build_drafter(DraftModelConfig(cut="every:6", parallel=4), smollm2).train()
-    tokens = torch.tensor([prompt + greedy])
-    mask = torch.zeros_like(tokens, dtype=torch.float32)
-    mask[:, len(prompt):] = 1
-    batch = {"input_ids": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)}
-    with torch.no_grad():
-        outputs = run_target(smollm2, batch, drafter.needs())
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-4)
-    losses = []
-    for _ in range(12):
-        loss = drafter.training_step(batch, outputs).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
+    drafter, prompt, greedy, losses = fitted_on_its_answer(smollm2, DraftModelConfig(cut="every:6", parallel=4), 12, 3e-4)
     assert losses[-1] < losses[0], losses
-    drafter.eval()
     for tree in ("chain", StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])):
         out = SpeculativeDecoder(smollm2, build_proposer("draft_model", smollm2, draft=drafter), depth=4,
                                  tree=tree).generate(prompt, 40)

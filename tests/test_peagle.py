@@ -11,12 +11,14 @@ from safetensors.torch import load_file
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config
-from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer
 from drafttrain.decoding.trees import Chain, StaticTree
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.peagle import Rollouts, cod_rollouts, parallel_mask
 from drafttrain.export import export_draft
 from drafttrain.targets import run_target
+
+from conftest import fitted_on_its_answer
 from test_dflash import batch_of, randomised, tiny_target
 
 MASK = 63
@@ -126,28 +128,9 @@ def test_parallel_depths_of_one_is_refused_with_its_reason():
 
 @pytest.mark.slow
 def test_greedy_output_is_the_targets_on_smollm2_chain_and_tree(smollm2):
-    prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "List three facts about the moon."}],
-                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
-    greedy = plain_decode(smollm2, prompt, 40).tokens
-    torch.manual_seed(0)
-    drafter = build_drafter(Eagle3Config(parallel_depths=4, init_from_target=["lm_head", "layer", "fc"]),
-                            smollm2).train()
-    tokens = torch.tensor([prompt + greedy])
-    mask = torch.zeros_like(tokens, dtype=torch.float32)
-    mask[:, len(prompt):] = 1
-    batch = {"input_ids": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)}
-    with torch.no_grad():
-        outputs = run_target(smollm2, batch, drafter.needs())
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(20):
-        loss = drafter.training_step(batch, outputs).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
+    config = Eagle3Config(parallel_depths=4, init_from_target=["lm_head", "layer", "fc"])
+    drafter, prompt, greedy, losses = fitted_on_its_answer(smollm2, config, 20, 1e-3)
     assert losses[-1] < losses[0] / 2, losses
-    drafter.eval()
     for tree in ("chain", StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])):
         out = SpeculativeDecoder(smollm2, build_proposer("eagle", smollm2, draft=drafter), depth=4,
                                  tree=tree).generate(prompt, 40)

@@ -30,7 +30,6 @@ from drafttrain.drafts.base import read_draft_config
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.suites import load_suite
 from drafttrain.export import export_draft
-from drafttrain.export.card import VLLM_METHOD
 from drafttrain.runfolder import find_draft
 from drafttrain.targets import load_target
 from drafttrain.targets.loading import resolve_model_dir
@@ -73,7 +72,8 @@ def main() -> int:
         export = export_draft(checkpoint, fmt, out / f"export-{fmt}", target, overwrite=True,
                               verifier=str(target.source_dir) if fmt == "speculators" else None)
         job = {"target": resolve_model_dir(target_name), "draft": str(export.resolve()),
-               "method": VLLM_METHOD[drafter.kind], "num_speculative_tokens": depth, "prompts": prompts,
+               "speculative_config": drafter.vllm_speculative_config(), "num_speculative_tokens": depth,
+               "prompts": prompts,
                "max_tokens": args.max_new_tokens, "stop_token_ids": stops, "dtype": "float32"}
         (out / f"job-{fmt}.json").write_text(json.dumps(job))
         started = time.perf_counter()

@@ -139,13 +139,15 @@ class DraftModelDrafter(Drafter):
             save_file({"d2t": self.vocab[0].cpu(), "t2d": self.vocab[1].cpu()}, str(directory / SERVING_VOCAB))
         return directory
 
+    def vllm_speculative_config(self) -> dict:
+        """A PARD draft is served by vLLM 0.16 and later with parallel drafting (its mask token is ``pard_token``)."""
+        return {**super().vllm_speculative_config(), **({"parallel_drafting": True} if self.config.parallel else {})}
+
     def card_notes(self) -> list[str]:
         if not self.config.parallel:
             return []
         return [f"A PARD draft: it proposes up to {self.config.parallel} tokens per forward after mask token "
-                f"{self.mask_token_id} (`pard_token` in config.json). vLLM 0.16 and later serve it with "
-                f"`--speculative-config '{{\"model\": \"THIS_FOLDER\", \"method\": \"draft_model\", "
-                f"\"parallel_drafting\": true, \"num_speculative_tokens\": {self.config.parallel}}}'`."]
+                f"{self.mask_token_id} (`pard_token` in config.json); vLLM 0.16 and later draft them in one forward."]
 
     def interchange_config(self) -> dict:
         """The student's own HF config is the interchange config (save_pretrained writes it); a PARD draft adds its

@@ -250,6 +250,10 @@ class Eagle3Drafter(EagleHead):
         config = {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         return config, tensors
 
+    def vllm_speculative_config(self) -> dict:
+        """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""
+        return {**super().vllm_speculative_config(), **({"parallel_drafting": True} if self.parallel else {})}
+
     def card_notes(self) -> list[str]:
         if not self.parallel:
             return []

@@ -6,6 +6,7 @@ the weights' sha256); without one the card says that nothing was measured rather
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,8 @@ def _serving(drafter, fmt: str, target: str, depth: int) -> str:
                 f"\"num_speculative_tokens\": {depth}}}'\n```")
     served = "THIS_REPO/target" if drafter.adapts_target else target
     extra = "".join(f"\n\n{note}" for note in drafter.card_notes())
-    return (f"```bash\nvllm serve {served} --speculative-config '{{\"method\": \"{drafter.engine_methods['vllm']}\", "
-            f"\"model\": \"THIS_REPO\", \"num_speculative_tokens\": {depth}}}'\n```" + extra)
+    spec = json.dumps({**drafter.vllm_speculative_config(), "model": "THIS_REPO", "num_speculative_tokens": depth})
+    return f"```bash\nvllm serve {served} --speculative-config '{spec}'\n```" + extra
 
 
 def _files_text(drafter, fmt: str) -> str:

@@ -3,7 +3,8 @@ given prompt token ids, greedy, and writes what vLLM measured: its spec-decode c
 
     python vllm_worker.py JOB.json OUT.json
 
-JOB: {"target": dir, "draft": dir, "method": "eagle3"|"eagle"|"medusa"|"draft_model", "num_speculative_tokens": k,
+JOB: {"target": dir, "draft": dir, "speculative_config": {"method": "eagle3"|"eagle"|"medusa"|"draft_model"|"dflash",
+      and e.g. "parallel_drafting": true}, "num_speculative_tokens": k,
       "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [ids], "dtype": "float32"}
 """
 
@@ -30,7 +31,7 @@ def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"), max_model_len=2048,
               seed=0, disable_log_stats=False, enforce_eager=True, gpu_memory_utilization=job.get("memory_fraction", 0.3),
-              speculative_config={"method": job["method"], "model": job["draft"],
+              speculative_config={**job["speculative_config"], "model": job["draft"],
                                   "num_speculative_tokens": job["num_speculative_tokens"]})
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], stop_token_ids=job["stop_token_ids"])
     started = time.perf_counter()

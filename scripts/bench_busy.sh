@@ -4,7 +4,7 @@
 # trained head, alone and with the hog. Prints wall time, the auto choice, its predicted and measured speedup with
 # the 95% interval, and whether the report said the machine was busy.
 #
-#   scripts/bench_busy.sh OUT_DIR [EVAL_DRAFT]        (SKIP_QUICKSTART=1: the evals only)
+#   scripts/bench_busy.sh OUT_DIR [EVAL_DRAFT]        (QUICKSTARTS="": the evals only; "busy": that quickstart only)
 #
 # Run it with nothing else on the machine: the "alone" figures are only alone if the machine is.
 set -euo pipefail
@@ -55,10 +55,9 @@ evaluate() {  # $1: label
   summary "$out/eval-$1/report.json"
 }
 
-if [ -z "${SKIP_QUICKSTART:-}" ]; then
-  quickstart alone
-  start_hog; quickstart busy; stop_hog
-fi
+for run in ${QUICKSTARTS-alone busy}; do  # QUICKSTARTS="busy" runs that one alone
+  if [ "$run" = busy ]; then start_hog; quickstart busy; stop_hog; else quickstart alone; fi
+done
 if [ -n "$draft" ]; then
   evaluate alone
   start_hog; evaluate busy; stop_hog

@@ -19,11 +19,16 @@ import sys
 
 import torch
 
+from drafttrain.config import DFlashConfig, DraftModelConfig, Eagle3Config
+from drafttrain.cpu_linear import PackedLinears
+from drafttrain.decoding.autodepth import measure_costs
+from drafttrain.decoding.proposers import build_proposer
+from drafttrain.drafts import build_drafter
+from drafttrain.targets import load_target
+
 
 def drafters(length: int, vocab: str | None):
     """(name, draft config) of each drafter at draft length ``length``, on draft vocabulary ``vocab`` (a file)."""
-    from drafttrain.config import DFlashConfig, DraftModelConfig, Eagle3Config
-
     head = dict(init_from_target=["lm_head", "layer", "fc"], draft_vocab=vocab)
     return [("eagle3 (chain)", Eagle3Config(ttt_steps=1, **head)),
             ("p-eagle", Eagle3Config(parallel_depths=length, **head)),
@@ -43,13 +48,6 @@ def main() -> int:
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-
-    from drafttrain.cpu_linear import PackedLinears
-    from drafttrain.decoding.autodepth import measure_costs
-    from drafttrain.decoding.proposers import build_proposer
-    from drafttrain.drafts import build_drafter
-    from drafttrain.targets import load_target
-
     target = load_target(args.target)
     prompt = torch.randint(0, target.vocab_size, (1, 120), generator=torch.Generator().manual_seed(0))
     rows = []

@@ -4,7 +4,8 @@
 # trained head, alone and with the hog. Prints wall time, the auto choice, its predicted and measured speedup with
 # the 95% interval, and whether the report said the machine was busy.
 #
-#   scripts/bench_busy.sh OUT_DIR [EVAL_DRAFT]        (QUICKSTARTS="": the evals only; "busy": that quickstart only)
+#   scripts/bench_busy.sh OUT_DIR [EVAL_DRAFT]        (QUICKSTARTS="": the evals only; "busy": that quickstart only;
+#                                                     EVAL_PROMPTS / EVAL_TOKENS: the eval's size, default 16 / 128)
 #
 # Run it with nothing else on the machine: the "alone" figures are only alone if the machine is.
 set -euo pipefail
@@ -49,7 +50,8 @@ quickstart() {  # $1: label
 evaluate() {  # $1: label
   local started=$SECONDS
   (cd "$repo" && python -m drafttrain eval --target smollm2-135m-instruct --draft "$draft" --suite mt_bench \
-    --num-prompts 16 --turns 1 --max-new-tokens 128 --depth auto --compare prompt_lookup@auto --no-progress \
+    --num-prompts "${EVAL_PROMPTS:-16}" --turns 1 --max-new-tokens "${EVAL_TOKENS:-128}" --depth auto \
+    --compare prompt_lookup@auto --no-progress \
     --out "$out/eval-$1" >"$out/eval-$1.out" 2>&1) || echo "eval $1 exited $?"
   echo "eval $1: $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s"
   summary "$out/eval-$1/report.json"

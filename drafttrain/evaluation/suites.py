@@ -5,9 +5,10 @@ Built-in suites live in the repository's ``eval/`` folder (see ``eval/SOURCES.md
 ``mt_bench`` (80 questions, 2 turns, 8 categories x 10, in file order), ``humaneval``, ``gsm8k``, ``alpaca``
 (80 single-turn questions each, as used by SafeAILab/EAGLE's evaluation).
 
-Selection is deterministic: ``num_prompts=N`` takes the first N questions *in file order* (no shuffling, no
-sampling), so two runs with the same N see the same prompts. MT-Bench's file is grouped by category, so N <= 10
-covers only "writing"; use all 80 for a per-category picture comparable with published numbers.
+Selection is deterministic: ``num_prompts=N`` takes N questions one category at a time in turn (each category's in
+file order; no shuffling, no sampling), so two runs with the same N see the same prompts and a small N covers every
+category (MT-Bench's file is grouped by category). The report lists the chosen question_ids, so the same prompts
+can be served elsewhere; use all 80 for a per-category picture comparable with published numbers.
 """
 
 from __future__ import annotations

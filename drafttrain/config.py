@@ -428,9 +428,16 @@ class DecodeSettings(Section):
             raise DrafttrainError(describe_errors(err, lambda loc: ".".join(map(str, loc)))) from None
 
     def fitted_to(self, deepest: int | None) -> "DecodeSettings":
-        """These settings with a default depth lowered to what the draft can fill (``deepest``; None: any). A depth
-        the user gave is kept as it is (and refused, naming both, when it is deeper)."""
-        if deepest is None or "depth" in self.model_fields_set or self.depth == "auto" or self.depth <= deepest:
+        """These settings with a default depth, or the default deepest depth "auto" considers, lowered to what the
+        draft can fill (``deepest``; None: any). A depth the user gave is kept as it is (and refused, naming both,
+        when it is deeper)."""
+        if deepest is None:
+            return self
+        if self.depth == "auto":
+            if "max_depth" in self.model_fields_set or self.max_depth <= deepest:
+                return self
+            return type(self).of(self, max_depth=deepest)  # a DFlash block of 8 fills 7, under auto's default 8
+        if "depth" in self.model_fields_set or self.depth <= deepest:
             return self
         return type(self).of(self, depth=deepest)
 

@@ -1,13 +1,14 @@
-"""Proof in a real client: load an EAGLE-3 or DFlash draft's speculators-format export with speculators' own classes
-(in their own venv) and compare its drafting forward with drafttrain's on the same target hidden states.
+"""Proof in a real client: load an EAGLE-3, P-EAGLE or DFlash draft's speculators-format export with speculators'
+own classes (in their own venv) and compare its drafting forward with drafttrain's on the same target hidden states.
 
     python scripts/check_speculators_load.py RUN_OR_CHECKPOINT [--speculators-python /work/venvs/speculators/bin/python]
         [--num-prompts 4] [--max-new-tokens 64] [--out DIR]
 
 For each prompt the target's greedy answer is generated, the target's tapped hidden states are taken over prompt +
 answer, and both sides predict from them: EAGLE-3's first step at every position (the hidden state at t and the
-token t+1 give token t+2), DFlash's block at every answer position (speculators' own forward, given our anchors). It prints how many of speculators' draft tokens equal ours, the largest logit
-difference, and whether speculators loaded the token embeddings (an export without them loads as all zeros).
+token t+1 give token t+2), DFlash's block at every answer position (speculators' own forward, given our anchors).
+It prints how many of speculators' draft tokens equal ours, the largest logit difference, and whether speculators
+loaded the token embeddings (an export without them loads as all zeros).
 Exit 0 when every draft token agrees.
 """
 

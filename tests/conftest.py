@@ -143,6 +143,6 @@ def fitted_on_its_answer(target, config, steps: int, lr: float):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return drafter.eval(), prompt, greedy, losses
 

@@ -7,6 +7,7 @@ import pytest
 from conftest import REPO
 from drafttrain import DrafttrainError
 from drafttrain.config import load_recipe
+from drafttrain.evaluation.checkpoint_eval import check_eval_shape
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
@@ -20,6 +21,9 @@ def test_the_expected_recipes_ship():
 def test_recipe_validates_and_its_local_files_exist(path, monkeypatch):
     monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root
     recipe = load_recipe(path)
+    # what `drafttrain train` checks before it starts (smollm2_dflash.yaml failed it: depth auto's default deepest
+    # chain, 8, is more than a block of 8 can fill)
+    check_eval_shape(recipe)
     if recipe.training.deepspeed:
         assert Path(recipe.training.deepspeed).is_file(), recipe.training.deepspeed
     for source in recipe.data.sources if recipe.data else []:

@@ -180,13 +180,22 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
 def on_the_loop(costs: Costs, calibration: Calibration) -> Costs:
     """The table moved onto the decoding loop's own timings: plain decoding's real step, and the mean overhead of a
     real cycle beyond what the table predicts for the same drafts; the uncertainty is the standard error of the
-    calibration's measured speedup (no table without the loop's timings is changed)."""
+    calibration's measured speedup (no table without the loop's timings is changed).
+
+    The overhead is never negative. Bookkeeping takes no negative time: a loop faster than the table means the
+    microbenchmark ran at a worse moment of a busy machine, and its costs are kept (the cautious side). Left
+    negative (-260 ms on a 295 ms plain step, beside a CPU hog), it priced every short cycle at a plain step, and
+    a depth-1 chain measured at 0.60x was predicted at 1.20x."""
     if not calibration.cycle_s or not calibration.plain_s:
         return costs
     plain = statistics.median(calibration.plain_s)
     table = dataclasses.replace(costs, plain_s=plain, overhead_s=0.0)
     predicted = sum(table.verify_s[d + 1] + table.draft_s[d] + table.accept_s for d in calibration.drafted)
     overhead = (sum(calibration.cycle_s) - predicted) / len(calibration.cycle_s)
+    if overhead < -0.1 * plain:
+        log.warning("depth auto: real decoding cycles ran %.0f%% of a plain step faster than the cost table measured "
+                    "(a busy machine?): the table is kept", -100 * overhead / plain)
+    overhead = max(0.0, overhead)
     _, se = calibration.measured()
     return dataclasses.replace(table, overhead_s=overhead, uncertainty=se if math.isfinite(se) else costs.uncertainty)
 

@@ -145,4 +145,3 @@ def fitted_on_its_answer(target, config, steps: int, lr: float):
         optimizer.step()
         losses.append(loss.item())
     return drafter.eval(), prompt, greedy, losses
-

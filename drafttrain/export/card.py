@@ -113,8 +113,8 @@ def _serving(drafter, fmt: str, target: str, depth: int) -> str:
     if fmt == "speculators":
         return ("A [speculators](https://github.com/vllm-project/speculators) model: vLLM reads the verifier from "
                 "its config.\n\n```bash\nvllm serve THIS_REPO\n```\n\nor with the target named:\n\n```bash\n"
-                f"vllm serve {target} --speculative-config '{{\"model\": \"THIS_REPO\", "
-                f"\"num_speculative_tokens\": {depth}}}'\n```")
+                f"vllm serve {target} --speculative-config "
+                f"'{json.dumps({'model': 'THIS_REPO', 'num_speculative_tokens': depth})}'\n```")
     served = "THIS_REPO/target" if drafter.adapts_target else target
     extra = "".join(f"\n\n{note}" for note in drafter.card_notes())
     spec = json.dumps({**drafter.vllm_speculative_config(), "model": "THIS_REPO", "num_speculative_tokens": depth})

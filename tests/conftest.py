@@ -11,10 +11,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("DRAFTTRAIN_SHARED_DATA", REPO.parent / "shared" / "data"))
 
-# Two OpenMP threads on two cores, unless the machine is already busy (another job, a parallel run): then the
-# threads spin-wait on each other and one thread decodes several times faster.
+# The suite runs under pytest-xdist, one worker per core (pyproject's addopts): each worker and every process it
+# starts gets one OpenMP thread, since two workers with two threads each spin-wait on each other's cores. Run
+# alone (`-n 0`), two threads on two cores, unless the machine is already busy: then one decodes several times faster.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _BUSY = os.getloadavg()[0] >= (os.cpu_count() or 1)
-torch.set_num_threads(1 if _BUSY else max(1, min(2, os.cpu_count() or 1)))
+if _WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1 if _WORKER or _BUSY else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session", autouse=True)

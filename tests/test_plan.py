@@ -23,7 +23,7 @@ EAGLE3 = {"kind": "eagle3", "ttt_steps": 7}
 
 def drafttrain(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "-m", "drafttrain", *args], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})})
+                          env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

@@ -146,6 +146,7 @@ def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_
     from conftest import small_recipe
     from safetensors.torch import load_file
 
+    from drafttrain.commands import main
     from drafttrain.drafts import load_drafter
     from drafttrain.targets import load_target
 
@@ -157,7 +158,7 @@ def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_
                               eval={"every_checkpoint": False},
                               training={"batch_size": 2, "max_steps": 4, "save_every": 4, "log_every": 1,
                                         "deepspeed": str(REPO / config)})
-        _run([sys.executable, "-m", "drafttrain", "prepare", str(recipe), "--no-progress"])
+        assert main(["prepare", str(recipe), "--no-progress"]) == 0  # one process: here
         done = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch,
                      "--main_process_port", str(_free_port()), "-m", "drafttrain", "train", str(recipe)], timeout=300)
         runs[name] = tmp_path / name / "run"

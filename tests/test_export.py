@@ -303,15 +303,18 @@ def test_push_uploads_the_export_with_its_card_to_the_hub_and_never_prints_the_t
         assert token not in run.stdout + run.stderr and "hf_wrong" not in run.stdout + run.stderr
 
 
-def test_a_push_that_must_fail_fails_in_a_dry_run_too_and_offline_pushes_name_the_cause(tmp_path, monkeypatch):
+def test_a_push_that_must_fail_fails_in_a_dry_run_too_and_offline_pushes_name_the_cause(tmp_path, monkeypatch,
+                                                                                        capsys):
     """A bad repo id fails the dry run (it passed before); a push without a token, or to a Hub that cannot be
     reached, ends in a named cause, not a traceback."""
+    from drafttrain.commands import main
+
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no token stored by `hf auth login` either
     target = tiny_target()
     folder = export_draft(checkpoint_of(build_drafter(EagleConfig(), target), tmp_path), "vllm", tmp_path / "e", target)
-    for repo in ("not a repo!!", "a/b/c"):
-        dry = push(folder, "--repo", repo, "--dry-run", endpoint="http://127.0.0.1:9", token="hf_x")
-        assert dry.returncode == 2 and "is not a Hub repo id" in dry.stderr and "Traceback" not in dry.stderr
+    for repo in ("not a repo!!", "a/b/c"):  # refused before any Hub call: in this process
+        assert main(["push", str(folder), "--repo", repo, "--dry-run"]) == 2
+        assert "is not a Hub repo id" in capsys.readouterr().err
     unreachable = push(folder, "--repo", "me/draft", endpoint="http://127.0.0.1:9", token="hf_x")
     assert unreachable.returncode == 2 and "pushing to me/draft failed" in unreachable.stderr
     assert "Traceback" not in unreachable.stderr and "hf_x" not in unreachable.stderr

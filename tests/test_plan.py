@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ def drafttrain(capsys, *args: str) -> str:
 def train_alone(recipe: Path, steps: int) -> None:
     """Training in its own process: its peak resident memory is the run's alone."""
     done = subprocess.run([sys.executable, "-m", "drafttrain", "train", str(recipe), "--max-steps", str(steps)],
-                          capture_output=True, text=True, env=os.environ)
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -28,11 +28,13 @@ def drafttrain(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
-def train_alone(recipe: Path, steps: int) -> None:
-    """Training in its own process: its peak resident memory is the run's alone."""
-    done = subprocess.run([sys.executable, "-m", "drafttrain", "train", str(recipe), "--max-steps", str(steps)],
-                          capture_output=True, text=True)
+def alone(*args: str) -> str:
+    """``drafttrain ARGS`` in its own process, as users run it: a plan counts its process's resident memory, and a
+    test worker that ran other tests first holds more than a fresh ``drafttrain plan`` does; a training's peak is
+    the run's alone."""
+    done = subprocess.run([sys.executable, "-m", "drafttrain", *args], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def measured_recipe(tmp_path: Path, **training) -> Path:
@@ -52,9 +54,9 @@ def measured_recipe(tmp_path: Path, **training) -> Path:
 def test_the_plan_matches_a_measured_cpu_run_within_20_percent(tmp_path, capsys):
     recipe = measured_recipe(tmp_path)
     drafttrain(capsys, "prepare", str(recipe), "--no-progress")
-    planned = json.loads(drafttrain(capsys, "plan", str(recipe), "--json"))
+    planned = json.loads(alone("plan", str(recipe), "--json"))
     assert planned["tokens_measured"] and planned["fits"]
-    train_alone(recipe, steps=4)
+    alone("train", str(recipe), "--max-steps", "4")
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     peak = max(r["peak_memory_mib"] for r in logged if "peak_memory_mib" in r) * 2**20
     assert planned["memory"]["activations saved for backward"] > 0.25 * planned["total"]  # not just weights

@@ -109,6 +109,25 @@ def test_a_tie_for_best_goes_to_the_newer_checkpoint(tmp_path):
     assert trainer.train().best_checkpoint == tmp_path / "checkpoints" / "step-000004"
 
 
+@pytest.mark.parametrize("sim_tau_by_step, best", [
+    ({2: 1.30, 4: 1.45, 6: 1.40}, 4),  # the DFlash run's case: step 500 held out better than the last, 523
+    ({2: 1.50, 4: 1.45, 6: 1.40}, 2),
+    ({2: 1.30, 4: 1.40, 6: 1.40}, 6),  # a tie on both: the newer
+])
+def test_a_tie_for_best_goes_to_the_higher_held_out_tau(tmp_path, sim_tau_by_step, best):
+    trainer = make_trainer(tmp_path, max_steps=6, save_every=2, keep_last=1, best_metric="tau",
+                           callbacks=[lambda step, ckpt: {"tau": 1.0, "sim_tau": sim_tau_by_step[step]}])
+    assert trainer.train().best_checkpoint == tmp_path / "checkpoints" / f"step-00000{best}"
+    assert json.loads((tmp_path / "checkpoints" / "best.json").read_text())["sim_tau"] == sim_tau_by_step[best]
+
+
+def test_a_higher_best_metric_wins_over_a_higher_held_out_tau(tmp_path):
+    tau, sim_tau = {2: 1.2, 4: 1.1}, {2: 1.3, 4: 1.6}
+    trainer = make_trainer(tmp_path, max_steps=4, save_every=2, keep_last=1, best_metric="tau",
+                           callbacks=[lambda step, ckpt: {"tau": tau[step], "sim_tau": sim_tau[step]}])
+    assert trainer.train().best_checkpoint == tmp_path / "checkpoints" / "step-000002"
+
+
 def test_a_run_folder_resolves_to_its_best_checkpoint_then_its_newest(tmp_path):
     from drafttrain.runfolder import find_draft
 

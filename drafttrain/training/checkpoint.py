@@ -83,6 +83,16 @@ class TrainerState:
         return problems
 
 
+# A tie on the best metric goes to the higher held-out simulated tau, then to the newer checkpoint (trained longer):
+# with `--depth auto` every checkpoint served as plain decoding measures tau 1.0, and the measured held-out
+# acceptance still tells them apart.
+TIE_BREAK = "sim_tau"
+
+
+def _or_lowest(value: float | None) -> float:
+    return float("-inf") if value is None else float(value)
+
+
 class CheckpointManager:
     """Owns ``<output_dir>/checkpoints``. Folder operations are for the main process only; the trainer
     brackets them with barriers."""
@@ -193,12 +203,13 @@ class CheckpointManager:
         if self.best_metric is None or self.best_metric not in metrics:
             return False
         value = float(metrics[self.best_metric])
+        tie_break = metrics.get(TIE_BREAK)
         current = self.best()
-        # a tie goes to the newer checkpoint, trained longer: with `--depth auto` every checkpoint that is served
-        # as plain decoding measures tau 1.0, and the first of them is not the one to keep
-        if current is not None and current["metric"] == self.best_metric and value < current["value"]:
+        if current is not None and current["metric"] == self.best_metric and \
+                (value, _or_lowest(tie_break)) < (current["value"], _or_lowest(current.get(TIE_BREAK))):
             return False
-        record = {"checkpoint": checkpoint.name, "step": step, "metric": self.best_metric, "value": value}
+        record = {"checkpoint": checkpoint.name, "step": step, "metric": self.best_metric, "value": value,
+                  **({TIE_BREAK: float(tie_break)} if tie_break is not None else {})}
         write_text_atomic(self.root / BEST, json.dumps(record, indent=2))
         return True
 

@@ -53,7 +53,7 @@ def main() -> int:
     target_name = read_draft_config(checkpoint)["drafttrain"]["target"]["name"]
     target = load_target(target_name)
     drafter = load_drafter(checkpoint, target).eval()
-    formats = args.formats or [f for f in drafter.formats if f in ("vllm", "speculators", "hf")]
+    formats = args.formats or [f for f in drafter.export_formats() if f in ("vllm", "speculators", "hf")]
     depth = min(args.depth, drafter.max_draft_depth(drafter.config) or args.depth)
     questions = load_suite(args.suite).select(args.num_prompts, turns=1).questions
     prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]

@@ -200,6 +200,11 @@ class Drafter(nn.Module):
         return directory
 
     # -- export -------------------------------------------------------------------------------------------
+    def export_formats(self) -> tuple[str, ...]:
+        """The formats this draft, as configured, can be written in (the kind's ``formats`` unless an option
+        narrows them)."""
+        return self.formats
+
     def exported(self, fmt: str) -> Exported:
         """This draft in serving format ``fmt`` (one of ``formats``). The config keeps a ``drafttrain`` section
         (engines ignore it) that says which format it is, so ``imported`` can read it back."""

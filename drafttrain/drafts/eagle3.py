@@ -161,6 +161,9 @@ class Eagle3Drafter(EagleHead):
     # -- export -------------------------------------------------------------------------------------------
     formats = ("vllm", "sglang", "speculators")
 
+    def export_formats(self) -> tuple[str, ...]:
+        return ("speculators",) if self.parallel else self.formats  # vLLM reads P-EAGLE's mask slots from there
+
     def exported(self, fmt: str) -> Exported:
         """The layer ids say which target layers feed fc, and each engine reads them its own way. drafttrain's id i
         is the input of target layer i (HF's hidden_states[i]). vLLM reads the same; SGLang adds 1 to explicit ids

@@ -174,7 +174,7 @@ class Eagle3Drafter(EagleHead):
         tensors = self.state_tensors()
         if fmt == "speculators":
             return self._speculators(config, tensors)
-        if self.parallel:
+        if fmt not in self.export_formats():
             raise DrafttrainError(f"a P-EAGLE head (parallel_depths {self.config.parallel_depths}) is served from "
                                   f"speculators' format (vLLM reads its mask slots from there), not {fmt!r}: "
                                   "export --format speculators")

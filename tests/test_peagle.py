@@ -16,7 +16,8 @@ from drafttrain.decoding.trees import Chain, StaticTree
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.peagle import Rollouts, cod_rollouts, parallel_mask
 from drafttrain.export import export_draft
-from drafttrain.targets import run_target
+from drafttrain.export.writer import export_checkpoint
+from drafttrain.targets import load_target, run_target
 
 from conftest import fitted_on_its_answer
 from test_dflash import batch_of, randomised, tiny_target
@@ -120,6 +121,15 @@ def test_the_speculators_export_carries_the_mask_state_and_row_and_loads_back(tm
         for folder in (checkpoint, export):
             loaded = load_drafter(folder, target)
             torch.testing.assert_close(loaded._parallel_logits(outputs.hidden[0], ids[0], rollout)[0], expected)
+
+
+def test_export_without_a_format_writes_the_one_a_p_eagle_head_can_be_served_from(folder_target, tmp_path):
+    target = load_target(str(folder_target))
+    checkpoint = tiny_peagle(target).save_pretrained(tmp_path / "checkpoint")
+    export = export_checkpoint(checkpoint, None, tmp_path / "export", str(folder_target))  # the kind's first: vllm
+    config = json.loads((export / "config.json").read_text())
+    assert config["drafttrain"]["export"]["format"] == "speculators"
+    assert config["speculators_model_type"] == "peagle"
 
 
 def test_parallel_depths_of_one_is_refused_with_its_reason():

@@ -16,7 +16,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
-from drafttrain.drafts import load_drafter, saved_kind
+from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter, read_draft_config
 from drafttrain.evaluation.evaluate import EvalReport
 from drafttrain.evaluation.report import plot_acceptance
@@ -53,13 +53,14 @@ def recorded_target(checkpoint: Path) -> str:
 def export_checkpoint(source: str | Path, fmt: str | None, out: str | Path | None, target_name: str | None = None,
                       device: str = "cpu", **options) -> Path:
     """``export_draft`` for the commands: the draft at ``source`` with the target it was trained for (or
-    ``target_name``), in ``fmt`` (default: its kind's first format), to ``out`` (default: the run's
+    ``target_name``), in ``fmt`` (default: the first it can be written in), to ``out`` (default: the run's
     ``exports/<fmt>``, replaced)."""
     checkpoint = find_draft(source)
-    fmt = fmt or saved_kind(checkpoint).formats[0]
+    target = load_target(target_name or recorded_target(checkpoint), device=device)
+    # the draft as configured says which formats it can be written in (a P-EAGLE head: speculators' only)
+    fmt = fmt or load_drafter(checkpoint, target).export_formats()[0]
     if out is None:
         out, options["overwrite"] = (RunFolder.of_checkpoint(checkpoint) or RunFolder.of(checkpoint)).export(fmt), True
-    target = load_target(target_name or recorded_target(checkpoint), device=device)
     return export_draft(checkpoint, fmt, out, target, **options)
 
 
@@ -78,7 +79,7 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
         raise DrafttrainError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
     checkpoint = find_draft(source)
     drafter = load_drafter(checkpoint, target)
-    if fmt not in drafter.formats:
+    if fmt not in drafter.formats:  # the kind's formats; an option that narrows them says why in exported()
         raise DrafttrainError(f"a {drafter.kind} draft exports to {', '.join(drafter.formats)}, not {fmt}")
     measured = _measured(drafter, checkpoint, report)
     staging = out.with_name(out.name + ".partial")

@@ -216,6 +216,21 @@ class Drafter(nn.Module):
         """An export in format ``fmt`` back to this kind's checkpoint (config, tensors): the inverse of ``exported``."""
         raise NotImplementedError
 
+    # -- import (a draft another trainer wrote) --------------------------------------------------------------
+    @classmethod
+    def foreign_format(cls, config: dict[str, Any]) -> str | None:
+        """The format in which another tool wrote a draft of this kind whose config.json is ``config``; None when
+        it is not one this kind reads."""
+        return None
+
+    @classmethod
+    def foreign_draft(cls, config: dict[str, Any], tensors: dict[str, torch.Tensor], target) \
+            -> tuple[DraftConfig, dict[str, Any], dict[str, torch.Tensor], list[str]]:
+        """A foreign draft (``foreign_format`` named its format) as this kind's (draft section, checkpoint config
+        without the ``drafttrain`` section, tensors, notes on what drafttrain serves differently), checked against
+        ``target``: the first thing that disagrees with the target is an error naming it."""
+        raise NotImplementedError
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
 

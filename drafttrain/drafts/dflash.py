@@ -157,6 +157,43 @@ def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: float) ->
     return prefix.flip(-1).cumsum(-1).flip(-1)
 
 
+# what speculators' DFlash checkpoints may hold beside the draft: copies of the target's own weights
+FOREIGN_EXTRAS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+
+
+def foreign_block_attention(config: dict) -> str:
+    """speculators' rule: a sliding-attention layer's block is causal unless ``sliding_window_non_causal``; a
+    full-attention layer's is always bidirectional. drafttrain's draft has one block attention for all layers."""
+    layer = config["transformer_layer_config"]
+    types = layer.get("layer_types") or ["full_attention"] * layer["num_hidden_layers"]
+    causal = {kind == "sliding_attention" and not config.get("sliding_window_non_causal") for kind in types}
+    if len(causal) > 1:
+        raise DrafttrainError(f"the draft mixes causal and bidirectional block layers ({types}, "
+                              f"sliding_window_non_causal {config.get('sliding_window_non_causal')}): drafttrain's "
+                              "DFlash draft has one block attention for every layer")
+    return "causal" if causal.pop() else "bidirectional"
+
+
+def check_foreign_layers(config: dict, target) -> None:
+    """Our draft layers take the target's shape, norm epsilon, activation and RoPE (``llama_config_like``): a
+    foreign draft whose layers differ in any of them would load and compute something else, so it is refused."""
+    layer, ours = config["transformer_layer_config"], llama_config_like(target.config)
+    checks = [("hidden_size", layer["hidden_size"], target.hidden_size),
+              ("target_hidden_size", config.get("target_hidden_size") or target.hidden_size, target.hidden_size),
+              ("vocab_size", layer["vocab_size"], target.vocab_size),
+              ("num_attention_heads", layer["num_attention_heads"], ours.num_attention_heads),
+              ("num_key_value_heads", layer["num_key_value_heads"], ours.num_key_value_heads),
+              ("head_dim", layer.get("head_dim"), ours.head_dim),
+              ("rms_norm_eps", layer.get("rms_norm_eps"), ours.rms_norm_eps),
+              ("hidden_act", layer.get("hidden_act"), ours.hidden_act),
+              ("rope_theta", (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta")),
+               ours.rope_parameters.get("rope_theta"))]
+    for what, theirs, mine in checks:
+        if theirs != mine:
+            raise DrafttrainError(f"the draft's {what} is {theirs}, the target {target.name!r} has {mine} (drafttrain "
+                                  "builds DFlash layers like the target's): it was trained for another target")
+
+
 class DFlashDrafter(Drafter):
     kind = "dflash"
     config_class = DFlashConfig
@@ -442,6 +479,32 @@ class DFlashDrafter(Drafter):
             n = config["draft_vocab_size"]
             tensors = {**tensors, "d2t": torch.zeros(n, dtype=torch.long), "t2d": torch.ones(n, dtype=torch.bool)}
         return config, tensors
+
+    # -- import: a DFlash draft speculators' trainer (or a converter to its format) wrote ----------------------
+    @classmethod
+    def foreign_format(cls, config):
+        return "speculators" if config.get("speculators_model_type") == "dflash" else None
+
+    @classmethod
+    def foreign_draft(cls, config, tensors, target):
+        layer = config["transformer_layer_config"]
+        check_foreign_layers(config, target)
+        check_aux_layers(config["aux_hidden_state_layer_ids"], target.num_layers)
+        draft = DFlashConfig(num_layers=layer["num_hidden_layers"], block_size=config["block_size"],
+                             layers=config["aux_hidden_state_layer_ids"], block_attention=foreign_block_attention(config),
+                             sample_from_anchor=bool(config.get("sample_from_anchor")),
+                             mask_token_id=config["mask_token_id"], intermediate_size=layer["intermediate_size"],
+                             init_from_target=False)
+        tensors = {k: v.float() for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
+        if "lm_head.weight" not in tensors:  # speculators omits a whole-vocabulary head: it is the target's own
+            tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().float().cpu()
+        config, tensors = cls.imported("speculators", config, tensors)
+        tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
+        window = layer.get("sliding_window") if draft.block_attention == "causal" else None
+        notes = [f"its layers attend within a sliding window of {window} tokens, which drafttrain does not model: "
+                 f"contexts longer than {window} tokens are drafted with the whole context"] \
+            if window and window < layer.get("max_position_embeddings", 0) else []
+        return draft, config, tensors, notes
 
     def card_notes(self) -> list[str]:
         return [f"Serve with `num_speculative_tokens` up to {self.max_draft_depth(self.config)} (block size "

@@ -149,3 +149,13 @@ def load_drafter(path: str | Path, target) -> Drafter:
     sha = (checked.get(WEIGHTS_NAME) or {}).get("sha256") or (file_sha256(weights) if weights.is_file() else None)
     drafter.loaded_from = {"path": str(directory), "weights_sha256": sha}
     return drafter
+
+
+def foreign_kind(config: dict, where: Path) -> tuple[type[Drafter], str]:
+    """The kind (and format) of a draft folder another tool wrote, from its config.json."""
+    found = [(kind, fmt) for kind in KINDS.values() if (fmt := kind.foreign_format(config))]
+    if not found:
+        raise damaged(where / CONFIG_NAME, "is not a draft format drafttrain imports (known: "
+                      + ", ".join(f"{k}: {', '.join(c.formats)}" for k, c in KINDS.items()
+                                  if c.foreign_format is not Drafter.foreign_format) + ")")
+    return found[0]

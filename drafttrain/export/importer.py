@@ -1,0 +1,80 @@
+"""``drafttrain import``: a draft another trainer wrote (speculators' DFlash, ...) as a drafttrain checkpoint, which
+then evaluates, exports and trains like our own.
+
+The kind that reads the folder's format says how (``Drafter.foreign_format`` / ``foreign_draft``) and checks it
+against the target first (hidden size, vocabulary, tapped layers), naming the first thing that disagrees. The
+checkpoint is written all or nothing, with a manifest saying where it came from, then loaded back with every check
+``load_drafter`` makes, and its weights compared with the source's: nothing is dropped that the draft uses.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from drafttrain import DrafttrainError
+from drafttrain.drafts import load_drafter
+from drafttrain.drafts.registry import foreign_kind
+from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, damaged, file_sha256, read_json, read_safetensors, write_manifest
+
+
+def read_foreign(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    if not (source / CONFIG_NAME).is_file() or not (source / WEIGHTS_NAME).is_file():
+        raise DrafttrainError(f"{source} holds no draft to import: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+    config = read_json(source / CONFIG_NAME)
+    if isinstance(config.get("drafttrain"), dict):
+        raise DrafttrainError(f"{source} was written by drafttrain: evaluate, export or train from it directly")
+    tensors, _ = read_safetensors(source / WEIGHTS_NAME)
+    return config, tensors
+
+
+def import_draft(source: str | Path, target, out: str | Path, overwrite: bool = False) -> tuple[Path, list[str]]:
+    """Write the foreign draft at ``source`` as a drafttrain checkpoint at ``out`` for ``target``. Returns the
+    folder and the notes on what drafttrain serves differently from the trainer that wrote it."""
+    source, out = Path(source), Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DrafttrainError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
+    config, tensors = read_foreign(source)
+    kind, fmt = foreign_kind(config, source)
+    try:
+        draft, config, tensors, notes = kind.foreign_draft(config, tensors, target)
+    except (KeyError, TypeError, ValueError) as err:
+        raise damaged(source / CONFIG_NAME, f"does not describe a {kind.kind} draft in {fmt}'s format "
+                                            f"({type(err).__name__}: {err})") from None
+    origin = {"path": str(source), "format": fmt, "weights_sha256": file_sha256(source / WEIGHTS_NAME),
+              "writer": config.get("speculators_version")}
+    with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
+        drafter = _built(kind, draft, config, tensors, target, Path(tmp))
+        staging = out.with_name(out.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        drafter.save_pretrained(staging, imported=origin)
+    write_manifest(staging, {"imported": origin, **drafter.identity()})
+    loaded = load_drafter(staging, target)
+    _check_weights_kept(loaded, tensors, source)
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return out, notes
+
+
+def _built(kind, draft, config: dict, tensors: dict[str, torch.Tensor], target, tmp: Path):
+    """The kind's draft, loaded the way its own checkpoints load, from its section, the foreign config and the
+    tensors in its layout."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_NAME))
+    (tmp / CONFIG_NAME).write_text(json.dumps(
+        {**config, "drafttrain": {"kind": kind.kind, "draft": draft.model_dump(mode="json")}}))
+    return kind.from_pretrained(tmp, target)
+
+
+def _check_weights_kept(drafter, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    mine = drafter.state_tensors()
+    lost = sorted(k for k in tensors if k not in mine)
+    changed = sorted(k for k in tensors if k in mine and not torch.equal(mine[k].float(), tensors[k].float()))
+    if lost or changed:
+        raise damaged(source / WEIGHTS_NAME, f"has weights the imported draft does not hold as they are "
+                                             f"(dropped {lost[:5]}, changed {changed[:5]})")

@@ -1,0 +1,96 @@
+"""``drafttrain import``: drafts speculators' own classes wrote (tests/fixtures/speculators_dflash, made by its
+make.py) become drafttrain checkpoints that hold every weight as written, decode losslessly, and export back to the
+same tensors; what does not fit the target is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafttrain import DrafttrainError
+from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
+from drafttrain.drafts import load_drafter
+from drafttrain.export import export_draft
+from drafttrain.export.importer import import_draft
+
+from test_draft_model import tiny_target
+
+FIXTURES = Path(__file__).parent / "fixtures" / "speculators_dflash"
+
+
+def written(name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / name / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name, attention, layers, block", [("draft_vocab", "causal", 2, 4),
+                                                            ("full_vocab", "bidirectional", 1, 5)])
+def test_a_speculators_dflash_draft_imports_with_every_weight_and_exports_back(tmp_path, name, attention, layers,
+                                                                               block):
+    target = tiny_target()
+    out, notes = import_draft(FIXTURES / name, target, tmp_path / "imported")
+    drafter = load_drafter(out, target)
+    assert (drafter.config.block_attention, drafter.config.num_layers, drafter.block_size) == (attention, layers, block)
+    assert drafter.layer_ids == [1, 2, 3] and drafter.mask_token_id == 63 and notes == []
+    mine = drafter.state_tensors()
+    for key, value in written(name).items():
+        assert torch.equal(mine[key], value), key
+    if name == "full_vocab":  # speculators leaves the whole-vocabulary head out: it is the target's own
+        assert torch.equal(mine["lm_head.weight"], target.model.get_output_embeddings().weight)
+    config = json.loads((out / "config.json").read_text())
+    assert config["drafttrain"]["imported"]["format"] == "speculators"
+    export = export_draft(out, "speculators", tmp_path / "export", target)
+    theirs, back = json.loads((FIXTURES / name / "config.json").read_text()), json.loads((export / "config.json").read_text())
+    for key in ("block_size", "aux_hidden_state_layer_ids", "mask_token_id", "draft_vocab_size",
+                "sliding_window_non_causal", "sample_from_anchor"):
+        assert back[key] == theirs[key], key
+    exported = load_file(str(export / "model.safetensors"))
+    for key, value in written(name).items():
+        assert torch.equal(exported[key], value), key
+
+
+def test_an_imported_draft_decodes_the_targets_greedy_output(tmp_path):
+    target = tiny_target()
+    drafter = load_drafter(import_draft(FIXTURES / "draft_vocab", target, tmp_path / "imported")[0], target).eval()
+    prompt = [5, 9, 17, 3]
+    decoder = SpeculativeDecoder(target, build_proposer("block", target, draft=drafter), depth=3)
+    assert decoder.generate(prompt, 24).tokens == plain_decode(target, prompt, 24).tokens
+
+
+def test_a_draft_for_another_target_is_refused_naming_the_size(tmp_path):
+    with pytest.raises(DrafttrainError, match="hidden_size is 32, the target 'tiny' has 16"):
+        import_draft(FIXTURES / "draft_vocab", tiny_target_of(hidden=16), tmp_path / "imported")
+    with pytest.raises(DrafttrainError, match="rope_theta"):
+        import_draft(FIXTURES / "draft_vocab", tiny_target_of(rope_theta=5e5), tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+
+
+def test_what_is_not_a_foreign_draft_is_refused(tmp_path):
+    target = tiny_target()
+    out, _ = import_draft(FIXTURES / "full_vocab", target, tmp_path / "imported")
+    with pytest.raises(DrafttrainError, match="written by drafttrain"):
+        import_draft(out, target, tmp_path / "again")
+    other = tmp_path / "other"
+    shutil.copytree(FIXTURES / "full_vocab", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "speculators_model_type": "mtp"}))
+    with pytest.raises(DrafttrainError, match="not a draft format drafttrain imports"):
+        import_draft(other, target, tmp_path / "mtp")
+    with pytest.raises(DrafttrainError, match="not empty"):
+        import_draft(FIXTURES / "full_vocab", target, out)
+
+
+def tiny_target_of(hidden: int = 32, rope_theta: float = 10000.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from drafttrain.targets.loading import Target
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    return Target("tiny", LlamaForCausalLM(config).eval().requires_grad_(False), None)

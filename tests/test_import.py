@@ -80,6 +80,9 @@ def test_what_is_not_a_foreign_draft_is_refused(tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "speculators_model_type": "mtp"}))
     with pytest.raises(DrafttrainError, match="not a draft format drafttrain imports"):
         import_draft(other, target, tmp_path / "mtp")
+    (other / "config.json").write_text(json.dumps({**config, "mask_token_id": None}))
+    with pytest.raises(DrafttrainError, match="names no mask_token_id"):
+        import_draft(other, target, tmp_path / "no-mask")
     with pytest.raises(DrafttrainError, match="not empty"):
         import_draft(FIXTURES / "full_vocab", target, out)
 

@@ -489,6 +489,9 @@ class DFlashDrafter(Drafter):
     def foreign_draft(cls, config, tensors, target):
         layer = config["transformer_layer_config"]
         check_foreign_layers(config, target)
+        if config.get("mask_token_id") is None:
+            raise DrafttrainError("the draft's config names no mask_token_id: the token its blocks were trained with "
+                                  "is unknown (set it in config.json to the one its trainer used)")
         check_aux_layers(config["aux_hidden_state_layer_ids"], target.num_layers)
         draft = DFlashConfig(num_layers=layer["num_hidden_layers"], block_size=config["block_size"],
                              layers=config["aux_hidden_state_layer_ids"], block_attention=foreign_block_attention(config),

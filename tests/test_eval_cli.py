@@ -247,3 +247,15 @@ def test_compared_sides_with_their_own_depths_each_run_and_auto_gets_held_out_pr
     assert (one["label"], one["depth"], auto["label"]) == ("prompt_lookup@1", 1, "prompt_lookup@auto")
     assert auto["depth_auto"]["calibration_steps"] > 0
     assert set(report["comparisons"]) == {"prompt_lookup@1", "prompt_lookup@auto"}
+
+
+def test_compared_sides_take_the_labels_given(tmp_path, restore_threads):
+    """``--compare LABEL=SIDE``: two drafts in folders of the same name (runs/a/imported, runs/b/imported) could not
+    be told apart, and the error asked for labels there was no way to give."""
+    code = _eval(tmp_path, "--proposer", "prompt_lookup", "--suite", "mt_bench", "--num-prompts", "1", "--turns", "1",
+                 "--max-new-tokens", "8", "--depth", "2", "--compare", "short=prompt_lookup@1",
+                 "--compare", "long=prompt_lookup@3", "--threads", "1")
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [(side["label"], side["depth"]) for side in report["config"]["compare"]] == [("short", 1), ("long", 3)]
+    assert set(report["comparisons"]) == {"short", "long"}

@@ -81,11 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--hf-reference", action="store_true",
                         help="also time HF model.generate (plain, and prompt lookup / assisted to match the proposer)")
-    parser.add_argument("--compare", action="append", default=[], metavar="PROPOSER_OR_DRAFT[@SHAPE]",
+    parser.add_argument("--compare", action="append", default=[], metavar="[LABEL=]PROPOSER_OR_DRAFT[@SHAPE]",
                         help="also run another side on the same prompts in the same run, against the same baseline: "
                              "a draft-free proposer (prompt_lookup) or a trained draft's checkpoint/run folder; @SHAPE "
-                             "gives it its own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); "
-                             "repeatable")
+                             "gives it its own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); LABEL= "
+                             "names it in the report (default: the proposer or the folder's name); repeatable")
     parser.add_argument("--draft-vocab", metavar="FILE|none",
                         help=f"{model_folder_proposer()} proposer: draft only from this draft vocabulary (a "
                              "draft_vocab.safetensors "
@@ -234,7 +234,11 @@ class Side(NamedTuple):
 
 
 def _compared_side(item: str, known: set[str], settings: EvalConfig) -> Side:
-    """``PROPOSER_OR_DRAFT[@SHAPE]`` -> the side, checked now (its tree parsed as the run's is)."""
+    """``[LABEL=]PROPOSER_OR_DRAFT[@SHAPE]`` -> the side, checked now (its tree parsed as the run's is)."""
+    label, named, rest = item.partition("=")
+    if named and label and "/" not in label and not Path(item.partition("@")[0]).expanduser().exists():
+        side = _compared_side(rest, known, settings)
+        return side._replace(label=label)
     spec, _, shape = item.partition("@")
     depth = tree = None
     if shape.startswith("tree:"):

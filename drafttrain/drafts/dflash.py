@@ -498,11 +498,10 @@ class DFlashDrafter(Drafter):
                              sample_from_anchor=bool(config.get("sample_from_anchor")),
                              mask_token_id=config["mask_token_id"], intermediate_size=layer["intermediate_size"],
                              init_from_target=False)
-        tensors = {k: v.float() for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
+        tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
         if "lm_head.weight" not in tensors:  # speculators omits a whole-vocabulary head: it is the target's own
             tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().float().cpu()
         config, tensors = cls.imported("speculators", config, tensors)
-        tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
         window = layer.get("sliding_window") if draft.block_attention == "causal" else None
         notes = [f"its layers attend within a sliding window of {window} tokens, which drafttrain does not model: "
                  f"contexts longer than {window} tokens are drafted with the whole context"] \

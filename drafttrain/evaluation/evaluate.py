@@ -130,7 +130,8 @@ def _check_labels(sides: list[Side]) -> None:
     labels = [side.label for side in sides[1:] if side.role == COMPARED]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:  # one would silently replace the other in the report
-        raise DrafttrainError(f"two compared sides are both labelled {repeated[0]!r}: give them labels (--compare LABEL=FOLDER)")
+        raise DrafttrainError(f"two compared sides are both labelled {repeated[0]!r}: give them labels "
+                              "(--compare LABEL=FOLDER)")
 
 
 def _warm_up(target, question: Question, sides: list[Side], budget: int) -> None:

@@ -10,7 +10,6 @@ checkpoint is written all or nothing, with a manifest saying where it came from,
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from safetensors.torch import save_file
 from drafttrain import DrafttrainError
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.registry import foreign_kind
+from drafttrain.export.writer import publish, staging_for
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, damaged, file_sha256, read_json, read_safetensors, write_manifest
 
 
@@ -37,8 +37,7 @@ def import_draft(source: str | Path, target, out: str | Path, overwrite: bool = 
     """Write the foreign draft at ``source`` as a drafttrain checkpoint at ``out`` for ``target``. Returns the
     folder and the notes on what drafttrain serves differently from the trainer that wrote it."""
     source, out = Path(source), Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise DrafttrainError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
+    staging = staging_for(out, overwrite)
     config, tensors = read_foreign(source)
     kind, fmt = foreign_kind(config, source)
     try:
@@ -46,19 +45,14 @@ def import_draft(source: str | Path, target, out: str | Path, overwrite: bool = 
     except (KeyError, TypeError, ValueError) as err:
         raise damaged(source / CONFIG_NAME, f"does not describe a {kind.kind} draft in {fmt}'s format "
                                             f"({type(err).__name__}: {err})") from None
-    origin = {"path": str(source), "format": fmt, "weights_sha256": file_sha256(source / WEIGHTS_NAME),
-              "writer": config.get("speculators_version")}
+    origin = {"path": str(source), "format": fmt, "weights_sha256": file_sha256(source / WEIGHTS_NAME)}
     with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
         drafter = _built(kind, draft, config, tensors, target, Path(tmp))
-        staging = out.with_name(out.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
         drafter.save_pretrained(staging, imported=origin)
     write_manifest(staging, {"imported": origin, **drafter.identity()})
     loaded = load_drafter(staging, target)
     _check_weights_kept(loaded, tensors, source)
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    publish(staging, out)
     return out, notes
 
 

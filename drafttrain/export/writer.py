@@ -75,15 +75,12 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
     if fmt not in FORMATS:
         raise DrafttrainError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise DrafttrainError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
+    staging = staging_for(out, overwrite)
     checkpoint = find_draft(source)
     drafter = load_drafter(checkpoint, target)
     if fmt not in drafter.formats:  # the kind's formats; an option that narrows them says why in exported()
         raise DrafttrainError(f"a {drafter.kind} draft exports to {', '.join(drafter.formats)}, not {fmt}")
     measured = _measured(drafter, checkpoint, report)
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     exported = drafter.exported(fmt)
     if verifier is not None and "speculators_config" in exported.config:
@@ -103,10 +100,24 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
     # the card is left out of the checksums: editing it is the usual step before publishing
     write_manifest(staging, {"checkpoint": str(checkpoint), "format": fmt, **drafter.identity(),
                              **{k: v for k, v in built_from.items() if k != "recipe"}}, skip=("README.md",))
+    publish(staging, out)
+    return out
+
+
+def staging_for(out: Path, overwrite: bool) -> Path:
+    """Where to build the folder ``out`` (beside it, emptied; ``publish`` moves it into place only when complete).
+    An existing non-empty ``out`` is refused unless ``overwrite``."""
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DrafttrainError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def publish(staging: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
-    return out
 
 
 def _write_draft(exported, folder: Path) -> None:

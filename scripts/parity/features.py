@@ -15,7 +15,8 @@ same hooks here. Written:
   OUT_DIR/specforge/dflash/    SpecForge's offline DFlash files: data_{i}.ckpt = {input_ids, loss_mask,
                                hidden_states [T, k*H]} with the same tapped tensors, train rows only (it trains
                                on every file of the folder); the validation rows in specforge/dflash_validation/
-  OUT_DIR/vocab/               the run's draft vocabulary as d2t.npy/t2d.npy (speculators) and mapping.pt (SpecForge)
+  OUT_DIR/vocab/               the run's draft vocabulary as speculators reads it (d2t.npy, t2d.npy); SpecForge's
+                               DFlash has no draft vocabulary
   OUT_DIR/rows.json            the split sizes and the sha256 of every row's ids and mask, in order: the record every
                                side of a comparison is checked against
 
@@ -127,7 +128,6 @@ def write_vocab(run: Path, out: Path) -> None:
     (out / "vocab").mkdir(parents=True, exist_ok=True)
     np.save(out / "vocab" / "d2t.npy", vocab["d2t"].numpy())
     np.save(out / "vocab" / "t2d.npy", vocab["t2d"].numpy())
-    torch.save({"d2t": vocab["d2t"], "t2d": vocab["t2d"]}, out / "vocab" / "mapping.pt")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,11 +146,15 @@ def last_checkpoint(save: Path) -> Path:
     return epochs[-1]
 
 
+def warm_mean(seconds: list[float]) -> float:
+    """A calibration run's seconds per step: the mean after its first two steps, which warm up."""
+    return sum(seconds[2:]) / len(seconds[2:])
+
+
 def seconds_per_step(python: str, features: Path, out: Path, steps: int, extra: list[str]) -> float:
     log = out / "calibration.log"
     run_logged(speculators_command(python, features, out / "calibration", steps, 1, extra), log)
-    timed = [s["step_ms"] for s in logged_steps(log)[2:]]  # the first steps warm up
-    return sum(timed) / len(timed) / 1000
+    return warm_mean([s["step_ms"] / 1000 for s in logged_steps(log)])
 
 
 def train_speculators(args) -> dict:
@@ -229,7 +233,7 @@ def check_forge_rows(features: Path) -> str:
 def train_specforge(args) -> dict:
     rows_sha = check_forge_rows(args.features)
     _, calibration = run_specforge(args, args.out / "calibration", args.calibrate_steps)
-    per_step = sum(s["step_s"] for s in calibration[2:]) / len(calibration[2:])
+    per_step = warm_mean([s["step_s"] for s in calibration])
     steps = max(1, int(args.minutes * 60 / per_step))
     wall, logged = run_specforge(args, args.out, steps)
     return {"trainer": "SpecForge 0.2.0", "config": str(args.out / "specforge.yaml"), "train_rows_sha256": rows_sha,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import draft_vocab_file
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -101,6 +102,25 @@ def test_an_exported_eagle3_draft_drafts_exactly_like_its_checkpoint(tmp_path):
         expected = drafter.step(drafter.fuse(hidden), ids, positions, drafter.new_caches())[1]
         got = back.step(back.fuse(hidden), ids, positions, back.new_caches())[1]
     assert torch.equal(expected, got)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_a_whole_vocabulary_eagle3_head_is_written_without_a_map_and_loads_back_the_same(tmp_path, fmt):
+    """vLLM builds no draft_id_to_target_id for a head over the target's whole vocabulary and refuses a d2t tensor
+    at load ("no module or parameter named 'draft_id_to_target_id'", seen serving a fresh head), and speculators
+    builds no map either; a head over a draft vocabulary keeps its map."""
+    target = tiny_target()
+    drafter = randomised(build_drafter(Eagle3Config(ttt_steps=2), target)).eval()
+    folder = export_draft(checkpoint_of(drafter, tmp_path), fmt, tmp_path / fmt, target)
+    config, tensors = read_export(folder)
+    assert "d2t" not in tensors and "t2d" not in tensors and config["draft_vocab_size"] == 64
+    back = load_drafter(folder, target)
+    assert torch.equal(back.d2t, drafter.d2t) and torch.equal(back.t2d, drafter.t2d)
+    vocab = draft_vocab_file(tmp_path, range(16), 64)
+    smaller = randomised(build_drafter(Eagle3Config(ttt_steps=2, draft_vocab=str(vocab)), target)).eval()
+    smaller_folder = export_draft(smaller.save_pretrained(tmp_path / "small"), fmt, tmp_path / "small-export", target)
+    _, tensors = read_export(smaller_folder)
+    assert tensors["d2t"].numel() == 16 and tensors["t2d"].numel() == 64
 
 
 # ---------------------------------------------------------------------------------------------------- EAGLE-1

@@ -172,6 +172,10 @@ class Eagle3Drafter(EagleHead):
         ids = list(self.layer_ids)
         config = self.checkpoint_config(export={"format": fmt, "aux_layer_ids": ids})
         tensors = self.state_tensors()
+        if fmt in ("vllm", "speculators") and self.d2t.numel() == self.target.vocab_size:
+            # a head over the whole vocabulary has no map: vLLM then refuses a d2t tensor at load, and speculators
+            # builds none (imported() restores the identity)
+            tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
         if fmt == "speculators":
             return self._speculators(config, tensors)
         if fmt not in self.export_formats():
@@ -251,6 +255,9 @@ class Eagle3Drafter(EagleHead):
             tensors = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
                        for k, v in tensors.items() if k != SPECULATORS_EMBEDDINGS}
         config = {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+        if "d2t" not in tensors:  # written without a map: the head covers the whole vocabulary
+            d2t, t2d = draft_vocab_for(None, None, config["draft_vocab_size"])
+            tensors = {**tensors, "d2t": d2t, "t2d": t2d}
         return config, tensors
 
     def vllm_speculative_config(self) -> dict:

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
-LAYERS = ["foundation", "data", "targets", "drafts", "training", "decoding", "evaluation", "export", "commands", "main"]
+LAYERS = ["foundation", "data", "targets", "drafts", "training", "decoding", "evaluation", "export", "serving", "commands",
+          "main"]
 FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear",
               "drafttrain.progress"}
 MAX_FUNCTION_LINES = 80

@@ -170,19 +170,27 @@ def adapt_to_template(conversation: dict, support: TemplateSupport) -> tuple[lis
 def prompt_ids(tokenizer, messages: list[dict], tools: Any = None) -> list[int]:
     """Token ids of ``messages`` followed by the assistant header: what the target continues.
 
-    Rendered exactly as tokenisation renders training rows. A tokenizer without a template (a base model) gets
-    the turns joined by blank lines, with its usual BOS.
+    Rendered exactly as tokenisation renders training rows (``prompt_text``), then tokenised as that text says.
+    """
+    text, special = prompt_text(tokenizer, messages, tools)
+    return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+
+def prompt_text(tokenizer, messages: list[dict], tools: Any = None) -> tuple[str, bool]:
+    """The text ``prompt_ids`` tokenises, and whether the tokenizer must add its special tokens to it: what an
+    OpenAI-compatible server is sent (``add_special_tokens``) to see exactly the ids our evaluator decodes from.
+
+    A tokenizer without a template (a base model) gets the turns joined by blank lines, with its usual BOS.
     """
     if not getattr(tokenizer, "chat_template", None):
-        text = "\n\n".join(m["content"] for m in messages) + "\n\n"
-        return tokenizer(text)["input_ids"]
+        return "\n\n".join(m["content"] for m in messages) + "\n\n", True
     adapted, tool_list = adapt_to_template({"messages": messages, "tools": tools}, template_support(tokenizer))
     try:
         text = render_text(tokenizer, adapted, tool_list, add_generation_prompt=True)
     except TemplateRejected as err:
         raise DrafttrainError(str(err)) from None
     # The template already holds any BOS it wants; adding special tokens again would double it.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text, False
 
 
 # ----------------------------------------------------------------------------------------------- where answers stop

@@ -14,6 +14,8 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from drafttrain import __version__
+from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
+from drafttrain.evaluation.serving_report import agreement_lines, conclusions, markdown_table
 from drafttrain.targets.loading import provenance
 
 ACCEPTANCE_PLOT = "acceptance.png"
@@ -22,7 +24,7 @@ DEPTH_DEFAULT = 3  # speculative tokens in the serving snippets when nothing was
 
 
 def build_card(drafter, fmt: str, notes: list[str], measured: dict[str, Any] | None,
-               recipe: dict[str, Any] | None, plot: str | None) -> ModelCard:
+               recipe: dict[str, Any] | None, plot: str | None, bench: dict[str, Any] | None = None) -> ModelCard:
     target = drafter.target
     facts = provenance(target)
     sources = [s.get("path") for s in ((recipe or {}).get("data") or {}).get("sources", [])]
@@ -42,6 +44,7 @@ def build_card(drafter, fmt: str, notes: list[str], measured: dict[str, Any] | N
         "the target's own, and sampling follows the target's distribution.",
         "## Measured",
         _measured_section(measured, plot),
+        *(["## Served across concurrency", _bench_section(bench)] if bench is not None else []),
         "## Serve it",
         _serving(drafter, fmt, facts["base_model"] or target.name, depth),
     ]
@@ -101,6 +104,19 @@ def _measured_section(measured: dict[str, Any] | None, plot: str | None) -> str:
     lines += ["", f"Measured {c.get('started_at')} with drafttrain {c.get('versions', {}).get('drafttrain')}: "
                   "speculative and plain decoding of the same prompts, interleaved in one process. The full report "
                   "is `eval/report.json`."]
+    return "\n".join(lines)
+
+
+def _bench_section(bench: dict[str, Any]) -> str:
+    engine, c = bench["engine"], bench["config"]
+    lines = [f"`drafttrain bench` served the target in {engine['name']} {engine.get('version') or ''}, plainly and "
+             f"with this draft, on {bench['prompts']['source']} ({c['output_len']} new tokens at most, "
+             f"T={c['temperature']}), at {', '.join(map(str, c['concurrency']))} concurrent requests. Acceptance "
+             "comes from the engine's own counters, differenced around each level; speedup is output tokens/s "
+             f"against plain serving at the same level. Measured {bench['started_at']}.", "",
+             *markdown_table(bench), "", *conclusions(bench), "", *agreement_lines(bench), "",
+             f"![speedup and acceptance against concurrency]({BENCH_PLOT})", "",
+             "The sweep's report is `bench/report.json`."]
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ section that engines ignore, so the export loads back (``drafttrain eval --draft
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter, read_draft_config
 from drafttrain.evaluation.evaluate import EvalReport
 from drafttrain.evaluation.report import plot_acceptance
+from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
+from drafttrain.evaluation.serving_report import plot as plot_bench
 from drafttrain.export.card import ACCEPTANCE_PLOT, build_card
 from drafttrain.runfolder import (
     CONFIG_NAME,
@@ -36,6 +39,7 @@ from drafttrain.targets import load_target
 
 FORMATS = ("vllm", "sglang", "speculators", "hf")
 REPORT_NAME = "report.json"
+BENCH_DIR = "bench"  # drafttrain bench leaves its sweep's report here, beside the checkpoint it served
 
 
 def recorded_target(checkpoint: Path) -> str:
@@ -94,8 +98,13 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
         (staging / EVAL_DIR).mkdir()
         write_text_atomic(staging / EVAL_DIR / REPORT_NAME, json.dumps(measured, indent=1))
         plot_acceptance(EvalReport(**measured), staging / ACCEPTANCE_PLOT)
+    bench = _bench(drafter, checkpoint)
+    if bench is not None:
+        (staging / BENCH_DIR).mkdir()
+        write_text_atomic(staging / BENCH_DIR / REPORT_NAME, json.dumps(bench, indent=1))
+        plot_bench(bench, staging / BENCH_PLOT)
     card = build_card(drafter, fmt, exported.notes, measured, built_from.get("recipe"),
-                      plot=ACCEPTANCE_PLOT if measured is not None else None)
+                      plot=ACCEPTANCE_PLOT if measured is not None else None, bench=bench)
     write_text_atomic(staging / "README.md", str(card))
     # the card is left out of the checksums: editing it is the usual step before publishing
     write_manifest(staging, {"checkpoint": str(checkpoint), "format": fmt, **drafter.identity(),
@@ -130,6 +139,19 @@ def _write_draft(exported, folder: Path) -> None:
         save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
         config = exported.config
     write_text_atomic(folder / CONFIG_NAME, json.dumps(config, indent=2))
+
+
+def _bench(drafter: Drafter, checkpoint: Path) -> dict[str, Any] | None:
+    """The serving sweep beside the checkpoint, when one of its sides served these very weights."""
+    path = checkpoint / BENCH_DIR / REPORT_NAME
+    if not path.is_file():
+        return None
+    bench = read_json(path)
+    sha = drafter.identity()["weights_sha256"]
+    if not any(side.get("weights_sha256") == sha for side in bench.get("sides", [])):
+        logging.getLogger(__name__).warning("%s served other weights than %s: left off the card", path, checkpoint)
+        return None
+    return bench
 
 
 def _measured(drafter: Drafter, checkpoint: Path, report: str | Path | None) -> dict[str, Any] | None:

@@ -1,0 +1,222 @@
+"""``drafttrain bench``: the speedup users will see in the engine they serve from, from one stream to many.
+
+The target is served plainly and with each draft at each length, all with the same engine settings, and a
+concurrency sweep runs over the same prompts (serving.sweep). Before any server starts, drafttrain's evaluator
+decodes the one-stream level's prompts with each draft (serving.agreement), so the engine's acceptance at one
+stream is checked against ours. The report (report.json, report.md, bench.png) also goes beside each draft's
+checkpoint (``CHECKPOINT/bench/``), where ``drafttrain export`` finds it for the model card when the weights match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from drafttrain import DrafttrainError
+from drafttrain.config import BenchConfig
+from drafttrain.drafts import load_drafter
+from drafttrain.evaluation.run_info import machine_description, now
+from drafttrain.evaluation.serving_report import PLOT_NAME, plot, write_markdown
+from drafttrain.export.writer import export_draft, recorded_target
+from drafttrain.runfolder import MANIFEST, find_draft, read_json, write_text_atomic
+from drafttrain.serving.agreement import compare, drafttrain_side
+from drafttrain.serving.engines import (
+    ENGINES,
+    Engine,
+    Server,
+    Speculation,
+    check_python,
+    port_in_use,
+    wait_until_ready,
+)
+from drafttrain.serving.prompts import BenchPrompts, bench_prompts
+from drafttrain.serving.sweep import SWEEP_FILE, SweepSide, build_levels, jobs, run_load
+from drafttrain.targets import load_target
+from drafttrain.targets.loading import load_tokenizer, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+NGRAM = "ngram"  # the engine's own n-gram lookup: no draft to load
+NGRAM_METHODS = {"vllm": "ngram", "sglang": "NGRAM"}
+BENCH_DIR = "bench"
+REPORT_NAME = "report.json"
+
+
+@dataclasses.dataclass
+class Draft:
+    """A draft to serve: its name in the report, the export the engine loads, and the checkpoint it came from."""
+
+    name: str
+    methods: dict[str, str]
+    options: dict[str, Any]
+    export: Path | None = None
+    checkpoint: Path | None = None
+    drafter: Any = None
+    weights_sha256: str | None = None
+
+    def speculation(self, length: int) -> Speculation:
+        return Speculation(self.name, length, self.methods, str(self.export) if self.export else None,
+                           self.options, self.weights_sha256)
+
+
+@dataclasses.dataclass
+class BenchInputs:
+    drafts: list[str]
+    target: str | None
+    python: str | None
+    base_url: str | None = None
+    plain_base_url: str | None = None
+    suite: str = "mt_bench"
+    request_log: str | None = None
+
+
+def resolve_draft(source: str, engine: Engine, target, out: Path) -> Draft:
+    """``ngram``, an export folder (served as it is) or a run or checkpoint (exported here in the first format the
+    engine reads)."""
+    if source == NGRAM:
+        return Draft(NGRAM, NGRAM_METHODS, {})
+    path = find_draft(source)
+    drafter = load_drafter(path, target)
+    built_from = read_json(path / MANIFEST).get("built_from", {}) if (path / MANIFEST).is_file() else {}
+    name = Path(source).resolve().name
+    if "format" in built_from:  # an export: the engine must read its format as written
+        if built_from["format"] not in engine.reads:
+            raise DrafttrainError(f"{source} is in the {built_from['format']} format; {engine.name} serves drafts "
+                                  f"from {', '.join(engine.reads)}: export it again with --format")
+        return Draft(name, drafter.engine_methods, drafter.vllm_speculative_config(), path,
+                     Path(built_from["checkpoint"]), drafter, built_from.get("weights_sha256"))
+    formats = [f for f in drafter.export_formats() if f in engine.reads]
+    if not formats:
+        raise DrafttrainError(f"{engine.name} serves no format a {drafter.kind} draft like {source} is written in "
+                              f"(it writes {', '.join(drafter.export_formats())})")
+    export = export_draft(path, formats[0], out / "exports" / f"{name}-{formats[0]}", target, overwrite=True)
+    return Draft(name, drafter.engine_methods, drafter.vllm_speculative_config(), export, path, drafter,
+                 drafter.identity()["weights_sha256"])
+
+
+def target_of(inputs: BenchInputs) -> str:
+    if inputs.target is not None:
+        return inputs.target
+    trained = [recorded_target(find_draft(d)) for d in inputs.drafts if d != NGRAM]
+    if not trained:
+        raise DrafttrainError("name the target (--target) when the only draft is the engine's n-gram lookup")
+    return trained[0]
+
+
+def servers_for(drafts: list[Draft], settings: BenchConfig, engine: Engine, inputs: BenchInputs, target_dir: str,
+                out: Path) -> list[SweepSide]:
+    """Plain serving first, then each draft at each length: one server each, on consecutive ports (or the servers
+    given by URL)."""
+    specs = [None] + [d.speculation(k) for d in drafts for k in settings.num_speculative_tokens]
+    if inputs.base_url is not None:
+        if len(specs) != 2 or inputs.plain_base_url is None:
+            raise DrafttrainError("--base-url serves one draft at one length: give one draft, one "
+                                  "--num-speculative-tokens, and the plain server's --plain-base-url")
+        urls = [inputs.plain_base_url, inputs.base_url]
+    else:
+        urls = [None] * len(specs)
+    fraction = settings.memory_fraction / len(specs)
+    extra = ["--dtype", settings.dtype, *settings.server_args]
+    sides = []
+    for i, (spec, url) in enumerate(zip(specs, urls)):
+        server = Server(engine, inputs.python, target_dir, spec, settings.port + i, out / "logs" / f"server{i}.log",
+                        fraction, base_url=url, extra_args=extra)
+        sides.append(SweepSide(server.label, spec.label if spec else None, spec.length if spec else None, server))
+    busy = [s.server.port for s in sides if not s.server.external and port_in_use(s.server.port)]
+    if busy:
+        raise DrafttrainError(f"port {busy[0]} is in use (another server?): choose another --port (the sweep "
+                              f"uses {len(sides)} consecutive ports from it)")
+    return sides
+
+
+def our_side(draft: Draft, target, prompts: BenchPrompts, settings: BenchConfig, length: int) -> dict[str, Any]:
+    return drafttrain_side(target, draft.drafter, prompts.ids, settings.requests_at(1), length,
+                           settings.output_len, prompts.stop_ids)
+
+
+def run_bench(inputs: BenchInputs, settings: BenchConfig, out: Path) -> dict[str, Any]:
+    """Check every input, decode the one-stream prompts with drafttrain, serve and sweep, and write the report."""
+    engine, started, clock = ENGINES[settings.engine], now(), time.monotonic()
+    if inputs.python is None:  # the load generator runs there too, also against servers given by URL
+        raise DrafttrainError(f"give --{engine.name}-python: a Python with {engine.name} installed (never a drafttrain "
+                              "dependency), or set DRAFTTRAIN_VLLM_PYTHON")
+    target_name = target_of(inputs)
+    target_dir = resolve_model_dir(target_name)
+    trained = [d for d in inputs.drafts if d != NGRAM]
+    target = load_target(target_name) if trained else None
+    tokenizer = target.tokenizer if target is not None else load_tokenizer(target_name)
+    prompts = bench_prompts(tokenizer, target.model.generation_config if target is not None else None,
+                            None if inputs.request_log else inputs.suite, inputs.request_log, settings.num_prompts)
+    out.mkdir(parents=True, exist_ok=True)
+    drafts = [resolve_draft(d, engine, target, out) for d in inputs.drafts]
+    _unique([d.name for d in drafts])
+    sides = servers_for(drafts, settings, engine, inputs, target_dir, out)  # refuses a port in use
+    version = check_python(engine, inputs.python)
+    checking = settings.temperature == 0 and 1 in settings.concurrency
+    ours = {(d.name, k): our_side(d, target, prompts, settings, k)
+            for d in drafts if d.drafter is not None and checking for k in settings.num_speculative_tokens}
+    _describe(out, sides, settings, engine)
+    dataset = prompts.write_dataset(max(settings.requests_at(c) for c in settings.concurrency), out / "prompts.jsonl")
+    with contextlib.ExitStack() as stack:
+        for side in sides:
+            stack.enter_context(side.server)
+        wait_until_ready([side.server for side in sides], settings.startup_timeout_s)
+        run_load(inputs.python, jobs(sides, settings, target_dir, dataset, prompts.request_body(), out), out, sides)
+    report = _report(engine, version, target_name, prompts, settings, sides, out, started, clock)
+    _agreement(report, sides, ours, settings)
+    _write(report, out, drafts)
+    return report
+
+
+def _unique(names: list[str]) -> None:
+    seen = {n for n in names if names.count(n) > 1}
+    if seen:
+        raise DrafttrainError(f"two drafts are named {sorted(seen)[0]!r} (their folders' names): copy one elsewhere")
+
+
+def _describe(out: Path, sides: list[SweepSide], settings: BenchConfig, engine: Engine) -> None:
+    (out / SWEEP_FILE).write_text(json.dumps({"engine": engine.name, "config": settings.model_dump(),
+                                              "sides": [s.described() for s in sides]}, indent=1))
+
+
+def _report(engine, version, target_name, prompts, settings, sides, out, started, clock) -> dict[str, Any]:
+    return {"engine": {"name": engine.name, "version": version, "tested_here": engine.tested},
+            "target": target_name, "config": settings.model_dump(),
+            "prompts": {"source": prompts.source, "count": len(prompts.texts)},
+            "sides": [s.described() for s in sides], "levels": build_levels(engine, out),
+            "started_at": started, "duration_s": round(time.monotonic() - clock, 1), "machine": machine_description(),
+            "errors": []}
+
+
+def _agreement(report: dict[str, Any], sides: list[SweepSide], ours: dict, settings: BenchConfig) -> None:
+    if not ours:
+        report["agreement_skipped"] = ("not checked: it needs T=0, concurrency 1 among the levels and a trained "
+                                       "draft (the engine's n-gram lookup has no drafttrain counterpart)")
+        return
+    one = next(level for level in report["levels"] if level["concurrency"] == 1)
+    report["agreement"] = []
+    for side in sides:
+        if (side.draft, side.length) in ours:
+            row, error = compare(side.label, one["sides"].get(side.label), ours[side.draft, side.length],
+                                 settings.agreement_tolerance)
+            report["agreement"].append(row)
+            if error:
+                report["errors"].append(error)
+
+
+def _write(report: dict[str, Any], out: Path, drafts: list[Draft]) -> None:
+    write_text_atomic(out / REPORT_NAME, json.dumps(report, indent=1))
+    write_markdown(report, out / "report.md")
+    plot(report, out / PLOT_NAME)
+    for draft in drafts:
+        if draft.checkpoint is not None and draft.checkpoint.is_dir():
+            beside = draft.checkpoint / BENCH_DIR
+            beside.mkdir(exist_ok=True)
+            for name in (REPORT_NAME, "report.md", PLOT_NAME):
+                shutil.copyfile(out / name, beside / name)

@@ -1,0 +1,265 @@
+"""The serving engines ``drafttrain bench`` drives: how each is started, told about a draft, and counted.
+
+An engine is never a drafttrain dependency: it runs from its own Python (``--vllm-python``), started here as an
+OpenAI-compatible server with its log in a file, or already running (``--base-url``). A server that exits before it
+is ready, or during a level, is an error that quotes its log's tail; every server started here is stopped on the
+way out, also on Ctrl-C and on errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, ClassVar
+
+from drafttrain import DrafttrainError
+from drafttrain.serving.metrics import SpecCounters, by_label, counter_samples, total
+
+LOG_TAIL_CHARS = 3000
+PR_SET_PDEATHSIG = 1
+HEALTH_POLL_S = 2.0
+FIRST_ERROR = re.compile(r"\b[A-Z]\w*(Error|Exception): .*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """One way to serve the target with a draft: a label for the report, the draft length, and each engine's
+    settings for it (``methods``: {engine name: its method, as the kind's registry entry names it}; ``options``:
+    what vLLM's speculative config needs beside the method, model and length)."""
+
+    label: str
+    length: int
+    methods: dict[str, str]
+    model: str | None = None  # the export folder (None: a draft-free proposer such as n-gram lookup)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    weights_sha256: str | None = None  # the checkpoint's, so the sweep can be put on that checkpoint's card
+
+
+class Engine:
+    name: ClassVar[str]
+    server_module: ClassVar[str]
+    reads: ClassVar[tuple[str, ...]]  # export formats it serves drafts from, in order of preference
+    tested: ClassVar[bool]
+    # what its Python must import (the engine, and the load generator's needs); prints the engine's version
+    requirement: ClassVar[str]
+
+    def server_args(self, target: str, port: int, spec: Speculation | None, memory_fraction: float) -> list[str]:
+        raise NotImplementedError
+
+    def counters(self, metrics_text: str) -> SpecCounters | None:
+        """The speculative counters of a /metrics reading (None: the server speculates not)."""
+        raise NotImplementedError
+
+    def method(self, spec: Speculation) -> str:
+        if self.name not in spec.methods:
+            raise DrafttrainError(f"{self.name} has no speculative method for {spec.label} (methods it is served "
+                                  f"by: {', '.join(spec.methods) or 'none'})")
+        return spec.methods[self.name]
+
+
+class VLLM(Engine):
+    name, server_module, tested = "vllm", "vllm.entrypoints.openai.api_server", True
+    reads = ("vllm", "speculators", "hf")
+    requirement = "import vllm, vllm.benchmarks.serve, pandas; print(vllm.__version__)"
+
+    def server_args(self, target, port, spec, memory_fraction):
+        args = ["--model", target, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+                # on a CPU this is the share of RAM its KV cache may take, as on a GPU of the GPU's memory
+                "--gpu-memory-utilization", f"{memory_fraction:.3f}"]
+        if spec is not None:
+            config = {"method": self.method(spec), **spec.options, "num_speculative_tokens": spec.length}
+            if spec.model is not None:
+                config["model"] = spec.model
+            args += ["--speculative-config", json.dumps(config)]
+        return args
+
+    def counters(self, metrics_text):
+        samples = counter_samples(metrics_text)
+        steps = total(samples, "vllm:spec_decode_num_drafts_total")
+        if steps is None:
+            return None
+        per = by_label(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position")
+        return SpecCounters(steps, total(samples, "vllm:generation_tokens_total") or 0.0,
+                            total(samples, "vllm:spec_decode_num_accepted_tokens_total"),
+                            total(samples, "vllm:spec_decode_num_draft_tokens_total"),
+                            tuple(per[k] for k in sorted(per, key=int)))
+
+
+class SGLang(Engine):
+    """Untested here (SGLang needs a GPU): built from its documented server flags and metrics. It counts
+    verification calls and output tokens, not accepted tokens per position."""
+
+    name, server_module, tested = "sglang", "sglang.launch_server", False
+    reads = ("sglang",)
+    requirement = "import sglang, vllm.benchmarks.serve, pandas; print(sglang.__version__)"
+
+    def server_args(self, target, port, spec, memory_fraction):
+        args = ["--model-path", target, "--host", "127.0.0.1", "--port", str(port), "--enable-metrics",
+                "--random-seed", "0", "--mem-fraction-static", f"{memory_fraction:.3f}"]
+        if spec is not None:
+            args += ["--speculative-algorithm", self.method(spec), "--speculative-num-steps", str(spec.length),
+                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(spec.length + 1)]
+            if spec.model is not None:
+                args += ["--speculative-draft-model-path", spec.model]
+        return args
+
+    def counters(self, metrics_text):
+        samples = counter_samples(metrics_text)
+        steps = total(samples, "sglang:spec_verify_calls_total")
+        if steps is None:
+            return None
+        return SpecCounters(steps, total(samples, "sglang:generation_tokens_total") or 0.0)
+
+
+ENGINES: dict[str, Engine] = {e.name: e for e in (VLLM(), SGLang())}
+
+
+def check_python(engine: Engine, python: str) -> str:
+    """The engine's version in ``python``; refused, before anything starts, when that Python cannot run the
+    engine's server and the load generator."""
+    if not Path(python).is_file():
+        raise DrafttrainError(f"--{engine.name}-python {python} does not exist: give the Python of an environment "
+                              f"with {engine.name} installed (it is never a drafttrain dependency)")
+    done = subprocess.run([python, "-c", engine.requirement], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise DrafttrainError(f"{python} cannot run {engine.name} and its load generator ({engine.requirement}): "
+                              f"{last}. Install {engine.name} there, with pandas for `vllm bench serve`")
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "unknown"
+
+
+def _stop_with_parent() -> None:
+    """In the child, before the engine starts: SIGTERM when the parent dies (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def fetch(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def log_tail(path: Path) -> str:
+    """The log's last lines, and its first exception line when the tail lost it (a worker's root cause usually
+    comes long before the launcher's last words)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    tail = text[-LOG_TAIL_CHARS:]
+    errors = (FIRST_ERROR.search(line) for line in text.splitlines() if "WARNING" not in line)
+    first = next((found.group(0).strip() for found in errors if found), None)
+    if first is not None and first not in tail:
+        return f"first error: {first}\n...\n{tail}"
+    return tail
+
+
+def wait_until_ready(servers: list["Server"], timeout_s: float) -> None:
+    """Wait for every server at once, so one that dies while the others still start is named at once."""
+    deadline, pending = time.monotonic() + timeout_s, list(servers)
+    while pending:
+        for server in list(pending):
+            server.check_alive("while starting")
+            if server.ready():
+                pending.remove(server)
+        if pending and time.monotonic() > deadline:
+            raise DrafttrainError(f"the {pending[0].engine.name} server for {pending[0].label} was not ready after "
+                                  f"{timeout_s:.0f} s" + pending[0].log_text())
+        if pending:
+            time.sleep(HEALTH_POLL_S)
+
+
+class Server:
+    """One engine server: started (``start``), waited for (``wait_ready``), stopped on exit of its ``with``."""
+
+    def __init__(self, engine: Engine, python: str | None, target: str, spec: Speculation | None, port: int,
+                 log: Path, memory_fraction: float, base_url: str | None = None, extra_args: list[str] = ()):
+        self.engine, self.python, self.target, self.spec, self.port, self.log = \
+            engine, python, target, spec, port, log
+        self.extra_args = list(extra_args)
+        self.memory_fraction = memory_fraction
+        self.base_url = base_url or f"http://127.0.0.1:{port}"
+        self.external = base_url is not None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def label(self) -> str:
+        return "plain" if self.spec is None else f"{self.spec.label} k={self.spec.length}"
+
+    def start(self) -> None:
+        if self.external:
+            return
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        command = [self.python, "-m", self.engine.server_module,
+                   *self.engine.server_args(self.target, self.port, self.spec, self.memory_fraction),
+                   *self.extra_args]
+        self.log.write_text("$ " + " ".join(command) + "\n")
+        with self.log.open("a") as out:
+            # its own process group, so stopping it stops the engine's worker processes too; and told to stop when
+            # drafttrain dies, even by SIGKILL, which no handler of ours sees
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_stop_with_parent)
+
+    def ready(self) -> bool:
+        with contextlib.suppress(OSError, urllib.error.URLError):
+            return urllib.request.urlopen(self.base_url + "/health", timeout=5).status == 200
+        return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        wait_until_ready([self], timeout_s)
+
+    def check_alive(self, when: str) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise DrafttrainError(f"the {self.engine.name} server for {self.label} exited (code "
+                                  f"{self.process.returncode}) {when}" + self.log_text())
+
+    def metrics(self) -> str:
+        try:
+            return fetch(self.base_url + "/metrics")
+        except (OSError, urllib.error.URLError) as err:
+            self.check_alive("during the sweep")
+            raise DrafttrainError(f"cannot read {self.base_url}/metrics: {err}") from None
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def log_text(self) -> str:
+        return "" if self.external else f"; the tail of its log ({self.log}):\n{log_tail(self.log)}"
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

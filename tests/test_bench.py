@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ from drafttrain.evaluation.serving_report import PLOT_NAME, best_lengths, crosso
 from drafttrain.evaluation.serving_report import plot as plot_bench
 from drafttrain.export import export_draft
 from drafttrain.runfolder import file_sha256
-from drafttrain.serving.engines import VLLM, Engine, Server, fetch, log_tail, port_in_use
+from drafttrain.serving.bench import length_errors
+from drafttrain.serving.engines import VLLM, Engine, Server, log_tail, port_in_use
 from drafttrain.serving.metrics import SpecCounters
 from drafttrain.serving.prompts import bench_prompts
 from drafttrain.serving.sweep import build_levels, level_dir, schedule
@@ -114,6 +116,39 @@ def test_the_report_and_plot_are_rebuilt_from_a_recorded_sweep(tmp_path):
     assert (out / PLOT_NAME).stat().st_size > 5000
     assert text.count("\n| ") == 1 + len(levels) * len(sweep["sides"])  # header + one row per level and side
     assert "**error:** a disagreement" in text
+    # a server given by URL that drafts another length than its label says is named
+    assert length_errors(report) == []
+    report["sides"][1] = {**report["sides"][1], "length": 3}
+    (error,) = length_errors(report)
+    assert "drafts 2 tokens, not 3" in error and sweep["sides"][1]["base_url"] in error
+
+
+def test_passes_are_merged_counts_added_and_a_pass_without_drafts_weighs_nothing(tmp_path):
+    out = tmp_path / "sweep"
+    shutil.copytree(RECORDED, out)
+    sweep = json.loads((out / "sweep.json").read_text())
+    once = {level["concurrency"]: level["sides"] for level in build_levels(VLLM(), out)}
+    sweep["config"]["repeats"] = 2
+    (out / "sweep.json").write_text(json.dumps(sweep))
+    for index in range(len(sweep["sides"])):
+        for concurrency in sweep["config"]["concurrency"]:
+            second = level_dir(out, index, concurrency, 1)
+            shutil.copytree(level_dir(out, index, concurrency, 0), second)
+            if index == 2:  # n-gram lookup found nothing to draft in its second pass
+                shutil.copyfile(second / "before.txt", second / "after.txt")
+    for level in build_levels(VLLM(), out):
+        first = once[level["concurrency"]]
+        for label, row in level["sides"].items():
+            assert row["passes"] == 2 and row["completed"] == 2 * first[label]["completed"]
+            assert row["output_throughput"] == pytest.approx(first[label]["output_throughput"])
+            assert row["output_throughput_per_pass"] == [first[label]["output_throughput"]] * 2
+        drafted, ngram = level["sides"][sweep["sides"][1]["label"]], level["sides"][sweep["sides"][2]["label"]]
+        assert drafted["verify_steps"] == 2 * first[sweep["sides"][1]["label"]]["verify_steps"]
+        assert drafted["acceptance_length"] == pytest.approx(first[sweep["sides"][1]["label"]]["acceptance_length"])
+        assert ngram["verify_steps"] == first[sweep["sides"][2]["label"]]["verify_steps"]
+        assert ngram["acceptance_length"] == pytest.approx(first[sweep["sides"][2]["label"]]["acceptance_length"])
+        assert ngram["acceptance_per_position"] == pytest.approx(
+            first[sweep["sides"][2]["label"]]["acceptance_per_position"])
 
 
 def hand_made(speedups: dict[tuple[str, int], list[float]], levels: list[int]) -> dict:
@@ -158,12 +193,18 @@ def test_settings_are_checked_before_anything_starts():
 
 # ------------------------------------------------------------------------------------- errors before any load
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_a_missing_engine_is_named_before_anything_starts(tmp_path):
     done = bench_cli("ngram", "--target", "smollm2-135m-instruct", "--vllm-python", str(tmp_path / "nope"),
                      "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and "does not exist" in done.stderr and "never a drafttrain dependency" in done.stderr
     done = bench_cli("ngram", "--target", "smollm2-135m-instruct", "--vllm-python", sys.executable,
-                     "--out", str(tmp_path / "out"))
+                     "--port", str(free_port()), "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and f"{sys.executable} cannot run vllm" in done.stderr
     assert "No module named 'vllm'" in done.stderr
     assert not (tmp_path / "out" / "logs").exists()  # no server was started
@@ -189,16 +230,24 @@ class StaticFiles(Engine):
         return [str(port), "--bind", "127.0.0.1", "--directory", target]
 
 
+def test_an_export_in_a_format_the_engine_does_not_read_is_refused_before_anything_loads(tmp_path):
+    target = tiny_target()
+    checkpoint = checkpoint_of(build_drafter(Eagle3Config(ttt_steps=2), target), tmp_path)
+    export = export_draft(checkpoint, "sglang", tmp_path / "for-sglang", target)
+    done = bench_cli(str(export), "--target", "smollm2-135m-instruct", "--vllm-python", sys.executable,
+                     "--port", str(free_port()), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "is in the sglang format; vllm serves drafts from vllm, speculators, hf" \
+        in done.stderr and "--format" in done.stderr
+
+
 def test_a_server_is_waited_for_and_stopped_with_its_workers_also_on_ctrl_c(tmp_path):
     (tmp_path / "health").write_text("ok")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = Server(StaticFiles(), sys.executable, str(tmp_path), None, port, tmp_path / "logs" / "s.log", 0.5)
     with pytest.raises(KeyboardInterrupt):
         with server:
             server.wait_ready(60)
-            assert fetch(server.base_url + "/health") == "ok"
+            assert urllib.request.urlopen(server.base_url + "/health").read() == b"ok"
             raise KeyboardInterrupt
     assert server.process.poll() is not None
     with pytest.raises(ProcessLookupError):

@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=_DEFAULTS.repeats,
                         help="passes over the levels (the sides' order alternates)")
     parser.add_argument("--port", type=int, default=_DEFAULTS.port, help="the first of the servers' ports")
-    parser.add_argument("--dtype", default=_DEFAULTS.dtype)
+    parser.add_argument("--dtype", default=_DEFAULTS.dtype,
+                        help="the servers' dtype (default %(default)s, as drafttrain's evaluator computes, so the "
+                             "one-stream agreement compares like with like; on a GPU serve what you serve, bfloat16, "
+                             "and expect a near-tie or two to separate the two τ)")
     parser.add_argument("--memory-fraction", type=float, default=_DEFAULTS.memory_fraction,
                         help="of the machine's (or GPU's) memory, for all servers together")
     parser.add_argument("--server-arg", dest="server_args", action="append", default=[],

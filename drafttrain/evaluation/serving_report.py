@@ -77,12 +77,11 @@ def markdown_table(report: dict[str, Any]) -> list[str]:
             if m is None:
                 continue
             per = ", ".join(f"{p:.2f}" for p in m.get("acceptance_per_position") or []) or "—"
-            lines.append(
-                f"| {level['concurrency']} | {side['label']} | {_fmt(m['output_throughput'])} | "
-                f"{_fmt(m['request_throughput'], 2)} | {_fmt(m['ttft_p50_ms'], 0)} / {_fmt(m['ttft_p95_ms'], 0)} | "
-                f"{_fmt(m['tpot_p50_ms'], 0)} / {_fmt(m['tpot_p95_ms'], 0)} | {_fmt(m['itl_p50_ms'], 0)} / "
-                f"{_fmt(m['itl_p95_ms'], 0)} | {_accepted(m)} | {per} | "
-                f"{_fmt(m.get('speedup'), 2, '×')} |")
+            latency = " | ".join(f"{_fmt(m.get(f'{name}_p50_ms'), 0)} / {_fmt(m.get(f'{name}_p95_ms'), 0)}"
+                                 for name in ("ttft", "tpot", "itl"))
+            lines.append(f"| {level['concurrency']} | {side['label']} | {_fmt(m.get('output_throughput'))} | "
+                         f"{_fmt(m.get('request_throughput'), 2)} | {latency} | {_accepted(m)} | {per} | "
+                         f"{_fmt(m.get('speedup'), 2, '×')} |")
     return lines
 
 
@@ -103,7 +102,8 @@ def conclusions(report: dict[str, Any]) -> list[str]:
              "(or by more than plain serving's spread between passes, when wider)."]
     lengths = best_lengths(report)
     for draft, pays in crossover(report).items():
-        where = ("does not pay even at one stream" if pays == "never"
+        lowest = min(lengths[draft])
+        where = (f"does not pay even at its lowest level ({lowest} concurrent)" if pays == "never"
                  else f"pays up to concurrency {pays}" if pays != max(lengths[draft]) else
                  f"pays at every level measured (up to {pays})")
         serve = ", ".join(f"{c}: {'off' if k is None else f'k={k}'}" for c, k in sorted(lengths[draft].items()))

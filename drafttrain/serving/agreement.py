@@ -47,7 +47,9 @@ def compare(label: str, engine_level: dict[str, Any] | None, ours: dict[str, Any
     same = sum(a == b for a, b in zip(texts, ours["texts"]))
     row = {"side": label, "engine_tau": engine_tau, "drafttrain_tau": ours["tau"], "tolerance": tolerance,
            "difference": None if engine_tau is None or ours["tau"] is None else engine_tau - ours["tau"],
-           "engine_steps": (engine_level or {}).get("verify_steps"), "drafttrain_steps": ours["steps"],
+           # per pass: the passes of one level send the same prompts, and our evaluator decodes them once
+           "engine_steps": None if engine_level is None or engine_level.get("verify_steps") is None
+           else engine_level["verify_steps"] / engine_level.get("passes", 1), "drafttrain_steps": ours["steps"],
            "outputs_equal": f"{same}/{len(ours['texts'])}" if texts else None}
     if row["difference"] is None:
         return row, f"{label}: no τ to compare at concurrency 1 (engine {engine_tau}, drafttrain {ours['tau']})"

@@ -23,7 +23,7 @@ from drafttrain.config import BenchConfig
 from drafttrain.drafts import load_drafter
 from drafttrain.evaluation.run_info import machine_description, now
 from drafttrain.evaluation.serving_report import PLOT_NAME, plot, write_markdown
-from drafttrain.export.writer import export_draft, recorded_target
+from drafttrain.export.writer import BENCH_DIR, REPORT_NAME, export_draft, recorded_target
 from drafttrain.runfolder import MANIFEST, find_draft, read_json, write_text_atomic
 from drafttrain.serving.agreement import compare, drafttrain_side
 from drafttrain.serving.engines import (
@@ -31,6 +31,7 @@ from drafttrain.serving.engines import (
     Engine,
     Server,
     Speculation,
+    check_exists,
     check_python,
     port_in_use,
     wait_until_ready,
@@ -44,8 +45,6 @@ log = logging.getLogger(__name__)
 
 NGRAM = "ngram"  # the engine's own n-gram lookup: no draft to load
 NGRAM_METHODS = {"vllm": "ngram", "sglang": "NGRAM"}
-BENCH_DIR = "bench"
-REPORT_NAME = "report.json"
 
 
 @dataclasses.dataclass
@@ -82,13 +81,10 @@ def resolve_draft(source: str, engine: Engine, target, out: Path) -> Draft:
     if source == NGRAM:
         return Draft(NGRAM, NGRAM_METHODS, {})
     path = find_draft(source)
+    built_from = export_record(source)
     drafter = load_drafter(path, target)
-    built_from = read_json(path / MANIFEST).get("built_from", {}) if (path / MANIFEST).is_file() else {}
     name = Path(source).resolve().name
-    if "format" in built_from:  # an export: the engine must read its format as written
-        if built_from["format"] not in engine.reads:
-            raise DrafttrainError(f"{source} is in the {built_from['format']} format; {engine.name} serves drafts "
-                                  f"from {', '.join(engine.reads)}: export it again with --format")
+    if built_from is not None:  # an export: served as written
         return Draft(name, drafter.engine_methods, drafter.vllm_speculative_config(), path,
                      Path(built_from["checkpoint"]), drafter, built_from.get("weights_sha256"))
     formats = [f for f in drafter.export_formats() if f in engine.reads]
@@ -98,6 +94,37 @@ def resolve_draft(source: str, engine: Engine, target, out: Path) -> Draft:
     export = export_draft(path, formats[0], out / "exports" / f"{name}-{formats[0]}", target, overwrite=True)
     return Draft(name, drafter.engine_methods, drafter.vllm_speculative_config(), export, path, drafter,
                  drafter.identity()["weights_sha256"])
+
+
+def export_record(source: str) -> dict[str, Any] | None:
+    """What an export folder was built from (None: a run or checkpoint, not an export)."""
+    path = find_draft(source)
+    built_from = read_json(path / MANIFEST).get("built_from", {}) if (path / MANIFEST).is_file() else {}
+    return built_from if "format" in built_from else None
+
+
+def check_inputs(inputs: BenchInputs, settings: BenchConfig, engine: Engine) -> str:
+    """Every check that needs no model, before anything loads: the engine's Python, the servers' ports, the
+    formats of exports given as they are. Returns the engine's version."""
+    if inputs.python is None:  # the load generator runs there too, also against servers given by URL
+        raise DrafttrainError(f"give --{engine.name}-python: a Python with {engine.name} installed (never a drafttrain "
+                              "dependency), or set DRAFTTRAIN_VLLM_PYTHON")
+    check_exists(engine, inputs.python)
+    if (inputs.base_url is None) != (inputs.plain_base_url is None):
+        raise DrafttrainError("servers already running are given in pairs: --base-url (with the draft) and "
+                              "--plain-base-url (without)")
+    if inputs.base_url is None:
+        servers = 1 + len(inputs.drafts) * len(settings.num_speculative_tokens)
+        busy = [port for port in range(settings.port, settings.port + servers) if port_in_use(port)]
+        if busy:
+            raise DrafttrainError(f"port {busy[0]} is in use (another server?): choose another --port (the sweep "
+                                  f"uses {servers} consecutive ports from it)")
+    for source in inputs.drafts:
+        built_from = export_record(source) if source != NGRAM else None
+        if built_from is not None and built_from["format"] not in engine.reads:
+            raise DrafttrainError(f"{source} is in the {built_from['format']} format; {engine.name} serves drafts "
+                                  f"from {', '.join(engine.reads)}: export it again with --format")
+    return check_python(engine, inputs.python)
 
 
 def target_of(inputs: BenchInputs) -> str:
@@ -115,9 +142,9 @@ def servers_for(drafts: list[Draft], settings: BenchConfig, engine: Engine, inpu
     given by URL)."""
     specs = [None] + [d.speculation(k) for d in drafts for k in settings.num_speculative_tokens]
     if inputs.base_url is not None:
-        if len(specs) != 2 or inputs.plain_base_url is None:
-            raise DrafttrainError("--base-url serves one draft at one length: give one draft, one "
-                                  "--num-speculative-tokens, and the plain server's --plain-base-url")
+        if len(specs) != 2:
+            raise DrafttrainError("--base-url serves one draft at one length: give one draft and one "
+                                  "--num-speculative-tokens")
         urls = [inputs.plain_base_url, inputs.base_url]
     else:
         urls = [None] * len(specs)
@@ -128,10 +155,6 @@ def servers_for(drafts: list[Draft], settings: BenchConfig, engine: Engine, inpu
         server = Server(engine, inputs.python, target_dir, spec, settings.port + i, out / "logs" / f"server{i}.log",
                         fraction, base_url=url, extra_args=extra)
         sides.append(SweepSide(server.label, spec.label if spec else None, spec.length if spec else None, server))
-    busy = [s.server.port for s in sides if not s.server.external and port_in_use(s.server.port)]
-    if busy:
-        raise DrafttrainError(f"port {busy[0]} is in use (another server?): choose another --port (the sweep "
-                              f"uses {len(sides)} consecutive ports from it)")
     return sides
 
 
@@ -143,9 +166,7 @@ def our_side(draft: Draft, target, prompts: BenchPrompts, settings: BenchConfig,
 def run_bench(inputs: BenchInputs, settings: BenchConfig, out: Path) -> dict[str, Any]:
     """Check every input, decode the one-stream prompts with drafttrain, serve and sweep, and write the report."""
     engine, started, clock = ENGINES[settings.engine], now(), time.monotonic()
-    if inputs.python is None:  # the load generator runs there too, also against servers given by URL
-        raise DrafttrainError(f"give --{engine.name}-python: a Python with {engine.name} installed (never a drafttrain "
-                              "dependency), or set DRAFTTRAIN_VLLM_PYTHON")
+    version = check_inputs(inputs, settings, engine)
     target_name = target_of(inputs)
     target_dir = resolve_model_dir(target_name)
     trained = [d for d in inputs.drafts if d != NGRAM]
@@ -156,20 +177,23 @@ def run_bench(inputs: BenchInputs, settings: BenchConfig, out: Path) -> dict[str
     out.mkdir(parents=True, exist_ok=True)
     drafts = [resolve_draft(d, engine, target, out) for d in inputs.drafts]
     _unique([d.name for d in drafts])
-    sides = servers_for(drafts, settings, engine, inputs, target_dir, out)  # refuses a port in use
-    version = check_python(engine, inputs.python)
+    sides = servers_for(drafts, settings, engine, inputs, target_dir, out)
     checking = settings.temperature == 0 and 1 in settings.concurrency
     ours = {(d.name, k): our_side(d, target, prompts, settings, k)
             for d in drafts if d.drafter is not None and checking for k in settings.num_speculative_tokens}
     _describe(out, sides, settings, engine)
     dataset = prompts.write_dataset(max(settings.requests_at(c) for c in settings.concurrency), out / "prompts.jsonl")
     with contextlib.ExitStack() as stack:
-        for side in sides:
+        for side in sides:  # one at a time: engines profiling memory side by side on one GPU misjudge it
             stack.enter_context(side.server)
-        wait_until_ready([side.server for side in sides], settings.startup_timeout_s)
+            wait_until_ready([side.server], settings.startup_timeout_s)
         run_load(inputs.python, jobs(sides, settings, target_dir, dataset, prompts.request_body(), out), out, sides)
     report = _report(engine, version, target_name, prompts, settings, sides, out, started, clock)
     _agreement(report, sides, ours, settings)
+    report["errors"] += length_errors(report)
+    for level in report["levels"]:  # the answers stay in raw/: the report goes on model cards, and traffic is private
+        for row in level["sides"].values():
+            row.pop("generated_texts", None)
     _write(report, out, drafts)
     return report
 
@@ -210,12 +234,28 @@ def _agreement(report: dict[str, Any], sides: list[SweepSide], ours: dict, setti
                 report["errors"].append(error)
 
 
+def length_errors(report: dict[str, Any]) -> list[str]:
+    """The engine counts acceptance at as many positions as it drafts: a server given by URL that drafts another
+    length than the one its side is labelled with is named (its figures belong to another length)."""
+    errors = []
+    for side in report["sides"]:
+        counted = {len(level["sides"][side["label"]].get("acceptance_per_position") or []) for level in report["levels"]}
+        counted.discard(0)
+        if side["draft"] is not None and counted and counted != {side["length"]}:
+            errors.append(f"{side['label']}: the server at {side['base_url']} drafts {max(counted)} tokens, not "
+                          f"{side['length']}: give its --num-speculative-tokens")
+    return errors
+
+
 def _write(report: dict[str, Any], out: Path, drafts: list[Draft]) -> None:
     write_text_atomic(out / REPORT_NAME, json.dumps(report, indent=1))
     write_markdown(report, out / "report.md")
     plot(report, out / PLOT_NAME)
     for draft in drafts:
-        if draft.checkpoint is not None and draft.checkpoint.is_dir():
+        if draft.checkpoint is not None and not draft.checkpoint.is_dir():
+            log.warning("%s was exported from %s, which is not here: the sweep is not put beside it for its card",
+                        draft.export, draft.checkpoint)
+        elif draft.checkpoint is not None:
             beside = draft.checkpoint / BENCH_DIR
             beside.mkdir(exist_ok=True)
             for name in (REPORT_NAME, "report.md", PLOT_NAME):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from drafttrain import DrafttrainError
+from drafttrain.evaluation.serving_report import PLAIN
 from drafttrain.serving.metrics import SpecCounters, by_label, counter_samples, total
 
 LOG_TAIL_CHARS = 3000
@@ -72,7 +73,9 @@ class Engine:
 class VLLM(Engine):
     name, server_module, tested = "vllm", "vllm.entrypoints.openai.api_server", True
     reads = ("vllm", "speculators", "hf")
-    requirement = "import vllm, vllm.benchmarks.serve, pandas; print(vllm.__version__)"
+    # the load generator's imports (serving.loadgen_driver) as well as the engine's
+    requirement = ("import vllm, vllm.benchmarks.serve, vllm.utils.argparse_utils, pandas; "
+                   "print(vllm.__version__)")
 
     def server_args(self, target, port, spec, memory_fraction):
         args = ["--model", target, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -103,7 +106,8 @@ class SGLang(Engine):
 
     name, server_module, tested = "sglang", "sglang.launch_server", False
     reads = ("sglang",)
-    requirement = "import sglang, vllm.benchmarks.serve, pandas; print(sglang.__version__)"
+    requirement = ("import sglang, vllm.benchmarks.serve, vllm.utils.argparse_utils, pandas; "
+                   "print(sglang.__version__)")
 
     def server_args(self, target, port, spec, memory_fraction):
         args = ["--model-path", target, "--host", "127.0.0.1", "--port", str(port), "--enable-metrics",
@@ -126,12 +130,16 @@ class SGLang(Engine):
 ENGINES: dict[str, Engine] = {e.name: e for e in (VLLM(), SGLang())}
 
 
-def check_python(engine: Engine, python: str) -> str:
-    """The engine's version in ``python``; refused, before anything starts, when that Python cannot run the
-    engine's server and the load generator."""
+def check_exists(engine: Engine, python: str) -> None:
     if not Path(python).is_file():
         raise DrafttrainError(f"--{engine.name}-python {python} does not exist: give the Python of an environment "
                               f"with {engine.name} installed (it is never a drafttrain dependency)")
+
+
+def check_python(engine: Engine, python: str) -> str:
+    """The engine's version in ``python``; refused, before anything starts, when that Python cannot run the
+    engine's server and the load generator."""
+    check_exists(engine, python)
     done = subprocess.run([python, "-c", engine.requirement], capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -154,11 +162,6 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return True
     return False
-
-
-def fetch(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read().decode()
 
 
 def log_tail(path: Path) -> str:
@@ -206,7 +209,7 @@ class Server:
 
     @property
     def label(self) -> str:
-        return "plain" if self.spec is None else f"{self.spec.label} k={self.spec.length}"
+        return PLAIN if self.spec is None else f"{self.spec.label} k={self.spec.length}"
 
     def start(self) -> None:
         if self.external:
@@ -235,24 +238,20 @@ class Server:
             raise DrafttrainError(f"the {self.engine.name} server for {self.label} exited (code "
                                   f"{self.process.returncode}) {when}" + self.log_text())
 
-    def metrics(self) -> str:
-        try:
-            return fetch(self.base_url + "/metrics")
-        except (OSError, urllib.error.URLError) as err:
-            self.check_alive("during the sweep")
-            raise DrafttrainError(f"cannot read {self.base_url}/metrics: {err}") from None
-
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """Stop the server's whole process group: also after its leader crashed, when the engine's workers may
+        still hold memory and ports."""
+        if self.process is None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # whatever of the group ignored SIGTERM
+        self.process.wait()
 
     def log_text(self) -> str:
         return "" if self.external else f"; the tail of its log ({self.log}):\n{log_tail(self.log)}"

@@ -46,7 +46,8 @@ def bench_prompts(tokenizer, generation_config, suite: str | None, request_log: 
         if read.skipped or read.duplicates:
             log.warning("%s: %d lines skipped, %d duplicate requests left out%s", request_log, len(read.skipped),
                         read.duplicates, f" (first skipped: {read.skipped[0]})" if read.skipped else "")
-        prompts, source = read.prompts[:num_prompts], f"request log {request_log}"
+        # the file's name only: the report may go on a public model card
+        prompts, source = read.prompts[:num_prompts], f"request log {Path(request_log).name}"
     else:
         chosen = load_suite(suite).select(num_prompts, turns=1)
         prompts = [Prompt(({"role": "user", "content": q.turns[0]},)) for q in chosen.questions]

@@ -19,6 +19,7 @@ from statistics import mean
 from typing import Any
 
 from drafttrain import DrafttrainError
+from drafttrain.evaluation.serving_report import PLAIN
 from drafttrain.runfolder import read_json
 from drafttrain.serving.engines import Engine, Server
 
@@ -95,11 +96,13 @@ def run_load(python: str, todo: list[dict], out: Path, sides: list[SweepSide]) -
     an error naming the server that failed, with its log."""
     (out / "jobs.json").write_text(json.dumps(todo, indent=1))
     tail: deque[str] = deque(maxlen=40)
-    with (out / "loadgen.log").open("w") as stdout, \
-            subprocess.Popen([python, str(DRIVER), str(out / "jobs.json")], stdout=stdout, stderr=subprocess.PIPE,
+    with (out / "loadgen.log").open("w") as output, \
+            subprocess.Popen([python, str(DRIVER), str(out / "jobs.json")], stdout=output, stderr=subprocess.PIPE,
                              text=True) as driver:
         try:
-            for line in driver.stderr:
+            for line in driver.stderr:  # into the log too: a traceback belongs there beside the tables
+                output.write(line)
+                output.flush()
                 tail.append(line.rstrip())
                 if line.startswith("run "):
                     log.info("%s", line.rstrip())
@@ -142,27 +145,38 @@ def build_levels(engine: Engine, out: Path) -> list[dict[str, Any]]:
         for index, side in enumerate(sweep["sides"]):
             runs = [read_level(engine, level_dir(out, index, concurrency, r)) for r in range(sweep["config"]["repeats"])]
             sides[side["label"]] = _merged(runs)
-        plain = sides[sweep["sides"][0]["label"]]["output_throughput"]
+        plain = sides[PLAIN]["output_throughput"]
         for row in sides.values():
             row["speedup"] = row["output_throughput"] / plain if plain else None
         levels.append({"concurrency": concurrency, "sides": sides})
     return levels
 
 
+COUNTS = ("completed", "failed", "verify_steps", "accepted")  # added over passes; rates and latencies averaged
+
+
 def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several passes of one side at one level as one row: counts added, rates and latencies averaged, the
+    engine's acceptance weighted by each pass's verification steps (a pass that drafted nothing weighs nothing)."""
     if len(runs) == 1:
         return runs[0]
-    row = {k: mean(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))
-           and all(isinstance(r.get(k), (int, float)) for r in runs)}
-    row["generated_texts"] = runs[0].get("generated_texts")
-    if runs[0].get("verify_steps") is not None:
-        # weighted by each pass's verification steps: exact for τ and for each position's share
-        steps = sum(r["verify_steps"] for r in runs)
-        weighted = lambda values: sum(v * r["verify_steps"] for v, r in zip(values, runs)) / steps  # noqa: E731
-        row.update(verify_steps=steps, acceptance_length=weighted([r["acceptance_length"] for r in runs]) if steps
-                   else None, acceptance_per_position=[weighted(position) for position in
-                                                       zip(*(r["acceptance_per_position"] for r in runs))]
-                   if steps else [])
+    row: dict[str, Any] = {"generated_texts": runs[0].get("generated_texts")}
+    for key in runs[0]:
+        values = [r.get(key) for r in runs]
+        numbers = [v for v in values if isinstance(v, (int, float))]
+        if key in COUNTS:
+            row[key] = sum(values) if len(numbers) == len(values) else None
+        elif key not in ("generated_texts", "acceptance_length", "acceptance_per_position"):
+            row[key] = mean(numbers) if numbers else None
+    if "verify_steps" in runs[0]:
+        drafting = [r for r in runs if r["verify_steps"]]
+        steps = sum(r["verify_steps"] for r in drafting)
+        width = max((len(r["acceptance_per_position"]) for r in drafting), default=0)
+        share = lambda r, i: r["acceptance_per_position"][i] if i < len(r["acceptance_per_position"]) else 0.0  # noqa: E731
+        row["acceptance_length"] = (sum(r["acceptance_length"] * r["verify_steps"] for r in drafting) / steps
+                                    if steps else None)
+        row["acceptance_per_position"] = [sum(share(r, i) * r["verify_steps"] for r in drafting) / steps
+                                          for i in range(width)]
     row["passes"] = len(runs)
     row["output_throughput_per_pass"] = [r["output_throughput"] for r in runs]
     return row

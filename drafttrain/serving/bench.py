@@ -34,7 +34,6 @@ from drafttrain.serving.engines import (
     check_exists,
     check_python,
     port_in_use,
-    wait_until_ready,
 )
 from drafttrain.serving.prompts import BenchPrompts, bench_prompts
 from drafttrain.serving.sweep import SWEEP_FILE, SweepSide, build_levels, jobs, run_load
@@ -81,7 +80,7 @@ def resolve_draft(source: str, engine: Engine, target, out: Path) -> Draft:
     if source == NGRAM:
         return Draft(NGRAM, NGRAM_METHODS, {})
     path = find_draft(source)
-    built_from = export_record(source)
+    built_from = export_record(path)
     drafter = load_drafter(path, target)
     name = Path(source).resolve().name
     if built_from is not None:  # an export: served as written
@@ -96,9 +95,8 @@ def resolve_draft(source: str, engine: Engine, target, out: Path) -> Draft:
                  drafter.identity()["weights_sha256"])
 
 
-def export_record(source: str) -> dict[str, Any] | None:
-    """What an export folder was built from (None: a run or checkpoint, not an export)."""
-    path = find_draft(source)
+def export_record(path: Path) -> dict[str, Any] | None:
+    """What the export folder ``path`` was built from (None: a checkpoint, not an export)."""
     built_from = read_json(path / MANIFEST).get("built_from", {}) if (path / MANIFEST).is_file() else {}
     return built_from if "format" in built_from else None
 
@@ -120,7 +118,7 @@ def check_inputs(inputs: BenchInputs, settings: BenchConfig, engine: Engine) -> 
             raise DrafttrainError(f"port {busy[0]} is in use (another server?): choose another --port (the sweep "
                                   f"uses {servers} consecutive ports from it)")
     for source in inputs.drafts:
-        built_from = export_record(source) if source != NGRAM else None
+        built_from = export_record(find_draft(source)) if source != NGRAM else None
         if built_from is not None and built_from["format"] not in engine.reads:
             raise DrafttrainError(f"{source} is in the {built_from['format']} format; {engine.name} serves drafts "
                                   f"from {', '.join(engine.reads)}: export it again with --format")
@@ -186,7 +184,7 @@ def run_bench(inputs: BenchInputs, settings: BenchConfig, out: Path) -> dict[str
     with contextlib.ExitStack() as stack:
         for side in sides:  # one at a time: engines profiling memory side by side on one GPU misjudge it
             stack.enter_context(side.server)
-            wait_until_ready([side.server], settings.startup_timeout_s)
+            side.server.wait_ready(settings.startup_timeout_s)
         run_load(inputs.python, jobs(sides, settings, target_dir, dataset, prompts.request_body(), out), out, sides)
     report = _report(engine, version, target_name, prompts, settings, sides, out, started, clock)
     _agreement(report, sides, ours, settings)

@@ -59,8 +59,15 @@ class Engine:
     def server_args(self, target: str, port: int, spec: Speculation | None, memory_fraction: float) -> list[str]:
         raise NotImplementedError
 
+    steps_counter: ClassVar[str]  # counts verification steps; a server without it does not speculate
+
     def counters(self, metrics_text: str) -> SpecCounters | None:
         """The speculative counters of a /metrics reading (None: the server speculates not)."""
+        samples = counter_samples(metrics_text)
+        steps = total(samples, self.steps_counter)
+        return None if steps is None else self.read_counters(samples, steps)
+
+    def read_counters(self, samples: dict, steps: float) -> SpecCounters:
         raise NotImplementedError
 
     def method(self, spec: Speculation) -> str:
@@ -88,11 +95,9 @@ class VLLM(Engine):
             args += ["--speculative-config", json.dumps(config)]
         return args
 
-    def counters(self, metrics_text):
-        samples = counter_samples(metrics_text)
-        steps = total(samples, "vllm:spec_decode_num_drafts_total")
-        if steps is None:
-            return None
+    steps_counter = "vllm:spec_decode_num_drafts_total"
+
+    def read_counters(self, samples, steps):
         per = by_label(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position")
         return SpecCounters(steps, total(samples, "vllm:generation_tokens_total") or 0.0,
                             total(samples, "vllm:spec_decode_num_accepted_tokens_total"),
@@ -119,11 +124,9 @@ class SGLang(Engine):
                 args += ["--speculative-draft-model-path", spec.model]
         return args
 
-    def counters(self, metrics_text):
-        samples = counter_samples(metrics_text)
-        steps = total(samples, "sglang:spec_verify_calls_total")
-        if steps is None:
-            return None
+    steps_counter = "sglang:spec_verify_calls_total"
+
+    def read_counters(self, samples, steps):
         return SpecCounters(steps, total(samples, "sglang:generation_tokens_total") or 0.0)
 
 
@@ -137,9 +140,8 @@ def check_exists(engine: Engine, python: str) -> None:
 
 
 def check_python(engine: Engine, python: str) -> str:
-    """The engine's version in ``python``; refused, before anything starts, when that Python cannot run the
-    engine's server and the load generator."""
-    check_exists(engine, python)
+    """The engine's version in ``python`` (which exists: ``check_exists``); refused, before anything starts, when
+    that Python cannot run the engine's server and the load generator."""
     done = subprocess.run([python, "-c", engine.requirement], capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -179,21 +181,6 @@ def log_tail(path: Path) -> str:
     return tail
 
 
-def wait_until_ready(servers: list["Server"], timeout_s: float) -> None:
-    """Wait for every server at once, so one that dies while the others still start is named at once."""
-    deadline, pending = time.monotonic() + timeout_s, list(servers)
-    while pending:
-        for server in list(pending):
-            server.check_alive("while starting")
-            if server.ready():
-                pending.remove(server)
-        if pending and time.monotonic() > deadline:
-            raise DrafttrainError(f"the {pending[0].engine.name} server for {pending[0].label} was not ready after "
-                                  f"{timeout_s:.0f} s" + pending[0].log_text())
-        if pending:
-            time.sleep(HEALTH_POLL_S)
-
-
 class Server:
     """One engine server: started (``start``), waited for (``wait_ready``), stopped on exit of its ``with``."""
 
@@ -231,7 +218,13 @@ class Server:
         return False
 
     def wait_ready(self, timeout_s: float) -> None:
-        wait_until_ready([self], timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            self.check_alive("while starting")
+            if time.monotonic() > deadline:
+                raise DrafttrainError(f"the {self.engine.name} server for {self.label} was not ready after "
+                                      f"{timeout_s:.0f} s" + self.log_text())
+            time.sleep(HEALTH_POLL_S)
 
     def check_alive(self, when: str) -> None:
         if self.process is not None and self.process.poll() is not None:

@@ -87,7 +87,3 @@ class SpecCounters:
         if self.verify_steps <= 0:
             return []
         return [n / self.verify_steps for n in self.accepted_per_position]
-
-    def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "acceptance_length": self.acceptance_length(),
-                "acceptance_per_position": self.per_position()}

@@ -107,6 +107,19 @@ class RegistersTargetHead(StandInDraft):
         self.lm_head = target.model.lm_head  # registered: its (frozen) weight becomes a draft parameter
 
 
+def test_the_finite_check_reads_a_zero3_partition_without_its_padding():
+    """ZeRO-3 pads a parameter of 5 elements over 2 ranks to partitions of 3; rank 1's last element is padding that
+    DeepSpeed never writes (uninitialised, here NaN) and must not be read as a weight."""
+    from drafttrain.training.runtime import local_part
+
+    param = torch.nn.Parameter(torch.empty(0))
+    param.ds_numel, param.ds_tensor = 5, torch.tensor([4.0, 5.0, float("nan")])
+    assert local_part(param, rank=1).tolist() == [4.0, 5.0]
+    assert local_part(param, rank=0).numel() == 3 and local_part(param, rank=2).numel() == 0
+    plain = torch.ones(4)
+    assert local_part(plain) is plain
+
+
 def test_trainer_refuses_a_draft_that_registers_target_weights(tmp_path):
     trainer = make_trainer(tmp_path)
     trainer.drafter = RegistersTargetHead(trainer.target)

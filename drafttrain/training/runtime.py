@@ -90,9 +90,20 @@ def gathered(parameters, enabled: bool):
     return deepspeed.zero.GatheredParameters(list(parameters), modifier_rank=None)
 
 
-def local_part(param: torch.Tensor) -> torch.Tensor:
-    """This process's share of a parameter: its ZeRO-3 partition, or the whole tensor."""
-    return getattr(param, "ds_tensor", param)
+def local_part(param: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """This process's share of a parameter: the elements of its ZeRO-3 partition, or the whole tensor.
+
+    ZeRO-3 pads every parameter to a multiple of the world size, so the last ranks' partitions end in padding that
+    DeepSpeed allocates with ``torch.empty`` and never writes: uninitialised memory, sometimes NaN. It is cut off
+    here (a CI run refused finite weights as "not finite" by reading it). ``rank``: this process's place in the
+    parameter's partition group (default: asked of torch.distributed)."""
+    part = getattr(param, "ds_tensor", None)
+    if part is None:
+        return param
+    if rank is None:
+        rank = torch.distributed.get_rank(group=getattr(param, "ds_process_group", None))
+    size = part.numel()
+    return part.narrow(0, 0, max(0, min(size, param.ds_numel - rank * size)))
 
 
 def process_state():

@@ -45,6 +45,11 @@ def test_cli_prompt_lookup_run_writes_a_lossless_report(tmp_path, capsys, restor
         assert not any(isinstance(v, str) and len(v) > 40 for v in record.values())  # no generated text
         # the engine's per-depth counters agree with the per-step lists the metrics are computed from
         assert record["engine_position_accepted"][0] == sum(a >= 1 for a in record["accepted_per_step"])
+        # each turn's first step drafts from its prompt; the contexts grow by the tokens each step emitted
+        contexts = record["context_per_step"]
+        assert len(contexts) == len(record["accepted_per_step"]) and contexts[0] == record["prompt_tokens"][0]
+        assert record["prompt_tokens"][1] in contexts and record["prompt_tokens"][1] > contexts[0]
+    assert sum(b["steps"] for b in overall["by_context"]) == overall["steps"]
     assert (out / "acceptance.png").read_bytes()[:8] == PNG_MAGIC
     assert "| **overall** |" in (out / "report.md").read_text()
     assert "speedup" in capsys.readouterr().out  # the console table
@@ -84,6 +89,8 @@ def test_a_compared_proposer_runs_on_the_same_prompts_against_the_same_baseline(
     assert line["greedy_match_vs_baseline"] == 1.0 and line["new_tokens"] == report.overall["new_tokens"]
     assert line["speed_vs_baseline"] > 0 and [c["label"] for c in report.config["compare"]] == ["prompt_lookup"]
     assert "same prompts, same run" in render_markdown(report)
+    assert [(b["bucket"], b["steps"], b["tau"]) for b in line["by_context"]] == \
+        [(b["bucket"], b["steps"], b["tau"]) for b in report.overall["by_context"]]
 
 
 @pytest.mark.parametrize(

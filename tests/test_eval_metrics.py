@@ -212,3 +212,33 @@ def test_an_evaluation_over_its_time_budget_stops_starting_prompts_and_says_so(s
     whole = evaluate(smollm2, "prompt_lookup", prompts, depth=2, max_new_tokens=4, progress=False, warmup=False,
                      time_budget_s=600)
     assert whole.overall["num_prompts"] == 3 and not whole.config["time_budget"]["over"]
+
+
+def test_each_step_sees_the_prompt_and_every_token_emitted_before_it():
+    # a step emits its accepted tokens and the target's own one: 100, then 100 + 3, then 103 + 1
+    assert metrics.contexts_per_step(100, [2, 0, 4]) == [100, 103, 104]
+    assert [metrics.context_bucket(n) for n in (0, 511, 512, 2047, 2048, 8191, 8192)] == \
+        ["<512", "<512", "512-2k", "512-2k", "2k-8k", "2k-8k", "8k+"]
+
+
+def test_acceptance_is_split_by_the_context_length_of_each_step():
+    records = [dict(RECORDS[0], context_per_step=[100, 3000]), dict(RECORDS[1], context_per_step=[510, 512]),
+               dict(RECORDS[2], context_per_step=[9000])]
+    buckets = {b["bucket"]: b for b in metrics.summarize(records, depth=3)["by_context"]}
+    assert list(buckets) == ["<512", "512-2k", "2k-8k", "8k+"]  # in order of length
+    assert buckets["<512"]["steps"] == 2 and buckets["<512"]["tau"] == pytest.approx((3 + 4) / 2)
+    assert buckets["512-2k"]["tau"] == 2 and buckets["2k-8k"]["tau"] == 1 and buckets["8k+"]["tau"] == 2
+    assert buckets["<512"]["acceptance_rate"] == pytest.approx(5 / 6)
+    assert buckets["<512"]["acceptance_per_position"]["cumulative"] == [1.0, 1.0, 0.5]
+    assert metrics.summarize(RECORDS)["by_context"] is None  # records written before contexts were counted
+
+
+def test_a_report_with_contexts_has_their_table_and_plot(tmp_path):
+    report = synthetic_report()
+    report.overall["by_context"] = metrics.by_context(
+        [dict(r, context_per_step=[600] * len(r["accepted_per_step"])) for r in RECORDS], 3)
+    paths = write_report(report, tmp_path / "out")
+    md = paths["markdown"].read_text()
+    assert "## Acceptance by context length" in md and "| 512-2k | 5 |" in md
+    assert paths["context_plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "context_plot" not in write_report(synthetic_report(), tmp_path / "plain")

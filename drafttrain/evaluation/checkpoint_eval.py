@@ -173,6 +173,7 @@ def dashboard_metrics(report: EvalReport, plot: Path | None = None) -> Checkpoin
     for kind, key in (("conditional", "cond"), ("cumulative", "cum")):
         scalars.update({f"acceptance_{key}_{k}": float(v) for k, v in enumerate(per_position[kind], 1)
                         if v is not None})
+    scalars.update({f"tau_context_{b['bucket']}": float(b["tau"]) for b in overall.get("by_context") or []})
     columns = ["category", "prompts", "tau", "acceptance_rate", "speedup", "greedy_match"]
     rows = [[name, m["num_prompts"], *(m.get(c) for c in columns[2:])]
             for name, m in {"overall": overall, **report.categories}.items()]

@@ -22,6 +22,9 @@ Definitions (one *step* = one target verification forward; the prefill forward i
   per-prompt throughput ratios (small prompts weigh as much as long ones; reported for comparison);
   **speedup_ratio_of_mean_speeds** = mean per-prompt method tokens/s ÷ mean per-prompt baseline tokens/s,
   the convention of SafeAILab/EAGLE's ``eagle/evaluation/speed.py``, for like-for-like comparison with it.
+* **by context length**: the same τ, acceptance and per-position acceptance over the steps whose context (the
+  prompt, history included, plus the tokens already generated in that turn) falls in each bucket of
+  :data:`CONTEXT_BUCKETS`, so a decay with long prompts is seen before it costs a RAG or agent deployment.
 * **greedy_match** (T=0 only): share of prompts whose method tokens equal the baseline tokens exactly. A
   lossless engine gives 1.0; anything less is a bug (or float nondeterminism worth investigating).
 """
@@ -67,6 +70,49 @@ def acceptance_per_position(
     cumulative = [reached[d] / reached[0] if reached[0] else None for d in range(1, depth + 1)]
     conditional = [reached[d] / reached[d - 1] if reached[d - 1] else None for d in range(1, depth + 1)]
     return {"conditional": conditional, "cumulative": cumulative}
+
+
+# Upper edges of the context-length buckets (tokens): <512, 512-2k, 2k-8k, 8k and more.
+CONTEXT_BUCKETS: tuple[int, ...] = (512, 2048, 8192)
+
+
+def context_bucket(length: int) -> str:
+    """The bucket label of a context of ``length`` tokens: "<512", "512-2k", "2k-8k" or "8k+"."""
+    name = lambda n: f"{n // 1024}k" if n >= 1024 else str(n)  # noqa: E731
+    lower = 0
+    for upper in CONTEXT_BUCKETS:
+        if length < upper:
+            return f"<{name(upper)}" if lower == 0 else f"{name(lower)}-{name(upper)}"
+        lower = upper
+    return f"{name(lower)}+"
+
+
+def contexts_per_step(prompt_tokens: int, accepted_per_step: Sequence[int]) -> list[int]:
+    """The context each step drafted from: the prompt plus every token emitted before it in the turn (a step emits
+    its accepted tokens and the target's own one)."""
+    contexts, length = [], prompt_tokens
+    for accepted in accepted_per_step:
+        contexts.append(length)
+        length += accepted + 1
+    return contexts
+
+
+def by_context(records: Sequence[dict[str, Any]], depth: int | None = None) -> list[dict[str, Any]] | None:
+    """τ, acceptance rate and per-position acceptance per context bucket (buckets without steps left out), from the
+    records' ``context_per_step``; None when a record lacks it (written before drafttrain counted contexts)."""
+    if not records or any("context_per_step" not in r for r in records):
+        return None
+    steps: dict[str, tuple[list[int], list[int]]] = {}
+    for r in records:
+        for ctx, a, d in zip(r["context_per_step"], r["accepted_per_step"], r["drafted_per_step"]):
+            accepted, drafted = steps.setdefault(context_bucket(ctx), ([], []))
+            accepted.append(a)
+            drafted.append(d)
+    order = [context_bucket(0), *(context_bucket(edge) for edge in CONTEXT_BUCKETS)]
+    return [{"bucket": name, "steps": len(steps[name][0]), "tau": tau(steps[name][0]),
+             "acceptance_rate": acceptance_rate(*steps[name]),
+             "acceptance_per_position": acceptance_per_position(*steps[name], depth)}
+            for name in order if name in steps]
 
 
 def tokens_per_s(new_tokens: float, seconds: float) -> float | None:
@@ -175,6 +221,7 @@ def summarize(records: Sequence[dict[str, Any]], depth: int | None = None) -> di
         "accepted_tokens": sum(accepted),
         "drafted_tokens": sum(drafted),
         "step_ms": step_time_split(records, len(accepted)),
+        "by_context": by_context(records, depth),
     }
 
 

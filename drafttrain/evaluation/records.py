@@ -81,6 +81,12 @@ def _sum_positions(stats: list[Any], field: str) -> list[int]:
     return total
 
 
+def _contexts(run: SideRun) -> list[int]:
+    """The context length at each of the run's steps, all turns in order (as ``accepted_per_step`` lists them)."""
+    return [ctx for prompt, s in zip(run.prompt_tokens, run.stats)
+            for ctx in metrics.contexts_per_step(prompt, s.accepted_per_step)]
+
+
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (None when equal); a length difference counts at the shorter end."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -108,6 +114,7 @@ def prompt_record(question: Question, method: SideRun, base: SideRun | None, tem
         "acceptance_rate": metrics.acceptance_rate(accepted, drafted),
         "accepted_per_step": accepted,
         "drafted_per_step": drafted,
+        "context_per_step": _contexts(method),
         # The engine's own per-depth counters, kept raw (the report derives per-position rates from the steps).
         "engine_position_drafted": _sum_positions(stats, "position_drafted"),
         "engine_position_accepted": _sum_positions(stats, "position_accepted"),
@@ -190,4 +197,7 @@ def comparison_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: fl
     line = _speed_line(pairs, temperature)
     stats = [s for run, _ in pairs for s in run.stats]
     accepted, drafted = _stats_lists(stats, "accepted_per_step"), _stats_lists(stats, "drafted_per_step")
-    return dict(line, tau=metrics.tau(accepted), acceptance_rate=metrics.acceptance_rate(accepted, drafted))
+    steps = [{"accepted_per_step": _stats_lists(run.stats, "accepted_per_step"), "context_per_step": _contexts(run),
+              "drafted_per_step": _stats_lists(run.stats, "drafted_per_step")} for run, _ in pairs]
+    return dict(line, tau=metrics.tau(accepted), acceptance_rate=metrics.acceptance_rate(accepted, drafted),
+                by_context=metrics.by_context(steps))

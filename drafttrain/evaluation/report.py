@@ -47,6 +47,9 @@ def write_report(report: EvalReport, out_dir: str | Path) -> dict[str, Path]:
     paths["json"].write_text(report.to_json() + "\n")
     paths["markdown"].write_text(render_markdown(report))
     plot_acceptance(report, paths["plot"])
+    if report.overall.get("by_context"):
+        paths["context_plot"] = out / "context.png"
+        plot_by_context(report, paths["context_plot"])
     return paths
 
 
@@ -189,6 +192,14 @@ def render_markdown(report: EvalReport) -> str:
         ["depth", "conditional P(d given d-1)", "cumulative P(d)"],
         [[str(i + 1), _pct(c), _pct(u)] for i, (c, u) in enumerate(zip(pos["conditional"], pos["cumulative"]))],
     ))
+    if report.overall.get("by_context"):
+        parts.append("\n## Acceptance by context length (overall)\n")
+        parts.append(context_table(report.overall["by_context"]))
+        others = {k: v["by_context"] for k, v in report.comparisons.items() if v.get("by_context")}
+        if others:
+            parts.append("\nOther proposers, same prompts, τ by context length: " + "; ".join(
+                f"`{k}` " + ", ".join(f"{b['bucket']} {fmt(b['tau'])}" for b in buckets)
+                for k, buckets in others.items()) + ".\n")
     autos = auto_choices(report)
     if autos:
         parts.append("\n## Auto choices: predicted and measured on this machine, same run\n")
@@ -257,6 +268,51 @@ def plot_acceptance(report: EvalReport, path: str | Path) -> None:
     plt.close(fig)
 
 
+def context_table(buckets: list[dict[str, Any]]) -> str:
+    """Markdown: steps, τ, acceptance and conditional acceptance per depth for each context bucket."""
+    depth = max(len(b["acceptance_per_position"]["conditional"]) for b in buckets)
+    return _table(
+        ["context (tokens)", "steps", "τ", "acceptance", *(f"P(d{k} given d{k - 1})" for k in range(1, depth + 1))],
+        [[b["bucket"], str(b["steps"]), fmt(b["tau"]), _pct(b["acceptance_rate"]),
+          *(_pct(c) for c in b["acceptance_per_position"]["conditional"])] for b in buckets],
+    )
+
+
+def context_line(buckets: list[dict[str, Any]] | None) -> str | None:
+    """One console line: τ per context bucket with its number of steps."""
+    if not buckets:
+        return None
+    return "τ by context length: " + ", ".join(f"{b['bucket']} {fmt(b['tau'])} ({b['steps']} steps)" for b in buckets)
+
+
+def plot_by_context(report: EvalReport, path: str | Path) -> None:
+    """Two panels: τ per context bucket (the method, and every compared proposer that drafted), and the method's
+    conditional acceptance by depth, one line per bucket."""
+    import matplotlib  # heavy: only when a plot is drawn
+
+    matplotlib.use("Agg")  # headless; no display needed
+    import matplotlib.pyplot as plt  # heavy: only when a plot is drawn
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    sides = {report.config.get("proposer", "method"): report.overall["by_context"],
+             **{k: v["by_context"] for k, v in report.comparisons.items() if v.get("by_context")}}
+    for name, buckets in sides.items():
+        left.plot([b["bucket"] for b in buckets], [b["tau"] for b in buckets], marker="o", label=name)
+    left.set_title("τ (tokens per target step) by context length", fontsize=10)
+    left.set_xlabel("context length at the step (tokens)")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    for b in report.overall["by_context"]:
+        _plot_line(right, b["acceptance_per_position"]["conditional"], label=f"{b['bucket']} ({b['steps']} steps)")
+    right.set_title("conditional acceptance by depth, per context bucket", fontsize=10)
+    right.set_xlabel("draft depth d")
+    right.set_ylim(0, 1.02)
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _plot_line(ax, values: list[float | None], **style) -> None:
     points = [(i + 1, v) for i, v in enumerate(values) if v is not None]
     if points:
@@ -285,6 +341,8 @@ def print_report(report: EvalReport, console=None) -> None:
     )
     if speedup_text(report.overall):
         console.print(speedup_text(report.overall))
+    if context_line(report.overall.get("by_context")):
+        console.print(context_line(report.overall["by_context"]))
     if load_note(report.config):
         console.print(f"NOTE: {load_note(report.config)}", style="bold yellow")
     split = report.overall.get("step_ms")

@@ -14,11 +14,13 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from drafttrain import __version__
+from drafttrain.evaluation.report import context_table
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
 from drafttrain.evaluation.serving_report import agreement_lines, conclusions, markdown_table
 from drafttrain.targets.loading import provenance
 
 ACCEPTANCE_PLOT = "acceptance.png"
+CONTEXT_PLOT = "context.png"
 DEPTH_DEFAULT = 3  # speculative tokens in the serving snippets when nothing was measured
 
 
@@ -101,6 +103,11 @@ def _measured_section(measured: dict[str, Any] | None, plot: str | None) -> str:
               "| cumulative | " + " | ".join(_pct(v) for v in per["cumulative"]) + " |"]
     if plot is not None:
         lines += ["", f"![acceptance per position]({plot})"]
+    if o.get("by_context"):
+        lines += ["", "By the context length each drafting step saw (prompt and history, plus the answer so far):", "",
+                  context_table(o["by_context"])]
+        if plot is not None:
+            lines += ["", f"![acceptance by context length]({CONTEXT_PLOT})"]
     lines += ["", f"Measured {c.get('started_at')} with drafttrain {c.get('versions', {}).get('drafttrain')}: "
                   "speculative and plain decoding of the same prompts, interleaved in one process. The full report "
                   "is `eval/report.json`."]

@@ -20,10 +20,10 @@ from drafttrain import DrafttrainError
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter, read_draft_config
 from drafttrain.evaluation.evaluate import EvalReport
-from drafttrain.evaluation.report import plot_acceptance
+from drafttrain.evaluation.report import plot_acceptance, plot_by_context
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
 from drafttrain.evaluation.serving_report import plot as plot_bench
-from drafttrain.export.card import ACCEPTANCE_PLOT, build_card
+from drafttrain.export.card import ACCEPTANCE_PLOT, CONTEXT_PLOT, build_card
 from drafttrain.runfolder import (
     CONFIG_NAME,
     EVAL_DIR,
@@ -98,6 +98,8 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
         (staging / EVAL_DIR).mkdir()
         write_text_atomic(staging / EVAL_DIR / REPORT_NAME, json.dumps(measured, indent=1))
         plot_acceptance(EvalReport(**measured), staging / ACCEPTANCE_PLOT)
+        if measured["overall"].get("by_context"):
+            plot_by_context(EvalReport(**measured), staging / CONTEXT_PLOT)
     bench = _bench(drafter, checkpoint)
     if bench is not None:
         (staging / BENCH_DIR).mkdir()

@@ -387,3 +387,71 @@ def test_a_float8_cache_keeps_4h_bytes_per_token_and_bounded_error(tiny_target, 
             bound = a.abs() / 16 + a.abs().amax(-1, keepdim=True) / 400
             assert ((a - b).abs() <= bound).all()
         assert (read.logits.argmax(-1) == exact.logits.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("chunk", [5, 8, 64])
+def test_ttt_attention_in_chunks_equals_the_whole_square_forward_and_backward(chunk):
+    """Chunked queries (recomputed in backward) compute what one (T, T) softmax computes, gradients included; a
+    chunk size that does not divide T and a last chunk shorter than the rest are covered."""
+    from drafttrain.drafts.layers import ttt_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv, t, hd, steps = 2, 4, 2, 21, 8, 3
+
+    def inputs():
+        q = torch.randn(b, heads, t, hd, generator=g, requires_grad=True)
+        blocks = [(torch.randn(b, kv, t, hd, generator=g, requires_grad=True),
+                   torch.randn(b, kv, t, hd, generator=g, requires_grad=True)) for _ in range(steps)]
+        return q, blocks
+
+    q, blocks = inputs()
+    leaves = [q, *[x for pair in blocks for x in pair]]
+    probe = torch.randn(b, heads, t, hd, generator=g)
+    whole = ttt_attention(q, blocks, 2, hd**-0.5, chunk=t)
+    (whole * probe).sum().backward()
+    expected = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    chunked = ttt_attention(q, blocks, 2, hd**-0.5, chunk=chunk)
+    (chunked * probe).sum().backward()
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    for got, want in zip((x.grad for x in leaves), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_ttt_chunk_that_saw_a_later_key_would_be_caught():
+    """Guard for the test above: a chunk whose causal mask is not offset by its start sees keys past its queries."""
+    from drafttrain.drafts import layers
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 12, 4, generator=g)
+    blocks = [(torch.randn(1, 2, 12, 4, generator=g), torch.randn(1, 2, 12, 4, generator=g))]
+    whole = layers.ttt_attention(q, blocks, 1, 0.5, chunk=12)
+    wrong = torch.cat([layers._ttt_chunk_attention(q[:, :, a:a + 4], blocks[0][0], blocks[0][1], [], 0, 1, 0.5)
+                       for a in range(0, 12, 4)], dim=2)
+    assert not torch.allclose(whole, wrong, atol=1e-3)
+
+
+def test_ttt_chunks_bound_what_a_long_row_holds_for_backward():
+    """At 2k tokens the step keeps one chunk's inputs, not the (T, T) weights: saved bytes of one attention call
+    fall by the chunking factor (counted with autograd's own saved-tensor hooks)."""
+    from drafttrain.drafts.layers import ttt_attention, ttt_chunk
+
+    t = 2048
+    assert ttt_chunk(t) == t and ttt_chunk(4096) == 1024 and ttt_chunk(8192) == 512
+
+    def saved_bytes(chunk):
+        q = torch.randn(1, 2, t, 8, requires_grad=True)
+        blocks = [(torch.randn(1, 2, t, 8), torch.randn(1, 2, t, 8))]
+        total = []
+
+        def pack(x):
+            total.append(x.numel() * x.element_size())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            ttt_attention(q, blocks, 1, 0.35, chunk=chunk)
+        return sum(total)
+
+    square = 2 * t * t * 4  # the (T, T) softmax weights of two heads, fp32
+    assert saved_bytes(t) >= square and saved_bytes(256) < square / 8

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
 
@@ -95,27 +96,62 @@ class DraftAttention(nn.Module):
         attn = F.scaled_dot_product_attention(q, repeat_kv(keys, rep), repeat_kv(values, rep), attn_mask=mask)
         return self._out(attn)
 
-    def forward_ttt(self, x, cos, sin, blocks: list[tuple[torch.Tensor, torch.Tensor]], pad_mask=None):
+    def forward_ttt(self, x, cos, sin, blocks: list[tuple[torch.Tensor, torch.Tensor]]):
         """Training-time test: step i of an unrolled draft (i = len(blocks)).
 
         Position t sees the real prefix keys of step 0 at positions <= t, and its own keys of steps 1..i at
         position t only (its own drafted path). ``blocks`` holds earlier steps' (k, v) and gains this step's.
+        Long rows are attended in chunks of queries (:func:`ttt_attention`), so memory grows linearly in T.
         """
         q, k, v = self._project(x, cos, sin)
         blocks.append((k, v))
         rep = self.num_heads // self.num_kv_heads
-        scale = self.head_dim**-0.5
-        k0, v0 = repeat_kv(blocks[0][0], rep), repeat_kv(blocks[0][1], rep)
-        t = q.shape[2]
-        scores = torch.matmul(q, k0.transpose(2, 3)) * scale  # (B, h, T, T)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-        diag = [(q * repeat_kv(kd, rep)).sum(-1, keepdim=True) * scale for kd, _ in blocks[1:]]  # (B, h, T, 1)
-        weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(weights[..., :t], v0)
-        for j, (_, vd) in enumerate(blocks[1:]):
-            out = out + weights[..., t + j : t + j + 1] * repeat_kv(vd, rep)
-        return self._out(out)
+        return self._out(ttt_attention(q, blocks, rep, self.head_dim**-0.5))
+
+
+# Scores one chunk of queries may hold, per batch row and head: (queries x keys) <= this. 2**22 keeps rows up to 2k
+# tokens in one piece (today's cost, no recomputation) and bounds an 8k row's working set to 1/16 of its square.
+TTT_SCORES_PER_CHUNK = 2**22
+
+
+def ttt_chunk(length: int) -> int:
+    """Queries per chunk for a row of ``length`` tokens: the whole row when its square fits the budget."""
+    return length if length * length <= TTT_SCORES_PER_CHUNK else max(64, TTT_SCORES_PER_CHUNK // length)
+
+
+def ttt_attention(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]], rep: int, scale: float,
+                  chunk: int | None = None) -> torch.Tensor:
+    """The training-time test's attention, (B, h, T, hd), in chunks of queries. A chunk's scores reach only the
+    prefix it can see (keys up to its last query) and are recomputed in the backward pass (activation
+    checkpointing), so what a step keeps for backward is linear in T and the working set is one chunk's. Rows that
+    fit one chunk run as one piece, without recomputation."""
+    t = q.shape[2]
+    chunk = chunk or ttt_chunk(t)
+    if chunk >= t:
+        return _ttt_chunk_attention(q, blocks[0][0], blocks[0][1], blocks[1:], 0, rep, scale)
+    outs = []
+    for start in range(0, t, chunk):
+        end = min(start + chunk, t)
+        diagonal = [(kd[:, :, start:end], vd[:, :, start:end]) for kd, vd in blocks[1:]]
+        outs.append(checkpoint(_ttt_chunk_attention, q[:, :, start:end], blocks[0][0][:, :, :end],
+                               blocks[0][1][:, :, :end], diagonal, start, rep, scale, use_reentrant=False))
+    return torch.cat(outs, dim=2)
+
+
+def _ttt_chunk_attention(q, k0, v0, diagonal, start: int, rep: int, scale: float) -> torch.Tensor:
+    """Queries at positions start.. (q: B, h, c, hd) over the real prefix k0/v0 (positions < start + c, causal) and
+    each one's own keys of the unrolled steps (``diagonal``: (k, v) per step, aligned with q); one softmax."""
+    c, s = q.shape[2], k0.shape[2]
+    k0, v0 = repeat_kv(k0, rep), repeat_kv(v0, rep)
+    scores = torch.matmul(q, k0.transpose(2, 3)) * scale  # (B, h, c, s)
+    causal = torch.ones(c, s, dtype=torch.bool, device=q.device).tril(start)
+    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    diag = [(q * repeat_kv(kd, rep)).sum(-1, keepdim=True) * scale for kd, _ in diagonal]  # (B, h, c, 1)
+    weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(weights[..., :s], v0)
+    for j, (_, vd) in enumerate(diagonal):
+        out = out + weights[..., s + j : s + j + 1] * repeat_kv(vd, rep)
+    return out
 
 
 class DraftDecoderLayer(nn.Module):

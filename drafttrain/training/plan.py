@@ -245,11 +245,21 @@ def _draft_section(recipe: Recipe, vocab_size: int):
 
 
 class _MetaScalars(torch.utils._python_dispatch.TorchDispatchMode):
-    """Lets a training step read a scalar (a metric, a branch) from a meta tensor: it reads 0. Only shapes matter."""
+    """Lets a training step read a scalar (a metric, a branch) from a meta tensor: it reads 0. Only shapes matter.
+    It also notes the largest tensor any operation makes, saved or not (a chunk of attention scores that activation
+    checkpointing recomputes in the backward pass is never saved, but exists then)."""
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return 0
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, _nbytes(t))
+        return out
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -260,7 +270,7 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
     """Parameters of the draft (trainable, frozen) and the bytes one training step holds, from a meta-device run
     of the kind's own code at the recipe's batch size and sequence length."""
     batch_size, seq = recipe.training.batch_size, recipe.data.max_length if recipe.data else 2048
-    with _draft_section(recipe, target.vocab_size) as (section, run), _MetaScalars():
+    with _draft_section(recipe, target.vocab_size) as (section, run), _MetaScalars() as ops:
         # eval mode: the step's own computation and its saved tensors, without the random side paths (on-policy
         # generation, dropout masks) that a meta tensor cannot decide
         with init_empty_weights():  # parameters made on meta, never initialised: an 8B target's took 12 s on a CPU
@@ -293,8 +303,9 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
         "frozen_bytes": sum(_nbytes(p) for p in own if not p.requires_grad),
         "saved": sum(saved.values()),
         "outputs": sum(_nbytes(t) for t in (outputs.hidden, outputs.final, outputs.logits, outputs.argmax)),
-        # one chunk of full logits (and its argmax pass), or the backward's copy of the largest saved tensor
-        "transient": max(2 * batch_size * chunk * target.vocab_size * 4, 2 * largest),
+        # one chunk of full logits (and its argmax pass), the backward's copy of the largest saved tensor, or a
+        # recomputed chunk's working set (its scores, their softmax, and the gradients of both)
+        "transient": max(2 * batch_size * chunk * target.vocab_size * 4, 2 * largest, 3 * ops.largest),
     }
 
 

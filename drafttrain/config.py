@@ -125,6 +125,23 @@ class Eagle3Config(DraftConfig):
     cod_ratio: float = Field(0.7, gt=0, le=1)  # COD: depth d keeps max(cod_ratio**d, cod_min) of the rollouts
     cod_min: float = Field(0.2, ge=0, le=1)
     mask_token_id: int | None = None  # P-EAGLE's mask token (default as for dflash)
+    # EAGLE-3.1 (speculators' fc_norm / norm_output, served by vLLM): an RMSNorm on each target tap before fc, so
+    # taps of very different magnitudes reach fc alike; and the final norm's output, not the raw residual, fed back
+    # as the next step's hidden, against the hidden's magnitude drifting over the unrolled steps and long contexts
+    fc_norm: bool = False
+    norm_output: bool = False
+    # a sliding-window draft attention: each draft position reads the last sliding_window positions only (its own
+    # included), so acceptance depends less on how long the context is; None: the whole context
+    sliding_window: int | None = Field(None, ge=2)
+
+    @model_validator(mode="after")
+    def _window(self) -> "Eagle3Config":
+        if self.sliding_window is not None and self.parallel_depths:
+            raise ValueError("sliding_window is for sequential EAGLE-3 heads, not P-EAGLE (parallel_depths)")
+        if self.sliding_window is not None and self.sliding_window <= self.ttt_steps:
+            raise ValueError(f"sliding_window {self.sliding_window} must exceed ttt_steps {self.ttt_steps}: a draft "
+                             "position must see the tokens it drafted itself")
+        return self
 
     @field_validator("parallel_depths")
     @classmethod

@@ -49,8 +49,8 @@ def eagle3_inputs(drafter, target, ids: torch.Tensor, start: int) -> tuple[dict,
     taps, fed = taps_of(drafter, target, ids), shift_left(ids, 1)
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
     with torch.no_grad():
-        hidden, _ = drafter.step(drafter.fuse(taps), fed, positions, drafter.new_caches())
-        logits = drafter.lm_head(drafter.norm(hidden))[0]
+        _, target_logits = drafter.step(drafter.fuse(taps), fed, positions, drafter.new_caches())
+        logits = target_logits[0][:, drafter.draft_to_target]  # back to the draft vocabulary, as speculators drafts
     return {"hidden": taps.float(), "input_ids": fed}, logits, ids.shape[1] - 1
 
 

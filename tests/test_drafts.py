@@ -58,11 +58,15 @@ def test_eagle3_default_taps_are_inputs_of_layers_2_mid_and_L_minus_3(tiny_targe
     assert default_aux_layers(30) == [2, 15, 27] and default_aux_layers(6) == [2, 3]  # each layer once
 
 
-def test_ttt_step_equals_cached_inference_along_the_drafted_path(tiny_target):
+@pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}, {"sliding_window": 6}],
+                         ids=["eagle3", "eagle3.1", "window"])
+def test_ttt_step_equals_cached_inference_along_the_drafted_path(tiny_target, options):
     """The TTT attention must reproduce what the draft computes at inference: real keys up to t, then its own
-    keys for t+1..t+i. Feeding the true tokens at inference (teacher forcing) makes both paths identical."""
+    keys for t+1..t+i. Feeding the true tokens at inference (teacher forcing) makes both paths identical. With
+    EAGLE-3.1's options both paths norm each tap before fc and feed the final-normed hidden to the next step; with
+    a window of 6 both read only the last 6 positions (at t = 9, steps 1-3 lose keys the step before saw)."""
     torch.manual_seed(1)
-    draft = build_drafter(Eagle3Config(ttt_steps=4), tiny_target).eval()
+    draft = build_drafter(Eagle3Config(ttt_steps=4, **options), tiny_target).eval()
     for p in draft.parameters():  # non-trivial weights so a wrong mask changes the result
         torch.nn.init.normal_(p, std=0.2)
     batch = batch_of(tiny_target, batch=1, seq=16, seed=3)
@@ -76,7 +80,7 @@ def test_ttt_step_equals_cached_inference_along_the_drafted_path(tiny_target):
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
-        step_outputs.append(out)
+        step_outputs.append(draft.head_out(out)[0])  # the hidden the next step reads (normed under norm_output)
         return out
 
     draft.midlayer.forward_ttt = spy
@@ -389,10 +393,12 @@ def test_a_float8_cache_keeps_4h_bytes_per_token_and_bounded_error(tiny_target, 
         assert (read.logits.argmax(-1) == exact.logits.argmax(-1)).float().mean() > 0.8
 
 
+@pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("chunk", [5, 8, 64])
-def test_ttt_attention_in_chunks_equals_the_whole_square_forward_and_backward(chunk):
+def test_ttt_attention_in_chunks_equals_the_whole_square_forward_and_backward(chunk, window):
     """Chunked queries (recomputed in backward) compute what one (T, T) softmax computes, gradients included; a
-    chunk size that does not divide T and a last chunk shorter than the rest are covered."""
+    chunk size that does not divide T and a last chunk shorter than the rest are covered, with and without a
+    sliding window (a chunk then reads only the keys its window reaches)."""
     from drafttrain.drafts.layers import ttt_attention
 
     g = torch.Generator().manual_seed(0)
@@ -407,12 +413,12 @@ def test_ttt_attention_in_chunks_equals_the_whole_square_forward_and_backward(ch
     q, blocks = inputs()
     leaves = [q, *[x for pair in blocks for x in pair]]
     probe = torch.randn(b, heads, t, hd, generator=g)
-    whole = ttt_attention(q, blocks, 2, hd**-0.5, chunk=t)
+    whole = ttt_attention(q, blocks, 2, hd**-0.5, chunk=t, window=window)
     (whole * probe).sum().backward()
     expected = [x.grad.clone() for x in leaves]
     for x in leaves:
         x.grad = None
-    chunked = ttt_attention(q, blocks, 2, hd**-0.5, chunk=chunk)
+    chunked = ttt_attention(q, blocks, 2, hd**-0.5, chunk=chunk, window=window)
     (chunked * probe).sum().backward()
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
     for got, want in zip((x.grad for x in leaves), expected):
@@ -427,7 +433,7 @@ def test_a_ttt_chunk_that_saw_a_later_key_would_be_caught():
     q = torch.randn(1, 2, 12, 4, generator=g)
     blocks = [(torch.randn(1, 2, 12, 4, generator=g), torch.randn(1, 2, 12, 4, generator=g))]
     whole = layers.ttt_attention(q, blocks, 1, 0.5, chunk=12)
-    wrong = torch.cat([layers._ttt_chunk_attention(q[:, :, a:a + 4], blocks[0][0], blocks[0][1], [], 0, 1, 0.5)
+    wrong = torch.cat([layers._ttt_chunk_attention(q[:, :, a:a + 4], blocks[0][0], blocks[0][1], [], 0, 0, 1, 0.5)
                        for a in range(0, 12, 4)], dim=2)
     assert not torch.allclose(whole, wrong, atol=1e-3)
 
@@ -455,3 +461,51 @@ def test_ttt_chunks_bound_what_a_long_row_holds_for_backward():
 
     square = 2 * t * t * 4  # the (T, T) softmax weights of two heads, fp32
     assert saved_bytes(t) >= square and saved_bytes(256) < square / 8
+
+
+def test_eagle31_options_change_what_the_head_computes(tiny_target):
+    """Guard for the test above: the same weights with fc_norm, or with norm_output from the second step on, draft
+    differently, so a path that ignored an option would be seen."""
+    torch.manual_seed(1)
+    plain = build_drafter(Eagle3Config(ttt_steps=2), tiny_target).eval()
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    hidden = torch.randn(1, 4, 3 * 32) * 5
+    ids, positions = torch.randint(0, 96, (1, 4)), torch.arange(4).unsqueeze(0)
+
+    def two_steps(draft):
+        with torch.no_grad():
+            caches = draft.new_caches()
+            h, first = draft.step(draft.fuse(hidden), ids, positions, caches)
+            return first, draft.step(h[:, -1:], ids[:, :1], torch.tensor([[4]]), caches)[1]
+
+    base = two_steps(plain)
+    for option in ("fc_norm", "norm_output"):
+        other = build_drafter(Eagle3Config(ttt_steps=2, **{option: True}), tiny_target).eval()
+        other.load_state_dict(plain.state_dict(), strict=False)  # the per-tap norms start at one
+        first, second = two_steps(other)
+        assert torch.equal(first, base[0]) == (option == "norm_output")  # norm_output acts from step 2
+        assert not torch.allclose(second, base[1], atol=1e-4), option
+
+
+def test_a_sliding_window_head_refuses_settings_it_cannot_train_and_drafts_differently(tiny_target):
+    """A window no longer than the unrolled steps, or on P-EAGLE, is refused; a window of 4 changes what a head with
+    the same weights drafts at position 9 (guard for the window tests above)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="must exceed ttt_steps"):
+        Eagle3Config(ttt_steps=4, sliding_window=4)
+    with pytest.raises(ValidationError, match="not P-EAGLE"):
+        Eagle3Config(parallel_depths=3, sliding_window=8)
+    torch.manual_seed(1)
+    whole = build_drafter(Eagle3Config(ttt_steps=2), tiny_target).eval()
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    windowed = build_drafter(Eagle3Config(ttt_steps=2, sliding_window=4), tiny_target).eval()
+    windowed.load_state_dict(whole.state_dict())
+    hidden, ids = torch.randn(1, 10, 3 * 32), torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        a = whole.step(whole.fuse(hidden), ids, torch.arange(10)[None], whole.new_caches())[1]
+        b = windowed.step(windowed.fuse(hidden), ids, torch.arange(10)[None], windowed.new_caches())[1]
+    assert torch.allclose(a[:, :4], b[:, :4], atol=1e-6)  # the first 4 positions see all they would anyway
+    assert not torch.allclose(a[:, 9], b[:, 9], atol=1e-4)

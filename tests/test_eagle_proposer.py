@@ -44,11 +44,16 @@ def overfit_head(target, cfg, ids, continuation, steps=30, lr=3e-3):
     return head.eval(), losses
 
 
-@pytest.fixture(scope="module", params=["eagle3", "eagle"])
+EAGLE3_OPTIONS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True},
+                  "eagle3-window": {"sliding_window": 16}}  # shorter than prompt + answer: the window is in play
+
+
+@pytest.fixture(scope="module", params=[*EAGLE3_OPTIONS, "eagle"])
 def trained_head(request, smollm2, prompt_and_greedy):
     ids, greedy = prompt_and_greedy
-    if request.param == "eagle3":
-        head, losses = overfit_head(smollm2, Eagle3Config(ttt_steps=3), ids, greedy, lr=3e-3)
+    if request.param in EAGLE3_OPTIONS:
+        head, losses = overfit_head(smollm2, Eagle3Config(ttt_steps=3, **EAGLE3_OPTIONS[request.param]), ids,
+                                    greedy, lr=3e-3)
     else:  # feature regression on unnormalised hidden states wants a smaller step
         head, losses = overfit_head(smollm2, EagleConfig(noise=0.0), ids, greedy, lr=1e-3)
     return head, losses

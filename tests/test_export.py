@@ -123,6 +123,56 @@ def test_a_whole_vocabulary_eagle3_head_is_written_without_a_map_and_loads_back_
     assert tensors["d2t"].numel() == 16 and tensors["t2d"].numel() == 64
 
 
+def test_an_eagle31_head_writes_its_norms_where_vllm_and_speculators_read_them_and_refuses_sglang(tmp_path):
+    """vLLM reads ``fc_norm``/``norm_output`` from the draft's config (speculators' converter copies them from the
+    top level) and the per-tap norms as ``fc_norm.{i}.weight``; SGLang is not known to read them, so it is refused
+    rather than served a file it would load without them."""
+    target = tiny_target()
+    drafter = randomised(build_drafter(Eagle3Config(ttt_steps=2, fc_norm=True, norm_output=True), target)).eval()
+    checkpoint = checkpoint_of(drafter, tmp_path)
+    hidden = torch.randn(1, 5, 3 * 32)
+    ids, positions = torch.randint(0, 64, (1, 5)), torch.arange(5).unsqueeze(0)
+    for fmt in ("vllm", "speculators"):
+        folder = export_draft(checkpoint, fmt, tmp_path / fmt, target)
+        config, tensors = read_export(folder)
+        assert config["fc_norm"] is True and config["norm_output"] is True
+        assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(tensors)
+        back = load_drafter(folder, target).eval()
+        with torch.no_grad():  # two steps: the second reads the first one's (normed) output
+            caches, back_caches = drafter.new_caches(), back.new_caches()
+            h, _ = drafter.step(drafter.fuse(hidden), ids, positions, caches)
+            h_back, _ = back.step(back.fuse(hidden), ids, positions, back_caches)
+            expected = drafter.step(h[:, -1:], ids[:, :1], positions[:, -1:] + 1, caches)[1]
+            got = back.step(h_back[:, -1:], ids[:, :1], positions[:, -1:] + 1, back_caches)[1]
+        assert torch.equal(expected, got)
+    plain_config, _ = read_export(export_draft(checkpoint_of(randomised(build_drafter(
+        Eagle3Config(ttt_steps=2), target)), tmp_path / "plain"), "vllm", tmp_path / "plain-vllm", target))
+    assert "fc_norm" not in plain_config and "norm_output" not in plain_config  # the readers' default: off
+    with pytest.raises(DrafttrainError, match=r"EAGLE-3.1 or sliding-window head \(fc_norm, norm_output\).*not 'sglang'"):
+        export_draft(checkpoint, "sglang", tmp_path / "sglang", target)
+
+
+def test_a_sliding_window_head_writes_its_window_where_vllm_s_llama_layer_reads_it(tmp_path):
+    """vLLM's Llama layer takes a draft layer's window from ``layer_types`` and ``sliding_window`` of the config it
+    is built from (the top level in vLLM's format, ``transformer_layer_config`` in speculators'); the head loads back
+    with its window and drafts as before."""
+    target = tiny_target()
+    drafter = randomised(build_drafter(Eagle3Config(ttt_steps=2, sliding_window=4), target)).eval()
+    checkpoint = checkpoint_of(drafter, tmp_path)
+    hidden, ids, positions = torch.randn(1, 9, 3 * 32), torch.randint(0, 64, (1, 9)), torch.arange(9)[None]
+    with torch.no_grad():
+        expected = drafter.step(drafter.fuse(hidden), ids, positions, drafter.new_caches())[1]
+    for fmt, section in (("vllm", lambda c: c), ("speculators", lambda c: c["transformer_layer_config"])):
+        folder = export_draft(checkpoint, fmt, tmp_path / fmt, target)
+        layer = section(read_export(folder)[0])
+        assert layer["sliding_window"] == 4 and layer["layer_types"] == ["sliding_attention"]
+        back = load_drafter(folder, target).eval()
+        with torch.no_grad():
+            assert torch.equal(back.step(back.fuse(hidden), ids, positions, back.new_caches())[1], expected)
+    with pytest.raises(DrafttrainError, match=r"sliding-window head \(sliding_window\).*not 'sglang'"):
+        export_draft(checkpoint, "sglang", tmp_path / "sglang", target)
+
+
 # ---------------------------------------------------------------------------------------------------- EAGLE-1
 
 def vllm_eagle1_forward(config, tensors, embeds, hidden, positions, rotary):
@@ -410,7 +460,8 @@ SPECULATORS_PYTHON = os.environ.get("DRAFTTRAIN_SPECULATORS_PYTHON")
                     "Python with speculators==0.9.0 (its own venv, never a drafttrain dependency) to run this check")
 @pytest.mark.parametrize("config", [pytest.param(Eagle3Config(), id="eagle3"),
                                     pytest.param(DFlashConfig(num_layers=2, block_size=4), id="dflash"),
-                                    pytest.param(Eagle3Config(parallel_depths=4), id="peagle")])
+                                    pytest.param(Eagle3Config(parallel_depths=4), id="peagle"),
+                                    pytest.param(Eagle3Config(fc_norm=True, norm_output=True), id="eagle31")])
 def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_path, smollm2, config):
     """The export loaded by speculators' own model class (EAGLE-3: its token embeddings included, since an export
     without them loads them as zeros; DFlash: its blocks drafted by speculators' forward at our anchors) predicts

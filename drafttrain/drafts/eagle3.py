@@ -60,6 +60,8 @@ class Eagle3Drafter(EagleHead):
         self.layer_ids = list(layer_ids)
         h = layer_config.hidden_size
         self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
+        if config.fc_norm:  # EAGLE-3.1: one norm per tap before fc (vLLM's and speculators' fc_norm.{i})
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(h, eps=layer_config.rms_norm_eps) for _ in layer_ids)
         self.midlayer = DraftDecoderLayer(layer_config, fuse_embedding=True)
         self.layers = nn.ModuleDict(
             {str(i): DraftDecoderLayer(layer_config, fuse_embedding=False) for i in range(1, config.num_layers)}
@@ -91,7 +93,8 @@ class Eagle3Drafter(EagleHead):
     def build(cls, config: Eagle3Config, target, run: RunFolder | None = None) -> "Eagle3Drafter":
         layer_ids = cls.aux_layers(config, target.num_layers)
         d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
-        layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size)
+        layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size,
+                                         sliding_window=config.sliding_window)
         mask = resolve_mask_token(config.mask_token_id, target) if config.parallel_depths else None
         head = cls(config, layer_config, layer_ids, d2t, t2d, mask).to(target.device).attach_target(target)
         if head.parallel:  # the mask token starts as the target's own embedding of it
@@ -140,7 +143,8 @@ class Eagle3Drafter(EagleHead):
         cfg = Eagle3Config.model_validate(config["drafttrain"]["draft"])
         layer_ids = check_aux_layers(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers)
         n = config["draft_vocab_size"]
-        layer_config = llama_config_like(target.config, intermediate_size=config["intermediate_size"])
+        layer_config = llama_config_like(target.config, intermediate_size=config["intermediate_size"],
+                                         sliding_window=cfg.sliding_window)
         head = cls(cfg, layer_config, layer_ids, torch.zeros(n, dtype=torch.long),
                    torch.zeros(target.vocab_size, dtype=torch.bool), config.get("mask_token_id"))
         head.load_weights(directory)
@@ -156,13 +160,26 @@ class Eagle3Drafter(EagleHead):
         }
         if self.parallel:
             config["mask_token_id"] = self.mask_token_id
-        return config
+        return {**config, **self._eagle31_fields()}
+
+    def _eagle31_fields(self) -> dict:
+        """EAGLE-3.1's flags and the sliding window, under the names vLLM and speculators read (a window as vLLM's
+        Llama layers read it: per-layer types and one size); left out when off (the readers' default)."""
+        fields = {name: True for name in ("fc_norm", "norm_output") if getattr(self.config, name)}
+        if self.config.sliding_window is not None:
+            fields.update(sliding_window=self.config.sliding_window, use_sliding_window=True,
+                          layer_types=["sliding_attention"] * self.config.num_layers)
+        return fields
 
     # -- export -------------------------------------------------------------------------------------------
     formats = ("vllm", "sglang", "speculators")
 
     def export_formats(self) -> tuple[str, ...]:
-        return ("speculators",) if self.parallel else self.formats  # vLLM reads P-EAGLE's mask slots from there
+        if self.parallel:  # vLLM reads P-EAGLE's mask slots from speculators' format
+            return ("speculators",)
+        # SGLang's EAGLE-3 reader is not known to read EAGLE-3.1's norms or a draft window: a file it would load
+        # without them would draft differently from the head that was trained, so it is not written
+        return ("vllm", "speculators") if self._eagle31_fields() else self.formats
 
     def exported(self, fmt: str) -> Exported:
         """The layer ids say which target layers feed fc, and each engine reads them its own way. drafttrain's id i
@@ -179,9 +196,12 @@ class Eagle3Drafter(EagleHead):
         if fmt == "speculators":
             return self._speculators(config, tensors)
         if fmt not in self.export_formats():
-            raise DrafttrainError(f"a P-EAGLE head (parallel_depths {self.config.parallel_depths}) is served from "
-                                  f"speculators' format (vLLM reads its mask slots from there), not {fmt!r}: "
-                                  "export --format speculators")
+            options = [k for k in ("fc_norm", "norm_output", "sliding_window") if k in self._eagle31_fields()]
+            why = (f"a P-EAGLE head (parallel_depths {self.config.parallel_depths}) is served from speculators' "
+                   "format (vLLM reads its mask slots from there)" if self.parallel else
+                   f"an EAGLE-3.1 or sliding-window head ({', '.join(options)}) is written only where the reader "
+                   "is known to apply them (vLLM, speculators)")
+            raise DrafttrainError(f"{why}, not {fmt!r}: export --format {' or '.join(self.export_formats())}")
         num_layers = self.target.num_layers
         engine_default = [2, num_layers // 2, num_layers - 3]
         if ids == engine_default:
@@ -194,7 +214,8 @@ class Eagle3Drafter(EagleHead):
 
     def _speculators(self, config, tensors) -> Exported:
         layer = {k: v for k, v in config.items() if k not in (
-            "architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "drafttrain", "mask_token_id")}
+            "architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "drafttrain", "mask_token_id",
+            "fc_norm", "norm_output")}  # the window stays in the layer config: vLLM's Llama layer reads it there
         layer["num_hidden_layers"] = self.config.num_layers
         out = {
             "architectures": ["Eagle3Speculator"],
@@ -204,6 +225,7 @@ class Eagle3Drafter(EagleHead):
             "draft_vocab_size": config["draft_vocab_size"],
             "target_hidden_size": config["target_hidden_size"],
             "norm_before_residual": False,  # the residual is the un-normed hidden, as in EAGLE-3
+            "fc_norm": self.config.fc_norm, "norm_output": self.config.norm_output,
             "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -233,7 +255,6 @@ class Eagle3Drafter(EagleHead):
         depths = self.config.parallel_depths
         return {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
                 "mask_token_id": self.mask_token_id, "embed_requires_grad": True, "norm_before_fc": False,
-                "fc_norm": False, "norm_output": False,
                 "speculators_config": {"algorithm": "peagle", "default_proposal_method": "greedy",
                                        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depths,
                                                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
@@ -277,17 +298,27 @@ class Eagle3Drafter(EagleHead):
         return draft_ids(self.d2t)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        if self.config.fc_norm:
+            taps = torch.cat([norm(tap) for norm, tap in zip(self.fc_norm, taps.chunk(len(self.fc_norm), -1))], -1)
         return self.fc(taps)
+
+    def head_out(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft-vocabulary logits of a layer output, and the hidden the next step reads: the output itself, or
+        with EAGLE-3.1's norm_output its final-normed form (the one the logits are computed from)."""
+        normed = self.norm(h)
+        return (normed if self.config.norm_output else h), self.lm_head(normed)
 
     def _extra_layers(self):
         return [self.layers[k] for k in sorted(self.layers, key=int)]
 
     def step(self, hidden, input_ids, position_ids, caches, mask=None):
         cos, sin = self.rotary(hidden, position_ids)
-        h = self.midlayer(hidden, self.embed(input_ids), cos, sin, caches[0], mask)
+        positions = position_ids[0]  # where each new entry sits: a sliding window reads it
+        h = self.midlayer(hidden, self.embed(input_ids), cos, sin, caches[0], mask, positions)
         for layer, cache in zip(self._extra_layers(), caches[1:]):
-            h = layer(h, None, cos, sin, cache, mask)
-        return h, self.target_logits(self.lm_head(self.norm(h)))
+            h = layer(h, None, cos, sin, cache, mask, positions)
+        h, logits = self.head_out(h)
+        return h, self.target_logits(logits)
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         return to_target_vocab(draft_logits, self.d2t, self.t2d)
@@ -315,7 +346,7 @@ class Eagle3Drafter(EagleHead):
             h = self.midlayer.forward_ttt(hidden, self.embed(shift_left(input_ids, 1 + i)), cos, sin, blocks[0])
             for layer, layer_blocks in zip(self._extra_layers(), blocks[1:]):
                 h = layer.forward_ttt(h, None, cos, sin, layer_blocks)
-            logits = self.lm_head(self.norm(h))
+            h, logits = self.head_out(h)
             loss_i = losses.soft_cross_entropy(logits, shift_left(target_logits, 1 + i),
                                                trainable * shift_left(in_vocab, 1 + i))
             total = total + self.config.step_decay**i * loss_i

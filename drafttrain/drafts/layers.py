@@ -31,36 +31,51 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclasses.dataclass
 class LayerCache:
-    """Keys/values of one draft layer, (batch, kv_heads, length, head_dim), before GQA repetition."""
+    """Keys/values of one draft layer, (batch, kv_heads, length, head_dim), before GQA repetition, and the sequence
+    position of each entry (tree drafting caches entries out of position order; a sliding window reads them)."""
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, keys: torch.Tensor, values: torch.Tensor,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is None:  # in order after what is cached
+            positions = torch.arange(self.length, self.length + keys.shape[2], device=keys.device)
         if self.keys is None:
-            self.keys, self.values = keys, values
+            self.keys, self.values, self.positions = keys, values, positions
         else:
             self.keys = torch.cat([self.keys, keys], dim=2)
             self.values = torch.cat([self.values, values], dim=2)
+            self.positions = torch.cat([self.positions, positions])
         return self.keys, self.values
 
     def crop(self, length: int) -> None:
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+            self.positions = self.positions[:length]
 
     def keep(self, positions: torch.Tensor) -> None:
-        """Keep only the given cache positions (in order): used to keep the accepted tree path."""
+        """Keep only the given cache entries (indices, in order): used to keep the accepted tree path."""
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, positions], self.values[:, :, positions]
+            self.positions = self.positions[positions]
+
+
+def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """(T, S) True where a key lies among the last ``window`` positions up to its query (the query's own included),
+    as vLLM and Hugging Face count a sliding window."""
+    return (query_positions[:, None] - key_positions[None, :]) < window
 
 
 class DraftAttention(nn.Module):
     def __init__(self, config: LlamaConfig, input_size: int):
         super().__init__()
+        self.window = getattr(config, "sliding_window", None)  # None: every earlier key
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -82,17 +97,23 @@ class DraftAttention(nn.Module):
         b, _, t, _ = attn.shape
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
 
-    def forward(self, x, cos, sin, cache: LayerCache, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: LayerCache, mask: torch.Tensor | None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Inference: append this chunk's keys to ``cache`` and attend with a boolean ``mask`` (True = see).
 
-        ``mask`` is (T, S) or (B, 1, T, S) over the whole cache; None means causal within the chunk.
+        ``mask`` is (T, S) or (B, 1, T, S) over the whole cache; None means causal within the chunk. ``positions``
+        (T,): the chunk's sequence positions (default: right after the cache), which a sliding window reads.
         """
         q, k, v = self._project(x, cos, sin)
-        keys, values = cache.append(k, v)
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + q.shape[2], device=x.device)
+        keys, values = cache.append(k, v, positions)
         rep = self.num_heads // self.num_kv_heads
         if mask is None:
             past = keys.shape[2] - q.shape[2]
             mask = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=x.device).tril(past)
+        if self.window is not None:
+            mask = mask & within_window(positions, cache.positions, self.window)
         attn = F.scaled_dot_product_attention(q, repeat_kv(keys, rep), repeat_kv(values, rep), attn_mask=mask)
         return self._out(attn)
 
@@ -106,7 +127,7 @@ class DraftAttention(nn.Module):
         q, k, v = self._project(x, cos, sin)
         blocks.append((k, v))
         rep = self.num_heads // self.num_kv_heads
-        return self._out(ttt_attention(q, blocks, rep, self.head_dim**-0.5))
+        return self._out(ttt_attention(q, blocks, rep, self.head_dim**-0.5, window=self.window))
 
 
 # Scores one chunk of queries may hold, per batch row and head: (queries x keys) <= this. 2**22 keeps rows up to 2k
@@ -120,32 +141,43 @@ def ttt_chunk(length: int) -> int:
 
 
 def ttt_attention(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]], rep: int, scale: float,
-                  chunk: int | None = None) -> torch.Tensor:
+                  chunk: int | None = None, window: int | None = None) -> torch.Tensor:
     """The training-time test's attention, (B, h, T, hd), in chunks of queries. A chunk's scores reach only the
-    prefix it can see (keys up to its last query) and are recomputed in the backward pass (activation
-    checkpointing), so what a step keeps for backward is linear in T and the working set is one chunk's. Rows that
-    fit one chunk run as one piece, without recomputation."""
-    t = q.shape[2]
+    prefix it can see (keys up to its last query, and within the sliding ``window`` when there is one) and are
+    recomputed in the backward pass (activation checkpointing), so what a step keeps for backward is linear in T
+    and the working set is one chunk's. Rows that fit one chunk run as one piece, without recomputation.
+
+    At unrolled step i the query at t stands for the draft at position t + i, so a window of W keeps the real keys
+    after t + i - W (its own drafted keys, i of them, are always inside a window longer than the unrolled steps)."""
+    t, step = q.shape[2], len(blocks) - 1
     chunk = chunk or ttt_chunk(t)
     if chunk >= t:
-        return _ttt_chunk_attention(q, blocks[0][0], blocks[0][1], blocks[1:], 0, rep, scale)
+        return _ttt_chunk_attention(q, blocks[0][0], blocks[0][1], blocks[1:], 0, 0, rep, scale, window)
     outs = []
     for start in range(0, t, chunk):
         end = min(start + chunk, t)
+        first = 0 if window is None else max(0, start + step - window + 1)  # no query of the chunk sees before it
         diagonal = [(kd[:, :, start:end], vd[:, :, start:end]) for kd, vd in blocks[1:]]
-        outs.append(checkpoint(_ttt_chunk_attention, q[:, :, start:end], blocks[0][0][:, :, :end],
-                               blocks[0][1][:, :, :end], diagonal, start, rep, scale, use_reentrant=False))
+        outs.append(checkpoint(_ttt_chunk_attention, q[:, :, start:end], blocks[0][0][:, :, first:end],
+                               blocks[0][1][:, :, first:end], diagonal, start, first, rep, scale, window,
+                               use_reentrant=False))
     return torch.cat(outs, dim=2)
 
 
-def _ttt_chunk_attention(q, k0, v0, diagonal, start: int, rep: int, scale: float) -> torch.Tensor:
-    """Queries at positions start.. (q: B, h, c, hd) over the real prefix k0/v0 (positions < start + c, causal) and
-    each one's own keys of the unrolled steps (``diagonal``: (k, v) per step, aligned with q); one softmax."""
+def _ttt_chunk_attention(q, k0, v0, diagonal, start: int, first: int, rep: int, scale: float,
+                         window: int | None = None) -> torch.Tensor:
+    """Queries at positions start.. (q: B, h, c, hd) over the real prefix k0/v0 (positions first.., causal, within
+    the window) and each one's own keys of the unrolled steps (``diagonal``: (k, v) per step, aligned with q); one
+    softmax."""
     c, s = q.shape[2], k0.shape[2]
     k0, v0 = repeat_kv(k0, rep), repeat_kv(v0, rep)
     scores = torch.matmul(q, k0.transpose(2, 3)) * scale  # (B, h, c, s)
-    causal = torch.ones(c, s, dtype=torch.bool, device=q.device).tril(start)
-    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    queries = torch.arange(start, start + c, device=q.device)
+    keys = torch.arange(first, first + s, device=q.device)
+    visible = keys[None, :] <= queries[:, None]
+    if window is not None:
+        visible = visible & within_window(queries + len(diagonal), keys, window)
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
     diag = [(q * repeat_kv(kd, rep)).sum(-1, keepdim=True) * scale for kd, _ in diagonal]  # (B, h, c, 1)
     weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(weights[..., :s], v0)
@@ -180,8 +212,8 @@ class DraftDecoderLayer(nn.Module):
     def _mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def forward(self, hidden, embeds, cos, sin, cache: LayerCache, mask=None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self._attn_input(hidden, embeds), cos, sin, cache, mask)
+    def forward(self, hidden, embeds, cos, sin, cache: LayerCache, mask=None, positions=None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self._attn_input(hidden, embeds), cos, sin, cache, mask, positions)
         return self._mlp_block(hidden)
 
     def forward_ttt(self, hidden, embeds, cos, sin, blocks) -> torch.Tensor:

@@ -7,18 +7,18 @@ import json
 import pytest
 
 from drafttrain import DrafttrainError
-from drafttrain.evaluation.suites import BUILTIN_SUITES, load_suite, suite_dir
+from drafttrain.evaluation.suites import BUILTIN_SUITES, COPIED_SUITES, load_suite, suite_dir
 
 
 @pytest.mark.parametrize("name", BUILTIN_SUITES)
 def test_builtin_suites_load(name):
     suite = load_suite(name)
-    assert len(suite) == 80
+    assert len(suite) == (24 if name == "long_context" else 80)
     assert all(q.turns and q.category for q in suite.questions)
 
 
 def test_builtin_files_are_byte_copies_of_shared_data(shared_data):
-    for name in BUILTIN_SUITES:
+    for name in COPIED_SUITES:
         assert (suite_dir() / f"{name}.jsonl").read_bytes() == (shared_data / "eval" / f"{name}.jsonl").read_bytes()
 
 
@@ -101,3 +101,22 @@ def test_depth_auto_calibrates_on_the_served_suites_own_unreported_prompts():
     assert len(chosen) == 4 and not firsts & {q.turns[0] for q in chosen}
     assert len({q.category for q in chosen}) == 4  # one category at a time
     assert served_kind(load_suite("mt_bench").select(turns="1"), 4) == ()  # every prompt reported: none left
+
+
+def test_the_long_context_suite_fills_every_long_bucket_and_fits_smollm2s_context(smollm2):
+    """24 prompts of 2k-8k tokens as the evaluator renders them (chat template included), both kinds in each of the
+    2k-4k, 4k-8k ranges, each leaving room for a 256-token answer in SmolLM2's 8k context; the training rows never
+    share a source file or topic with the suite."""
+    from drafttrain.data.chat import prompt_ids
+
+    suite = load_suite("long_context")
+    lengths = {q.question_id: len(prompt_ids(smollm2.tokenizer, [{"role": "user", "content": q.turns[0]}]))
+               for q in suite.questions}
+    assert 2048 <= min(lengths.values()) and max(lengths.values()) + 256 <= 8192, lengths
+    for category in ("long_code", "long_docs"):
+        mine = [n for q, n in zip(suite.questions, lengths.values()) if q.category == category]
+        assert len(mine) == 12 and any(n < 4096 for n in mine) and any(n >= 4096 for n in mine)
+    rows = [json.loads(line) for line in (suite_dir() / "long_context.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in
+             (suite_dir().parent / "data" / "train" / "long_context_train.jsonl").read_text().splitlines()]
+    assert len(train) >= 40 and not {r["source"] for r in rows} & {r["source"] for r in train}

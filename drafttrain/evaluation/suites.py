@@ -3,7 +3,8 @@
 
 Built-in suites live in the repository's ``eval/`` folder (see ``eval/SOURCES.md`` for provenance and licences):
 ``mt_bench`` (80 questions, 2 turns, 8 categories x 10, in file order), ``humaneval``, ``gsm8k``, ``alpaca``
-(80 single-turn questions each, as used by SafeAILab/EAGLE's evaluation).
+(80 single-turn questions each, as used by SafeAILab/EAGLE's evaluation), and ``long_context`` (24 single-turn
+prompts of 2k-8k tokens: a long code file or reference text and a request about it).
 
 Selection is deterministic: ``num_prompts=N`` takes N questions one category at a time in turn (each category's in
 file order; no shuffling, no sampling), so two runs with the same N see the same prompts and a small N covers every
@@ -21,7 +22,10 @@ from typing import Literal
 
 from drafttrain import DrafttrainError
 
-BUILTIN_SUITES: tuple[str, ...] = ("mt_bench", "humaneval", "gsm8k", "alpaca")
+# copied byte for byte from public files; long_context is built by scripts/build_long_context_suite.py from
+# Python's own standard library and language reference (PSF licence): 24 prompts of 2k-8k tokens
+COPIED_SUITES: tuple[str, ...] = ("mt_bench", "humaneval", "gsm8k", "alpaca")
+BUILTIN_SUITES: tuple[str, ...] = (*COPIED_SUITES, "long_context")
 
 @dataclasses.dataclass(frozen=True)
 class Question:

@@ -44,8 +44,9 @@ def overfit_head(target, cfg, ids, continuation, steps=30, lr=3e-3):
     return head.eval(), losses
 
 
-EAGLE3_OPTIONS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True},
-                  "eagle3-window": {"sliding_window": 16}}  # shorter than prompt + answer: the window is in play
+# EAGLE-3.1's norms and a window of 16 (shorter than prompt + answer: in play) in one head; each option's training
+# path is held to its decoding path one by one in test_drafts.py
+EAGLE3_OPTIONS = {"eagle3": {}, "eagle3.1-window": {"fc_norm": True, "norm_output": True, "sliding_window": 16}}
 
 
 @pytest.fixture(scope="module", params=[*EAGLE3_OPTIONS, "eagle"])

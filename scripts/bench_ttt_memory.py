@@ -34,7 +34,7 @@ def settings(length: int, ttt: int, out: Path) -> list[str]:
 
 def measure(length: int, ttt: int, out: str, steps: int) -> dict:
     """In the child: one row of ``length`` random ids through the target, then timed draft steps."""
-    import torch
+    import torch  # in the child, from the checkout under test (its PYTHONPATH), not the caller's
 
     from drafttrain.config import load_recipe
     from drafttrain.drafts import drafter_class

@@ -160,9 +160,9 @@ class Eagle3Drafter(EagleHead):
         }
         if self.parallel:
             config["mask_token_id"] = self.mask_token_id
-        return {**config, **self._eagle31_fields()}
+        return {**config, **self._reader_options()}
 
-    def _eagle31_fields(self) -> dict:
+    def _reader_options(self) -> dict:
         """EAGLE-3.1's flags and the sliding window, under the names vLLM and speculators read (a window as vLLM's
         Llama layers read it: per-layer types and one size); left out when off (the readers' default)."""
         fields = {name: True for name in ("fc_norm", "norm_output") if getattr(self.config, name)}
@@ -179,7 +179,7 @@ class Eagle3Drafter(EagleHead):
             return ("speculators",)
         # SGLang's EAGLE-3 reader is not known to read EAGLE-3.1's norms or a draft window: a file it would load
         # without them would draft differently from the head that was trained, so it is not written
-        return ("vllm", "speculators") if self._eagle31_fields() else self.formats
+        return ("vllm", "speculators") if self._reader_options() else self.formats
 
     def exported(self, fmt: str) -> Exported:
         """The layer ids say which target layers feed fc, and each engine reads them its own way. drafttrain's id i
@@ -196,7 +196,7 @@ class Eagle3Drafter(EagleHead):
         if fmt == "speculators":
             return self._speculators(config, tensors)
         if fmt not in self.export_formats():
-            options = [k for k in ("fc_norm", "norm_output", "sliding_window") if k in self._eagle31_fields()]
+            options = [k for k in ("fc_norm", "norm_output", "sliding_window") if k in self._reader_options()]
             why = (f"a P-EAGLE head (parallel_depths {self.config.parallel_depths}) is served from speculators' "
                    "format (vLLM reads its mask slots from there)" if self.parallel else
                    f"an EAGLE-3.1 or sliding-window head ({', '.join(options)}) is written only where the reader "

@@ -105,15 +105,13 @@ class DraftAttention(nn.Module):
         (T,): the chunk's sequence positions (default: right after the cache), which a sliding window reads.
         """
         q, k, v = self._project(x, cos, sin)
-        if positions is None:
-            positions = torch.arange(cache.length, cache.length + q.shape[2], device=x.device)
         keys, values = cache.append(k, v, positions)
         rep = self.num_heads // self.num_kv_heads
         if mask is None:
             past = keys.shape[2] - q.shape[2]
             mask = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=x.device).tril(past)
-        if self.window is not None:
-            mask = mask & within_window(positions, cache.positions, self.window)
+        if self.window is not None:  # the chunk's own positions are the cache's last ones
+            mask = mask & within_window(cache.positions[-q.shape[2]:], cache.positions, self.window)
         attn = F.scaled_dot_product_attention(q, repeat_kv(keys, rep), repeat_kv(values, rep), attn_mask=mask)
         return self._out(attn)
 

@@ -81,10 +81,12 @@ def _sum_positions(stats: list[Any], field: str) -> list[int]:
     return total
 
 
-def _contexts(run: SideRun) -> list[int]:
-    """The context length at each of the run's steps, all turns in order (as ``accepted_per_step`` lists them)."""
-    return [ctx for prompt, s in zip(run.prompt_tokens, run.stats)
-            for ctx in metrics.contexts_per_step(prompt, s.accepted_per_step)]
+def _step_lists(run: SideRun) -> dict[str, list[int]]:
+    """The run's steps, all turns in order: accepted and drafted tokens, and the context length each drafted from."""
+    return {"accepted_per_step": _stats_lists(run.stats, "accepted_per_step"),
+            "drafted_per_step": _stats_lists(run.stats, "drafted_per_step"),
+            "context_per_step": [ctx for prompt, s in zip(run.prompt_tokens, run.stats)
+                                 for ctx in metrics.contexts_per_step(prompt, s.accepted_per_step)]}
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -98,8 +100,8 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
 def prompt_record(question: Question, method: SideRun, base: SideRun | None, temperature: float) -> dict[str, Any]:
     """The method's counts, timings and acceptance on one question, against the baseline's run of it."""
     stats = method.stats
-    accepted = _stats_lists(stats, "accepted_per_step")
-    drafted = _stats_lists(stats, "drafted_per_step")
+    steps = _step_lists(method)
+    accepted, drafted = steps["accepted_per_step"], steps["drafted_per_step"]
     record: dict[str, Any] = {
         "question_id": question.question_id,
         "category": question.category,
@@ -112,9 +114,7 @@ def prompt_record(question: Question, method: SideRun, base: SideRun | None, tem
         "target_forwards": sum(int(s.target_forwards) for s in stats),
         "tau": metrics.tau(accepted),
         "acceptance_rate": metrics.acceptance_rate(accepted, drafted),
-        "accepted_per_step": accepted,
-        "drafted_per_step": drafted,
-        "context_per_step": _contexts(method),
+        **steps,
         # The engine's own per-depth counters, kept raw (the report derives per-position rates from the steps).
         "engine_position_drafted": _sum_positions(stats, "position_drafted"),
         "engine_position_accepted": _sum_positions(stats, "position_accepted"),
@@ -195,9 +195,8 @@ def original_target_line(pairs: list[tuple[SideRun, SideRun | None]], records: l
 def comparison_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: float) -> dict[str, Any]:
     """A speed line with the engine's own τ and acceptance."""
     line = _speed_line(pairs, temperature)
-    stats = [s for run, _ in pairs for s in run.stats]
-    accepted, drafted = _stats_lists(stats, "accepted_per_step"), _stats_lists(stats, "drafted_per_step")
-    steps = [{"accepted_per_step": _stats_lists(run.stats, "accepted_per_step"), "context_per_step": _contexts(run),
-              "drafted_per_step": _stats_lists(run.stats, "drafted_per_step")} for run, _ in pairs]
+    steps = [_step_lists(run) for run, _ in pairs]
+    accepted = [a for s in steps for a in s["accepted_per_step"]]
+    drafted = [d for s in steps for d in s["drafted_per_step"]]
     return dict(line, tau=metrics.tau(accepted), acceptance_rate=metrics.acceptance_rate(accepted, drafted),
                 by_context=metrics.by_context(steps))

@@ -39,16 +39,20 @@ DEFINITIONS = """\
 """
 
 
+ACCEPTANCE_PLOT = "acceptance.png"
+CONTEXT_PLOT = "context.png"
+
+
 def write_report(report: EvalReport, out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md and acceptance.png into ``out_dir`` (created); return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "report.json", "markdown": out / "report.md", "plot": out / "acceptance.png"}
+    paths = {"json": out / "report.json", "markdown": out / "report.md", "plot": out / ACCEPTANCE_PLOT}
     paths["json"].write_text(report.to_json() + "\n")
     paths["markdown"].write_text(render_markdown(report))
     plot_acceptance(report, paths["plot"])
     if report.overall.get("by_context"):
-        paths["context_plot"] = out / "context.png"
+        paths["context_plot"] = out / CONTEXT_PLOT
         plot_by_context(report, paths["context_plot"])
     return paths
 

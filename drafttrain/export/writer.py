@@ -20,10 +20,10 @@ from drafttrain import DrafttrainError
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter, read_draft_config
 from drafttrain.evaluation.evaluate import EvalReport
-from drafttrain.evaluation.report import plot_acceptance, plot_by_context
+from drafttrain.evaluation.report import ACCEPTANCE_PLOT, CONTEXT_PLOT, plot_acceptance, plot_by_context
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
 from drafttrain.evaluation.serving_report import plot as plot_bench
-from drafttrain.export.card import ACCEPTANCE_PLOT, CONTEXT_PLOT, build_card
+from drafttrain.export.card import build_card
 from drafttrain.runfolder import (
     CONFIG_NAME,
     EVAL_DIR,
@@ -97,9 +97,10 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
     if measured is not None:
         (staging / EVAL_DIR).mkdir()
         write_text_atomic(staging / EVAL_DIR / REPORT_NAME, json.dumps(measured, indent=1))
-        plot_acceptance(EvalReport(**measured), staging / ACCEPTANCE_PLOT)
-        if measured["overall"].get("by_context"):
-            plot_by_context(EvalReport(**measured), staging / CONTEXT_PLOT)
+        report = EvalReport(**measured)
+        plot_acceptance(report, staging / ACCEPTANCE_PLOT)
+        if report.overall.get("by_context"):
+            plot_by_context(report, staging / CONTEXT_PLOT)
     bench = _bench(drafter, checkpoint)
     if bench is not None:
         (staging / BENCH_DIR).mkdir()

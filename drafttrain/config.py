@@ -347,6 +347,12 @@ class TrainingConfig(Section):
     log_every: int = Field(10, gt=0)
     num_workers: int = Field(0, ge=0)
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `no` (in a recipe or `training.mixed_precision=no`) as false
+        return "no" if value is False else value
+
 
 SETTING_ERROR = "setting"  # pydantic error type whose message continues the setting's name ("--depth (k) must ...")
 

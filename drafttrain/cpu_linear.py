@@ -45,11 +45,18 @@ def packing_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+@functools.cache
+def _bf16_packing() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere the reorder
+    raises, so a bf16 target on an AVX2 CPU keeps PyTorch's own kernel."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _packable(layer: torch.nn.Linear) -> bool:
     weight = layer.weight
     return (weight.device.type == "cpu" and weight.layout == torch.strided and weight.dim() == 2
             and weight.numel() > 0  # a ZeRO-3 partitioned weight is an empty placeholder
-            and weight.dtype in (torch.float32, torch.bfloat16)
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _bf16_packing()))
             and (layer.bias is None or layer.bias.dtype == weight.dtype))
 
 

@@ -3,6 +3,7 @@ input."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,6 +15,8 @@ from conftest import draft_vocab_file
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config, EagleConfig, parse_recipe
+from drafttrain.decoding.engine import SpeculativeDecoder, plain_decode
+from drafttrain.decoding.proposers import build_proposer
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.targets import Target, TargetNeeds, run_target
 from drafttrain.training.features import FeatureCache, write_feature_cache
@@ -147,6 +150,19 @@ def test_eagle3_checkpoint_uses_the_interchange_layout(tiny_target, tmp_path):
     for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     assert loaded.state_dict()["midlayer.self_attn.q_proj.weight"].shape == (32, 64)  # 2H input
+
+
+@pytest.mark.parametrize("cfg", [Eagle3Config(ttt_steps=2), EagleConfig()], ids=["eagle3", "eagle"])
+def test_a_float32_draft_serves_a_bfloat16_target_in_its_dtype(tiny_target, tmp_path, cfg):
+    """Trained with fp32 weights beside a bf16 target (mixed precision), the saved draft is loaded in the target's
+    dtype, as engines serve it: it failed at its first matmul on a GPU. Its greedy output is the target's own."""
+    build_drafter(cfg, tiny_target).save_pretrained(tmp_path / "ckpt")
+    half = Target("tiny-llama", copy.deepcopy(tiny_target.model).to(torch.bfloat16), tokenizer=None)
+    loaded = load_drafter(tmp_path / "ckpt", half)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    ids = batch_of(half)["input_ids"][:1, :12]
+    out = SpeculativeDecoder(half, build_proposer(loaded.proposer, half, draft=loaded), depth=3).generate(ids, 16)
+    assert out.tokens == plain_decode(half, ids, 16).tokens
 
 
 def test_eagle3_draft_vocab_restricts_logits_to_kept_ids(tiny_target, tmp_path):

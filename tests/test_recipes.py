@@ -57,6 +57,14 @@ def test_overrides_keep_types_and_are_validated(tmp_path):
         load_recipe(REPO / "recipes" / "smollm2_eagle3_quick.yaml", ["training.epochs"])
 
 
+def test_mixed_precision_no_is_read_as_the_word_not_yaml_false():
+    # YAML 1.1 reads `no` as false; the schema's message then asked for 'no', which the user had typed
+    recipe = load_recipe(REPO / "recipes" / "smollm2_eagle3_quick.yaml", ["training.mixed_precision=no"])
+    assert recipe.training.mixed_precision == "no"
+    with pytest.raises(DrafttrainError, match="training.mixed_precision"):
+        load_recipe(REPO / "recipes" / "smollm2_eagle3_quick.yaml", ["training.mixed_precision=true"])
+
+
 def test_an_override_whose_value_is_not_yaml_is_named_not_a_traceback():
     from drafttrain.config import apply_overrides
 

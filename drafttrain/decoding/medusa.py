@@ -63,6 +63,7 @@ def measure_rank_accuracies(target, drafter, prompts: list[torch.Tensor], max_ne
             hidden = tap.get()[0][0]  # [T, H]
         start = prompt.shape[1] - 1  # the position whose output is the first answer token
         ranked = drafter.head_logits(hidden.to(drafter.lm_heads[0].weight.dtype)).topk(k, dim=-1).indices  # [T,K,k]
+        ranked, ids = ranked.cpu(), ids.cpu()  # counted on the CPU, beside the running sums (one copy, not one per hit)
         for t in range(start, ids.shape[1]):
             for h in range(heads):
                 future = t + 2 + h

@@ -38,4 +38,4 @@ def rank_hits(ranked: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -
     """Per depth and rank, how often the rank-r candidate is the wanted token: ``ranked`` [N, depths, k] candidate
     ids, ``wanted`` [N, depths], ``valid`` [N, depths] -> (hits [depths, k], counted [depths, 1])."""
     hits = ((ranked == wanted.unsqueeze(-1)) & valid.unsqueeze(-1)).float().sum(0)
-    return hits, valid.float().sum(0).unsqueeze(-1)
+    return hits.cpu(), valid.float().sum(0).unsqueeze(-1).cpu()  # the callers' running sums live on the CPU

@@ -144,6 +144,9 @@ def load_drafter(path: str | Path, target) -> Drafter:
         raise damaged(directory, f"holds a {kind.kind} draft whose files cannot be read ({type(err).__name__}: "
                                  f"{str(err).splitlines()[0][:200] if str(err) else 'unreadable'})") from None
     drafter.check_finite(directory)
+    # Served in its target's dtype, as the engines serve a draft: a head trained with fp32 weights (mixed
+    # precision) beside a bf16 target failed at its first matmul (seen on an H100)
+    drafter.to(dtype=target.model.dtype)
     _check_engine_config(drafter, config, directory)
     weights = directory / WEIGHTS_NAME
     sha = (checked.get(WEIGHTS_NAME) or {}).get("sha256") or (file_sha256(weights) if weights.is_file() else None)

@@ -104,7 +104,7 @@ class CheckpointEvaluator:
         def perplexity() -> float:
             total, weight = 0.0, 0.0
             for row in range(len(self.validation or [])):
-                batch = pad_collate([{**self.validation[row], ROW_INDEX: row}])
+                batch = row_batch(self.validation, row, self.target.device)
                 logits = run_target(self.target, batch, TargetNeeds(logits=True)).logits
                 mask = shift_left(batch["loss_mask"].float(), 1)
                 total += float(cross_entropy(logits, shift_left(batch["input_ids"], 1), mask)) * float(mask.sum())
@@ -147,6 +147,12 @@ class CheckpointEvaluator:
         return measured
 
 
+def row_batch(rows, row: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Held-out row ``row`` as a batch of one on the target's device, as the training loop gives its batches (a
+    batch left on the CPU broke the first checkpoint's evaluation on a GPU)."""
+    return {key: value.to(device) for key, value in pad_collate([{**rows[row], ROW_INDEX: row}]).items()}
+
+
 @torch.no_grad()
 def held_out(drafter, target, rows) -> tuple[list[float], dict[str, float]]:
     """On held-out ``rows`` (tokenised rows, a dataset): per draft position, the share of trainable tokens where the
@@ -154,7 +160,7 @@ def held_out(drafter, target, rows) -> tuple[list[float], dict[str, float]]:
     all the rows' tokens."""
     needs, correct, counted, sums = drafter.held_out_needs(), [], [], {}
     for row in range(len(rows)):
-        batch = pad_collate([{**rows[row], ROW_INDEX: row}])
+        batch = row_batch(rows, row, target.device)
         out = drafter.training_step(batch, run_target(target, batch, needs))
         correct, counted = add_positions(correct, out.correct), add_positions(counted, out.counted)
         for name, (total, weight) in out.measures.items():

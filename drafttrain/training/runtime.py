@@ -6,7 +6,8 @@ DeepSpeed on CPU needs two things accelerate does not do by itself:
   process group anyway but records ``num_processes = 1``, so it computes ``train_batch_size`` for one process
   and DeepSpeed's batch assertion fails under 2 processes ("... 2 != 2 * 1 * 2").
 * ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` when run without a launcher (one process), since
-  DeepSpeed otherwise falls back to MPI discovery.
+  DeepSpeed otherwise falls back to MPI discovery. GPUs need these too: accelerate initialises DeepSpeed only where
+  ``LOCAL_RANK`` is set.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ def build_accelerator(training: TrainingConfig):
     stage3 = config is not None and int(config["zero_optimization"].get("stage", 0)) == 3
     plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage3) if config else None
     handlers = []
-    if uses_deepspeed(training) and not torch.cuda.is_available():
+    if uses_deepspeed(training):
+        # accelerate makes DeepSpeed's process group only where LOCAL_RANK is set, but takes the plugin anyway: one
+        # process started plainly or by `accelerate launch` without a DeepSpeed config then failed at its first
+        # barrier ("Default process group has not been initialized"; seen on an H100)
         _single_process_env_if_unlaunched()
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        if not torch.cuda.is_available():
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
     accelerator = Accelerator(
         mixed_precision=training.mixed_precision,
         gradient_accumulation_steps=training.gradient_accumulation,

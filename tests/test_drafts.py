@@ -160,6 +160,9 @@ def test_a_float32_draft_serves_a_bfloat16_target_in_its_dtype(tiny_target, tmp_
     half = Target("tiny-llama", copy.deepcopy(tiny_target.model).to(torch.bfloat16), tokenizer=None)
     loaded = load_drafter(tmp_path / "ckpt", half)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    # the rotary frequencies stay fp32, as HF keeps them in a bf16 model (in bf16 the phase drifts with distance)
+    assert {b.dtype for b in loaded.buffers() if b.is_floating_point()} <= {torch.float32}
+    assert {p.dtype for p in load_drafter(tmp_path / "ckpt", half, as_saved=True).parameters()} == {torch.float32}
     ids = batch_of(half)["input_ids"][:1, :12]
     out = SpeculativeDecoder(half, build_proposer(loaded.proposer, half, draft=loaded), depth=3).generate(ids, 16)
     assert out.tokens == plain_decode(half, ids, 16).tokens

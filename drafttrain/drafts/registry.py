@@ -6,6 +6,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import save_file
@@ -118,9 +119,19 @@ def _check_engine_config(drafter: Drafter, config: dict, directory: Path) -> Non
                                                    f"{value!r}: engines would serve another draft than this one")
 
 
-def load_drafter(path: str | Path, target) -> Drafter:
+def to_dtype(drafter: Drafter, dtype: torch.dtype) -> None:
+    """The draft's floating-point parameters in ``dtype``; its buffers stay as built: the rotary frequencies are
+    kept in fp32 by HF's own models in any dtype, and in bf16 their phase error reaches 1.4 rad at 1k tokens."""
+    for param in drafter.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+
+
+def load_drafter(path: str | Path, target, *, as_saved: bool = False) -> Drafter:
     """Load a saved draft of any kind and attach ``target``. ``path`` may also be a run's output_dir or
-    checkpoints folder: its best checkpoint is loaded.
+    checkpoints folder: its best checkpoint is loaded. Its weights take the target's dtype, as the engines serve a
+    draft (a head trained in fp32 beside a bf16 target failed at its first matmul on a GPU); ``as_saved`` keeps
+    them as written, for the paths that rewrite or compare the weights (export, import).
 
     Checked on the way: the files against the checkpoint's manifest (checksums), the draft's recorded target
     tokenizer against this target's, its config against its weights, and the weights for NaN/inf."""
@@ -143,10 +154,9 @@ def load_drafter(path: str | Path, target) -> Drafter:
     except (OSError, SafetensorError) as err:  # files read by transformers or peft (draft models, adapters)
         raise damaged(directory, f"holds a {kind.kind} draft whose files cannot be read ({type(err).__name__}: "
                                  f"{str(err).splitlines()[0][:200] if str(err) else 'unreadable'})") from None
-    drafter.check_finite(directory)
-    # Served in its target's dtype, as the engines serve a draft: a head trained with fp32 weights (mixed
-    # precision) beside a bf16 target failed at its first matmul (seen on an H100)
-    drafter.to(dtype=target.model.dtype)
+    if not as_saved:
+        to_dtype(drafter, target.model.dtype)
+    drafter.check_finite(directory)  # after the cast: an fp16 target would turn a large weight into inf
     _check_engine_config(drafter, config, directory)
     weights = directory / WEIGHTS_NAME
     sha = (checked.get(WEIGHTS_NAME) or {}).get("sha256") or (file_sha256(weights) if weights.is_file() else None)

@@ -50,7 +50,7 @@ def import_draft(source: str | Path, target, out: str | Path, overwrite: bool = 
         drafter = _built(kind, draft, config, tensors, target, Path(tmp))
         drafter.save_pretrained(staging, imported=origin)
     write_manifest(staging, {"imported": origin, **drafter.identity()})
-    loaded = load_drafter(staging, target)
+    loaded = load_drafter(staging, target, as_saved=True)
     _check_weights_kept(loaded, tensors, source)
     publish(staging, out)
     return out, notes

@@ -62,7 +62,7 @@ def export_checkpoint(source: str | Path, fmt: str | None, out: str | Path | Non
     checkpoint = find_draft(source)
     target = load_target(target_name or recorded_target(checkpoint), device=device)
     # the draft as configured says which formats it can be written in (a P-EAGLE head: speculators' only)
-    fmt = fmt or load_drafter(checkpoint, target).export_formats()[0]
+    fmt = fmt or load_drafter(checkpoint, target, as_saved=True).export_formats()[0]
     if out is None:
         out, options["overwrite"] = (RunFolder.of_checkpoint(checkpoint) or RunFolder.of(checkpoint)).export(fmt), True
     return export_draft(checkpoint, fmt, out, target, **options)
@@ -81,7 +81,7 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
     out = Path(out)
     staging = staging_for(out, overwrite)
     checkpoint = find_draft(source)
-    drafter = load_drafter(checkpoint, target)
+    drafter = load_drafter(checkpoint, target, as_saved=True)
     if fmt not in drafter.formats:  # the kind's formats; an option that narrows them says why in exported()
         raise DrafttrainError(f"a {drafter.kind} draft exports to {', '.join(drafter.formats)}, not {fmt}")
     measured = _measured(drafter, checkpoint, report)

@@ -17,7 +17,7 @@
 # DEVICE=cpu STEPS=3 DTYPE=float32 runs the same stages on a CPU (to test this script); every stage has its own
 # time limit and its log goes to OUT_DIR, so one failing stage does not hide the others.
 set -uo pipefail
-out=${1:?usage: checks.sh OUT_DIR shape|real}
+out=$(realpath -m "${1:?usage: checks.sh OUT_DIR shape|real}")  # absolute: the bundle is made from inside it
 mode=${2:?usage: checks.sh OUT_DIR shape|real}
 dev=${DEVICE:-cuda}
 steps=${STEPS:-300}
@@ -102,4 +102,4 @@ case $mode in
     real) real_checks ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
-(cd "$out" && tar -czf /tmp/gpu-results.tgz --exclude='*.png' . && mv /tmp/gpu-results.tgz "$out/results-$mode.tgz")
+(cd "$out" && tar -czf /tmp/gpu-results.tgz --exclude='*.png' --exclude='results-*.tgz' . && mv /tmp/gpu-results.tgz "$out/results-$mode.tgz")

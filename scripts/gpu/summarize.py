@@ -47,9 +47,12 @@ def eval_rows(out: Path) -> list[str]:
         report = json.loads(report_file.read_text())
         o, c = report["overall"], report["config"]
         ci = o.get("speedup_ci95") or [float("nan")] * 2
-        ms = o.get("step_ms") or {}
+        ms = {k: v or 0.0 for k, v in (o.get("step_ms") or {}).items()}
         compared = "; ".join(f"{name}: tau {side['tau']:.2f}, x{side['speed_vs_baseline']:.2f}, match "
                              f"{side['greedy_match_vs_baseline']}" for name, side in report.get("comparisons", {}).items())
+        if o.get("tau") is None or o.get("speedup") is None:  # a run that decoded nothing (a report allows None)
+            lines.append(f"| {report_file.parent.name} | no figures: see its report.md |")
+            continue
         lines.append(f"| {report_file.parent.name} | {c['machine'].get('cuda') or 'cpu'}, {c['dtype']} | {o['tau']:.3f} "
                      f"| {o['speedup']:.2f} ({ci[0]:.2f}-{ci[1]:.2f}) | {o['greedy_match']} | {o['tokens_per_s']:.1f} | "
                      f"{o['baseline_tokens_per_s']:.1f} | {ms.get('draft', 0):.1f} / {ms.get('verify', 0):.1f} | {compared} |")

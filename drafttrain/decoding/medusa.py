@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from drafttrain.decoding.engine import plain_decode
-from drafttrain.decoding.positional import positional_draft
+from drafttrain.decoding.positional import positional_draft, rank_hits
 from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer, trained_draft
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
 from drafttrain.targets import HiddenStateTap
@@ -63,11 +63,9 @@ def measure_rank_accuracies(target, drafter, prompts: list[torch.Tensor], max_ne
             hidden = tap.get()[0][0]  # [T, H]
         start = prompt.shape[1] - 1  # the position whose output is the first answer token
         ranked = drafter.head_logits(hidden.to(drafter.lm_heads[0].weight.dtype)).topk(k, dim=-1).indices  # [T,K,k]
-        ranked, ids = ranked.cpu(), ids.cpu()  # counted on the CPU, beside the running sums (one copy, not one per hit)
-        for t in range(start, ids.shape[1]):
-            for h in range(heads):
-                future = t + 2 + h
-                if future < ids.shape[1]:
-                    hits[h] += (ranked[t, h] == ids[0, future]).float()
-                    counted[h] += 1
+        # head h at position t proposes the token at t + 2 + h (the target's own next token is t + 1)
+        at = torch.arange(start, ids.shape[1], device=ids.device)[:, None] + 2 + torch.arange(heads, device=ids.device)
+        valid = at < ids.shape[1]
+        h, n = rank_hits(ranked[start:], ids[0, at.clamp(max=ids.shape[1] - 1)], valid)
+        hits, counted = hits + h, counted + n
     return (hits / counted.clamp(min=1)).tolist()

@@ -119,7 +119,7 @@ def _check_engine_config(drafter: Drafter, config: dict, directory: Path) -> Non
                                                    f"{value!r}: engines would serve another draft than this one")
 
 
-def to_dtype(drafter: Drafter, dtype: torch.dtype) -> None:
+def _params_to(drafter: Drafter, dtype: torch.dtype) -> None:
     """The draft's floating-point parameters in ``dtype``; its buffers stay as built: the rotary frequencies are
     kept in fp32 by HF's own models in any dtype, and in bf16 their phase error reaches 1.4 rad at 1k tokens."""
     for param in drafter.parameters():
@@ -155,7 +155,7 @@ def load_drafter(path: str | Path, target, *, as_saved: bool = False) -> Drafter
         raise damaged(directory, f"holds a {kind.kind} draft whose files cannot be read ({type(err).__name__}: "
                                  f"{str(err).splitlines()[0][:200] if str(err) else 'unreadable'})") from None
     if not as_saved:
-        to_dtype(drafter, target.model.dtype)
+        _params_to(drafter, target.model.dtype)
     drafter.check_finite(directory)  # after the cast: an fp16 target would turn a large weight into inf
     _check_engine_config(drafter, config, directory)
     weights = directory / WEIGHTS_NAME

@@ -32,7 +32,7 @@ from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without
 from drafttrain.runfolder import EVAL_DIR, RunFolder
 from drafttrain.targets import TargetNeeds
 from drafttrain.targets.outputs import run_target
-from drafttrain.training.loader import ROW_INDEX, pad_collate
+from drafttrain.training.loader import ROW_INDEX, pad_collate, to_device
 from drafttrain.training.run_log import CheckpointMetrics
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class CheckpointEvaluator:
 def row_batch(rows, row: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Held-out row ``row`` as a batch of one on the target's device, as the training loop gives its batches (a
     batch left on the CPU broke the first checkpoint's evaluation on a GPU)."""
-    return {key: value.to(device) for key, value in pad_collate([{**rows[row], ROW_INDEX: row}]).items()}
+    return to_device(pad_collate([{**rows[row], ROW_INDEX: row}]), device)
 
 
 @torch.no_grad()

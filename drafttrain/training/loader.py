@@ -108,6 +108,11 @@ def training_columns(dataset) -> list[str]:
     return [*REQUIRED_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in names)]
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated batch on ``device``: where the model runs, for training steps and held-out evaluation alike."""
+    return {key: value.to(device) for key, value in batch.items()}
+
+
 def pad_collate(rows: list[dict[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row of the batch; padding has loss_mask 0 and attention_mask 0."""
     longest = max(len(r["input_ids"]) for r in rows)

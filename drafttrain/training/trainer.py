@@ -28,7 +28,7 @@ from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged,
 from drafttrain.targets.outputs import TargetOutputs, run_target
 from drafttrain.training.checkpoint import (DAMAGED_SUFFIX, DIVERGED_SUFFIX, CheckpointManager, TrainerState,
                                            recipe_changes)
-from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids
+from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids, to_device
 from drafttrain.training.run_log import CheckpointMetrics, MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator, gathered, local_part, shard_frozen, zero_stage_of
 from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
@@ -270,7 +270,7 @@ class Trainer:
         total, started = 0.0, time.perf_counter()
         for i, batch in enumerate(group):
             rows = batch[ROW_INDEX].tolist()
-            batch = {k: v.to(acc.device) for k, v in batch.items()}
+            batch = to_device(batch, acc.device)
             with acc.accumulate(self.module):
                 out = self.module(batch)
                 self._check_finite(out.loss, state, state.batch_in_epoch + i, rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,11 +33,16 @@ class TargetConfig(Section):
     trust_remote_code: bool = False
     # Override the tokenizer's chat template: a Jinja string or a path to a .jinja file.
     chat_template: str | None = None
+    # A fine-tune of ``model`` given as a peft LoRA adapter folder: loaded onto it and merged, so the target is the
+    # fine-tuned model (its name and fingerprint say so; a draft trained for the base is re-aligned to it)
+    adapter: str | None = None
 
 
 class SourceConfig(Section):
     path: str  # local file (json/jsonl/parquet, optionally .gz) or a Hub dataset id
-    format: Literal["auto", "sharegpt", "openai", "alpaca", "fastchat", "gsm8k", "mbpp", "self_instruct"] = "auto"
+    # request_log: served traffic (OpenAI-format request/response logs); prompts: a prompts file (drafttrain.data.traffic)
+    format: Literal["auto", "sharegpt", "openai", "alpaca", "fastchat", "gsm8k", "mbpp", "self_instruct",
+                    "request_log", "prompts"] = "auto"
     split: str = "train"  # Hub datasets only
     subset: str | None = None  # Hub dataset config name
     weight: float = Field(1.0, gt=0)  # share of data.num_samples, relative to the other sources
@@ -45,6 +50,14 @@ class SourceConfig(Section):
     # None: follow regenerate.enabled. False: keep this source's own answers, so a large written corpus can be mixed
     # with a smaller share the target re-answers (regeneration is the slow stage on small machines).
     regenerate: bool | None = None
+
+
+class ReplayConfig(Section):
+    """Rows of an earlier run's train split mixed into this one, so a draft adapted to new data (draft.init_from)
+    keeps what it learnt there: the same tokenizer, taken as they were tokenised (nothing is re-answered)."""
+
+    run: str  # the earlier run's output_dir (its data/train split and manifest)
+    fraction: float = Field(gt=0, lt=1)  # the replayed rows' share of the final train split
 
 
 class DataConfig(Section):
@@ -57,6 +70,7 @@ class DataConfig(Section):
     overlength: Literal["truncate", "drop"] = "truncate"
     packing: bool = False  # pack several conversations per row (document-aware position ids)
     cache_dir: str | None = None  # default: <output_dir>/cache
+    replay: ReplayConfig | None = None
 
 
 class RegenerateConfig(Section):
@@ -92,10 +106,28 @@ class DraftVocabConfig(Section):
     coverage: float | None = Field(None, gt=0, le=1)
 
 
+class DraftLoraConfig(Section):
+    """LoRA adapters (peft) on a draft's own linear layers: a trained draft adapted by few parameters, its other
+    weights frozen. Saved merged, so checkpoints and exports keep the kind's layout."""
+
+    # module names (peft's matching: a name or its last part); None: every linear layer of the draft but its lm_head
+    target_modules: list[str] | None = Field(None, min_length=1)
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
 class DraftConfig(Section):
     """Base of every draft kind's section; ``kind`` picks the section (and the registry entry in drafttrain.drafts)."""
 
     kind: str
+    # Continue training a saved draft of this kind (a checkpoint, a run folder, an export or what `drafttrain
+    # import` wrote) instead of a fresh one: its architecture and draft vocabulary are kept; of this section only
+    # the settings that shape the loss (``training_settings``) may differ from it, the rest must agree or be left out.
+    init_from: str | None = None
+    draft_lora: DraftLoraConfig | None = None
+    # the settings a continued draft may change: they shape the training loss, not the weights
+    training_settings: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def trains_target(self) -> bool:
@@ -105,6 +137,7 @@ class DraftConfig(Section):
 
 class Eagle3Config(DraftConfig):
     kind: Literal["eagle3"] = "eagle3"
+    training_settings = frozenset({"ttt_steps", "step_decay", "noise", "cod_ratio", "cod_min", "init_from_target"})
     num_layers: int = Field(1, ge=1)
     # Target taps in HF hidden_states numbering (i = the input of layer i), ascending and unique, each below the
     # target's layer count: the order vLLM and SGLang concatenate them in. Default: inputs of 2, L/2, L-3.
@@ -161,6 +194,7 @@ class Eagle3Config(DraftConfig):
 
 class EagleConfig(DraftConfig):
     kind: Literal["eagle"] = "eagle"
+    training_settings = frozenset({"regression_weight", "ce_weight", "noise", "init_from_target"})
     num_layers: int = Field(1, ge=1)
     regression_weight: float = Field(1.0, ge=0)
     ce_weight: float = Field(0.1, ge=0)
@@ -190,6 +224,7 @@ class MedusaConfig(DraftConfig):
     """Medusa heads on the target's final hidden state; with ``lora``, Medusa-2 (the target trains with them)."""
 
     kind: Literal["medusa"] = "medusa"
+    training_settings = frozenset({"loss_weight", "decay", "self_distill", "top_k", "init_lm_head_from_target"})
     num_heads: int = Field(4, ge=1)  # head i predicts the token i+2 positions ahead (the target itself: +1)
     num_layers: int = Field(1, ge=1)  # residual blocks (Linear + SiLU, with a skip) per head
     loss_weight: float = Field(0.2, gt=0)  # head i's loss weight is loss_weight * decay**i
@@ -206,7 +241,8 @@ class MedusaConfig(DraftConfig):
 
 
 class StudentLoraConfig(Section):
-    """LoRA adapters on a draft model (through peft) instead of training all its weights."""
+    """LoRA adapters on a draft model (through peft) instead of training all its weights (the draft model's own
+    draft LoRA: ``draft_lora`` is for the kinds that run on the target's hidden states)."""
 
     target_modules: list[str] = Field(min_length=1)
     rank: int = Field(16, gt=0)
@@ -219,6 +255,8 @@ class DraftModelConfig(DraftConfig):
     target's tokenizer (``student``), or one cut from the target's own layers (``cut``)."""
 
     kind: Literal["draft_model"] = "draft_model"
+    training_settings = frozenset({"divergence", "beta", "temperature", "on_policy", "on_policy_max_new_tokens",
+                                   "on_policy_temperature", "token_filter", "teacher_top_k", "cod_ratio", "cod_min"})
     student: str | None = None  # a built-in name, model folder or Hub id with the target's tokenizer
     # ... or cut from the target, starting from its weights: "every:N" (layers 0, N, 2N, ...), "first:K", or a list
     # of layer indices (0-based)
@@ -262,6 +300,12 @@ class DraftModelConfig(DraftConfig):
         return self
 
     @model_validator(mode="after")
+    def _student_lora(self) -> "DraftModelConfig":
+        if self.draft_lora is not None:
+            raise ValueError("a draft model's LoRA is draft.lora (adapters on its student), not draft_lora")
+        return self
+
+    @model_validator(mode="after")
     def _one_student(self) -> "DraftModelConfig":
         if (self.student is None) == (self.cut is None):
             raise ValueError("give the draft model as either student (a model) or cut (layers of the target)")
@@ -278,6 +322,7 @@ class DFlashConfig(DraftConfig):
     several layers as context and predicts a block of tokens after an anchor in one forward."""
 
     kind: Literal["dflash"] = "dflash"
+    training_settings = frozenset({"anchors", "weighting", "dpace_alpha", "decay_gamma", "init_from_target"})
     num_layers: int = Field(1, ge=1)
     # the block: the anchor (a known token) and block_size - 1 mask tokens, each predicting the token at its position
     block_size: int = Field(8, ge=2)
@@ -564,6 +609,13 @@ class Recipe(Section):
         if self.draft is not None and self.draft.trains_target and self.training.hidden_states == "offline":
             raise ValueError("training.hidden_states offline: this draft trains the target (draft.lora), so the "
                              "target's outputs change every step and cannot be cached; use online")
+        return self
+
+    @model_validator(mode="after")
+    def _continued_draft_vocab(self) -> "Recipe":
+        if self.draft is not None and self.draft.init_from is not None and self.draft_vocab.enabled:
+            raise ValueError("draft.init_from continues a draft with its own draft vocabulary: set "
+                             "draft_vocab.enabled: false (a new one would map its outputs to other tokens)")
         return self
 
     @model_validator(mode="after")

@@ -1,5 +1,5 @@
-"""``drafttrain import``: drafts speculators' own classes wrote (tests/fixtures/speculators_dflash, made by its
-make.py) become drafttrain checkpoints that hold every weight as written, decode losslessly, and export back to the
+"""``drafttrain import``: drafts speculators' own classes wrote (tests/fixtures/speculators_dflash and
+speculators_eagle3, made by their make.py) become drafttrain checkpoints that hold every weight as written, decode losslessly, and export back to the
 same tensors; what does not fit the target is refused by name."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from drafttrain.export.importer import import_draft
 from test_draft_model import tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators_dflash"
+EAGLE3 = Path(__file__).parent / "fixtures" / "speculators_eagle3"
+FOREIGN_EXTRAS = ("embed_tokens.weight",)  # the target's embeddings, which speculators' files carry a copy of
 
 
 def written(name: str) -> dict[str, torch.Tensor]:
@@ -85,6 +87,55 @@ def test_what_is_not_a_foreign_draft_is_refused(tmp_path):
         import_draft(other, target, tmp_path / "no-mask")
     with pytest.raises(DrafttrainError, match="not empty"):
         import_draft(FIXTURES / "full_vocab", target, out)
+
+
+@pytest.mark.parametrize("name, taps, eagle31, vocab", [("eagle31_draft_vocab", [1, 2, 3], True, 16),
+                                                        ("full_vocab", [0, 2, 3], False, 64)])
+def test_a_speculators_eagle3_draft_imports_with_every_weight_and_exports_back(tmp_path, name, taps, eagle31, vocab):
+    target = tiny_target()
+    out, notes = import_draft(EAGLE3 / name, target, tmp_path / "imported")
+    drafter = load_drafter(out, target)
+    assert drafter.kind == "eagle3" and drafter.layer_ids == taps and notes == []
+    assert (drafter.config.fc_norm, drafter.config.norm_output, drafter.d2t.numel()) == (eagle31, eagle31, vocab)
+    theirs = load_file(str(EAGLE3 / name / "model.safetensors"))
+    mine = drafter.state_tensors()
+    for key, value in theirs.items():
+        if key not in FOREIGN_EXTRAS:
+            assert torch.equal(mine[key.replace("layers.0.", "midlayer.")], value), key
+    export = export_draft(out, "speculators", tmp_path / "export", target)
+    config, back = json.loads((EAGLE3 / name / "config.json").read_text()), json.loads((export / "config.json").read_text())
+    for key in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "fc_norm", "norm_output", "target_hidden_size"):
+        assert back[key] == config[key], key
+    exported = load_file(str(export / "model.safetensors"))
+    assert exported.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(exported[key], value) or key in FOREIGN_EXTRAS, key
+
+
+def test_an_imported_eagle3_draft_decodes_losslessly_and_trains_on(tmp_path):
+    target = tiny_target()
+    out, _ = import_draft(EAGLE3 / "eagle31_draft_vocab", target, tmp_path / "imported")
+    drafter = load_drafter(out, target).eval()
+    prompt = [5, 9, 17, 3]
+    decoder = SpeculativeDecoder(target, build_proposer(drafter.proposer, target, draft=drafter), depth=3)
+    assert decoder.generate(prompt, 24).tokens == plain_decode(target, prompt, 24).tokens
+    from drafttrain.config import Eagle3Config
+    from drafttrain.drafts import start_drafter
+
+    continued = start_drafter(Eagle3Config(init_from=str(out), ttt_steps=2), target)  # adapt a published head
+    assert continued.config.fc_norm and continued.config.layers == [1, 2, 3] and continued.config.ttt_steps == 2
+
+
+def test_an_eagle3_draft_with_a_norm_drafttrain_does_not_compute_is_refused(tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(EAGLE3 / "full_vocab", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "norm_before_fc": True}))
+    with pytest.raises(DrafttrainError, match="sets norm_before_fc"):
+        import_draft(other, tiny_target(), tmp_path / "imported")
+    (other / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 2, 9]}))
+    with pytest.raises(DrafttrainError, match="9"):
+        import_draft(other, tiny_target(), tmp_path / "imported")
 
 
 def tiny_target_of(hidden: int = 32, rope_theta: float = 10000.0):

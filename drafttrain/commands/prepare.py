@@ -38,9 +38,16 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DataConfig, Recipe, load_recipe
 from drafttrain.data.regenerate import regenerate_conversations
 from drafttrain.data.sources import load_mixture
-from drafttrain.data.tokenize import build_tokenized_dataset, describe_run_data, tokenizer_fingerprint
+from drafttrain.data.replay import with_replay
+from drafttrain.data.tokenize import (
+    build_tokenized_dataset,
+    describe_run_data,
+    split_fingerprint,
+    tokenizer_fingerprint,
+)
 from drafttrain.data.vocab import DraftVocabKey, build_draft_vocab, dataset_coverage, save_draft_vocab
 from drafttrain.drafts import drafter_class
+from drafttrain.drafts.registry import resolved_section
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset, write_text_atomic
 from drafttrain.targets import load_target, load_tokenizer
 from drafttrain.targets.loading import resolve_model_dir
@@ -127,8 +134,12 @@ def _with_limit(data: DataConfig, limit: int | None) -> DataConfig:
 
 def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool):
 
-    kept = {name for name, yes in _regenerated_sources(recipe, mixture).items() if not yes}
-    todo = [c for c in mixture.train + mixture.validation if c["source"] not in kept]
+    kept_sources = {name for name, yes in _regenerated_sources(recipe, mixture).items() if not yes}
+    # served traffic whose logged answer the target itself gave is kept as it is: it is already the target's own
+    own = {recipe.target.model, recipe.regenerate.served_model} - {None}
+    kept = {str(c["id"]) for c in mixture.train + mixture.validation
+            if c["source"] in kept_sources or c.get("answered_by") in own}
+    todo = [c for c in mixture.train + mixture.validation if str(c["id"]) not in kept]
     result = regenerate_conversations(
         todo,
         recipe.regenerate,
@@ -139,7 +150,7 @@ def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool)
         progress=progress,
     )
     by_id = {str(c["id"]): c for c in result.conversations}
-    by_id.update((str(c["id"]), c) for c in mixture.train + mixture.validation if c["source"] in kept)
+    by_id.update((str(c["id"]), c) for c in mixture.train + mixture.validation if str(c["id"]) in kept)
     train = [by_id[str(c["id"])] for c in mixture.train if str(c["id"]) in by_id]
     validation = [by_id[str(c["id"])] for c in mixture.validation if str(c["id"]) in by_id]
     if not train:
@@ -279,6 +290,7 @@ def build_summary(
             "validation": split_info(val_ds, val_stats, run.validation_split),
         },
         "skipped": skipped,
+        "replay": train_stats.get("replay"),  # rows of an earlier run appended to the train split (data.replay)
         "draft_vocab": vocab_info,
         "seconds": {k: round(v, 2) for k, v in seconds.items()},
         "recipe": recipe.model_dump(mode="json"),
@@ -311,6 +323,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         totals.add_row("answers cut at max_new_tokens", str(regen["finish_reason"].get("length", 0)))
         speed = f"{regen['tokens_per_second']:.1f} tokens/s ({regen['generated_tokens']} tokens)"
         totals.add_row("generation speed", speed)
+    replay = summary.get("replay")
+    if replay:
+        totals.add_row(f"replayed rows of {replay['run']}", f"{replay['rows']} of {replay['asked']} asked "
+                                                           f"({replay['too_long']} too long)")
     vocab = summary["draft_vocab"]
     if vocab:
         coverage = f"{vocab['coverage']:.2%} train"
@@ -420,6 +436,10 @@ def _write_splits(recipe: Recipe, data: DataConfig, conversations: tuple, tokeni
     (train, validation), (tokenizer, tokenizer_id) = conversations, tokenizer
     cache_dir = run.data_cache(data.cache_dir)
     train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, cache_dir, required=True)
+    if data.replay is not None:  # an earlier run's rows, so a continued draft keeps what it learnt there
+        train_ds, train_stats["replay"] = with_replay(train_ds, data.replay, tokenizer_id, data.max_length,
+                                                      recipe.seed)
+        train_stats["fingerprint"] = split_fingerprint(train_ds)
     val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, cache_dir, required=False)
     save_dataset(train_ds, run.train_split)
     if val_ds is not None:
@@ -480,7 +500,7 @@ def writes_features(recipe: Recipe) -> bool:
 
 def _feature_plan(recipe: Recipe, target, fingerprint: str):
     """What the offline cache stores for this recipe's kind, and how (the split's fingerprint, the dtype)."""
-    needs = drafter_class(recipe.draft.kind).target_needs(recipe.draft, target)
+    needs = drafter_class(recipe.draft.kind).target_needs(resolved_section(recipe.draft), target)
     return needs, {"split_fingerprint": fingerprint, "dtype": cache_dtype(recipe.training.feature_dtype, target),
                    "rows_per_shard": recipe.training.cache_shard_rows}
 

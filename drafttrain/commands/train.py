@@ -16,7 +16,8 @@ from drafttrain import DrafttrainError, targets
 from drafttrain.config import Recipe, load_recipe
 from drafttrain.data.tokenize import describe_run_data, split_fingerprint
 from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
-from drafttrain.drafts import build_drafter, drafter_class
+from drafttrain.drafts import drafter_class, start_drafter
+from drafttrain.drafts.registry import resolved_section
 from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator, check_eval_shape
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset
 from drafttrain.targets.hidden import decoder_layers, final_norm
@@ -49,6 +50,7 @@ def check_trainable(recipe: Recipe) -> None:
     """What `train` needs beyond a valid schema; checked before anything heavy loads."""
     if recipe.draft is None:
         raise DrafttrainError("the recipe has no draft section: set draft.kind (e.g. eagle3)")
+    resolved_section(recipe.draft)  # a continued draft (draft.init_from) exists, is of the kind, agrees with the recipe
     if recipe.training.deepspeed is not None and not Path(recipe.training.deepspeed).is_file():
         raise DrafttrainError(f"training.deepspeed: file not found: {recipe.training.deepspeed}")
     if recipe.data is not None and recipe.data.packing:
@@ -81,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(recipe: Recipe, resume: bool = False, target=None):
-    """Load the target (unless given), the prepared data and a fresh draft of the recipe's kind; train; return the
-    TrainResult."""
+    """Load the target (unless given), the prepared data and the draft (a fresh one of the recipe's kind, or the
+    saved one draft.init_from names); train; return the TrainResult."""
     check_trainable(recipe)
 
     run = RunFolder.of(recipe.output_dir)
@@ -96,9 +98,9 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     fingerprint = check_split_is_current(run, dataset, target)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
-    layers = drafter_class(recipe.draft.kind).start_layers(recipe.draft)
+    layers = drafter_class(recipe.draft.kind).start_layers(recipe.draft) if recipe.draft.init_from is None else 0
     with gathered(start_weights(target, layers), zero3):  # what a draft may start from, whole while it is built
-        drafter = build_drafter(recipe.draft, target, run)
+        drafter = start_drafter(recipe.draft, target, run)
     if recipe.training.hidden_states == "offline":
 
         outputs = FeatureCache(run.features, target, drafter.needs(), fingerprint).outputs

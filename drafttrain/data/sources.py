@@ -22,7 +22,10 @@ from collections import Counter
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DataConfig
-from drafttrain.data.conversations import conversation_hash, load_conversations, source_name
+from drafttrain.data.conversations import LoadedSource, conversation_hash, load_conversations, source_name
+from drafttrain.data.traffic import traffic_source
+
+TRAFFIC_FORMATS = ("request_log", "prompts")
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,22 @@ def _unique_names(data_cfg: DataConfig) -> list[str]:
     return names
 
 
+def _load_source(src, name: str) -> tuple[LoadedSource, dict[str, int]]:
+    """One source's conversations, and for served traffic the secrets replaced in it (by kind); the lines a log
+    could not use are named in the log (the first few) and counted."""
+    if src.format not in TRAFFIC_FORMATS:
+        return load_conversations(src.path, src.format, name=name, split=src.split, subset=src.subset), {}
+    loaded, read = traffic_source(src.path, src.format, name)
+    for line in read.skipped[:5]:
+        log.warning("%s: skipped %s", src.path, line)
+    if len(read.skipped) > 5:
+        log.warning("%s: %d more lines skipped (counted in the summary)", src.path, len(read.skipped) - 5)
+    if read.redacted:
+        log.warning("%s: secret-looking strings replaced by [REDACTED] before anything was stored: %s", src.path,
+                    ", ".join(f"{kind} {n}" for kind, n in sorted(read.redacted.items())))
+    return loaded, dict(read.redacted)
+
+
 def load_mixture(data_cfg: DataConfig, seed: int) -> Mixture:
     """Load, dedupe, weight, shuffle and split the recipe's data sources (see the module docstring)."""
     names = _unique_names(data_cfg)
@@ -79,7 +98,7 @@ def load_mixture(data_cfg: DataConfig, seed: int) -> Mixture:
     stats: dict = {"sources": {}, "deduped": 0, "seed": seed}
     seen_hashes: set[str] = set()
     for src, name in zip(data_cfg.sources, names):
-        loaded = load_conversations(src.path, src.format, name=name, split=src.split, subset=src.subset)
+        loaded, redacted = _load_source(src, name)
         kept, duplicates = [], 0
         for conv in loaded.conversations:
             conv["_hash"] = conversation_hash(conv)
@@ -100,6 +119,7 @@ def load_mixture(data_cfg: DataConfig, seed: int) -> Mixture:
             "skipped": dict(loaded.skipped),
             "duplicates": duplicates,
             "available": len(kept),
+            **({"redacted": redacted} if redacted else {}),
         }
 
     available = [len(convs) for convs in per_source]

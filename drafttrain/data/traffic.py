@@ -1,32 +1,80 @@
-"""Served traffic as prompts: OpenAI-format request logs (chat completions JSONL, as a gateway or vLLM's request
-logging writes them).
+"""Served traffic as data: OpenAI-format request logs (chat completions JSONL, as a gateway or vLLM's request
+logging writes them) and plain prompt files.
 
-Each line is one logged request, in any of the shapes those writers use: the request itself (``{"messages": [...],
-"tools": [...]}``), a request beside its response (``{"request": {...}, "response": {...}}``), or an OpenAI batch
-line (``{"custom_id": ..., "body": {...}}``). The prompt is the request's messages (system prompt and tools kept)
-up to its last user turn; a logged answer after it is not part of the prompt. A line that is not JSON or holds no
-usable request is skipped and named (line number and why), never silently; a request seen twice is kept once.
+Each line of a request log is one logged request, in any of the shapes those writers use: the request itself
+(``{"messages": [...], "tools": [...]}``), a request beside its response (``{"request": {...}, "response": {...}}``),
+or an OpenAI batch line (``{"custom_id": ..., "body": {...}}``, its output under ``response.body``). The prompt is
+the request's messages (system prompt and tools kept) up to its last user turn; the logged answer, when there is
+one, is kept beside it with the model that wrote it, so that ``prepare`` keeps the target's own answers and has the
+target answer the rest. A line that is not JSON or holds no usable request is skipped and named (line number and
+why), never silently; a request seen twice is kept once.
+
+A prompts file holds one prompt per line (``.txt``), or JSON lines of strings or ``{"prompt": ...}``.
+
+Secrets: every string of a request (messages, tool calls, tool definitions) and of its answer is scanned for what
+looks like a credential (API keys of the common providers, bearer tokens, JWTs, private key blocks, passwords in
+URLs or assignments) and each match is replaced by ``[REDACTED]`` as the line is read, before anything is stored
+or tokenised; the counts by kind are reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
-from drafttrain.data.conversations import FormatMismatch, SkipRecord, normalize_record
+from drafttrain.data.conversations import FormatMismatch, LoadedSource, SkipRecord, normalize_record
 
 REQUEST_KEYS = ("request", "body")  # where a logged line nests the request, when it does
+REDACTED = "[REDACTED]"
+
+# What credentials look like, by kind; the first group, where there is one, is what is kept (a key's name)
+SECRET_PATTERNS: dict[str, re.Pattern] = {
+    "private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|\Z)",
+                              re.S),
+    "jwt": re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
+    "api key": re.compile(
+        r"\b(?:sk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,}|sk_(?:live|test)_[A-Za-z0-9]{16,}|AKIA[0-9A-Z]{16}"
+        r"|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|xox[abprs]-[A-Za-z0-9-]{10,}"
+        r"|AIza[0-9A-Za-z_-]{35}|hf_[A-Za-z0-9]{30,}|glpat-[A-Za-z0-9_-]{20,})"),
+    "bearer token": re.compile(r"(\b[Bb]earer\s+)[A-Za-z0-9._~+/=-]{16,}"),
+    "url password": re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)[^@\s/]+(?=@)"),
+    "password": re.compile(r"(\b(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?token)\b[\"']?\s*[:=]\s*"
+                           r"[\"']?)[^\s\"',;]{6,}", re.I),
+}
+
+
+def redact(text: str, found: Counter) -> str:
+    """``text`` with every secret-looking string replaced (counted in ``found`` by kind)."""
+    for kind, pattern in SECRET_PATTERNS.items():
+        text, n = pattern.subn(lambda m: (m.group(1) if m.re.groups else "") + REDACTED, text)
+        found[kind] += n
+    return text
+
+
+def _redacted(value: Any, found: Counter) -> Any:
+    if isinstance(value, str):
+        return redact(value, found)
+    if isinstance(value, list):
+        return [_redacted(v, found) for v in value]
+    if isinstance(value, dict):
+        return {k: _redacted(v, found) for k, v in value.items()}
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """One prompt as a server is sent it: the messages (ending with a user turn) and the tools offered."""
+    """One prompt as a server is sent it: the messages (ending with a user turn) and the tools offered; with the
+    logged answer (an assistant message) and the model that gave it, where the log has them."""
 
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] | None = None
+    answer: dict | None = None
+    answered_by: str | None = None
 
 
 @dataclasses.dataclass
@@ -34,19 +82,18 @@ class RequestLog:
     prompts: list[Prompt]
     skipped: list[str]  # "line N: why", one per line left out
     duplicates: int
+    redacted: Counter = dataclasses.field(default_factory=Counter)  # secrets replaced, by kind
 
 
 def read_request_log(path: str | Path) -> RequestLog:
     """Every distinct prompt of a request log, in file order, with the lines it could not use and why."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DrafttrainError(f"request log not found: {path}")
-    prompts, skipped, seen, duplicates = [], [], set(), 0
+    path = _existing(path, "request log")
+    prompts, skipped, seen, duplicates, redacted = [], [], set(), 0, Counter()
     for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            prompt = _prompt_of(json.loads(line), f"{path.name}:{number}")
+            prompt = _prompt_of(_redacted(json.loads(line), redacted), f"{path.name}:{number}")
         except json.JSONDecodeError as err:
             skipped.append(f"line {number}: not JSON ({err.msg})")
             continue
@@ -64,7 +111,65 @@ def read_request_log(path: str | Path) -> RequestLog:
     if not prompts:
         raise DrafttrainError(f"request log {path} holds no usable request"
                               + (f" ({len(skipped)} lines skipped; first: {skipped[0]})" if skipped else ""))
-    return RequestLog(prompts, skipped, duplicates)
+    return RequestLog(prompts, skipped, duplicates, +redacted)
+
+
+def read_prompts_file(path: str | Path) -> RequestLog:
+    """A prompts file (see the module docstring) as user prompts, each once."""
+    path = _existing(path, "prompts file")
+    prompts, skipped, seen, duplicates, redacted = [], [], set(), 0, Counter()
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+        text = line.strip()
+        if path.suffix.lower() != ".txt" and text:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as err:
+                skipped.append(f"line {number}: not JSON ({err.msg})")
+                continue
+            text = value.get("prompt") if isinstance(value, dict) else value
+            if not isinstance(text, str):
+                skipped.append(f"line {number}: neither a string nor an object with a 'prompt' string")
+                continue
+        if not text.strip():
+            continue
+        prompt = Prompt(({"role": "user", "content": redact(text, redacted)},))
+        duplicates += prompt.messages[0]["content"] in seen
+        if prompt.messages[0]["content"] not in seen:
+            seen.add(prompt.messages[0]["content"])
+            prompts.append(prompt)
+    if not prompts:
+        raise DrafttrainError(f"prompts file {path} holds no prompt"
+                              + (f" ({len(skipped)} lines skipped; first: {skipped[0]})" if skipped else ""))
+    return RequestLog(prompts, skipped, duplicates, +redacted)
+
+
+def traffic_source(path: str, fmt: str, name: str) -> tuple[LoadedSource, RequestLog]:
+    """A request log or prompts file (``fmt``) as a data source: one conversation per distinct prompt, with the
+    logged answer where there is one (``answered_by`` records its model); skipped lines and duplicates counted."""
+    read = read_request_log(path) if fmt == "request_log" else read_prompts_file(path)
+    conversations = []
+    for i, prompt in enumerate(read.prompts):
+        messages = [dict(m) for m in prompt.messages] + ([dict(prompt.answer)] if prompt.answer else [])
+        conversation = {"id": f"{name}:{i}", "source": name, "messages": messages,
+                        "needs_response": prompt.answer is None}
+        if prompt.tools:
+            conversation["tools"] = list(prompt.tools)
+        if prompt.answered_by:
+            conversation["answered_by"] = prompt.answered_by
+        conversations.append(conversation)
+    skipped = Counter(reason.partition(": ")[2].split(" (")[0] for reason in read.skipped)
+    if read.duplicates:
+        skipped["duplicate request"] = read.duplicates
+    records = len(read.prompts) + len(read.skipped) + read.duplicates
+    return LoadedSource(name=name, path=str(path), conversations=conversations, records=records,
+                        skipped=skipped), read
+
+
+def _existing(path: str | Path, what: str) -> Path:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DrafttrainError(f"{what} not found: {path}")
+    return path
 
 
 def _prompt_of(record: Any, where: str) -> Prompt:
@@ -78,4 +183,26 @@ def _prompt_of(record: Any, where: str) -> Prompt:
     messages = conversation["messages"]
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     tools = conversation.get("tools")
-    return Prompt(tuple(messages[: last_user + 1]), tuple(tools) if tools else None)
+    answer, model = _logged_answer(record)
+    return Prompt(tuple(messages[: last_user + 1]), tuple(tools) if tools else None, answer, model)
+
+
+def _logged_answer(record: dict) -> tuple[dict | None, str | None]:
+    """The first choice's assistant message of the logged response (beside the request, or an OpenAI batch
+    output's ``response.body``) and the model that wrote it; (None, None) when the line has none."""
+    response = record.get("response")
+    if isinstance(response, dict) and isinstance(response.get("body"), dict):
+        response = response["body"]
+    choices = response.get("choices") if isinstance(response, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    message = first.get("message")
+    if not isinstance(message, dict) or first.get("finish_reason") not in (None, "stop", "tool_calls"):
+        return None, None  # no answer, or one cut short (length, content filter): the target answers instead
+    try:
+        answer = normalize_record({"messages": [{"role": "user", "content": "."}, {**message, "role": "assistant"}]},
+                                  "openai", "answer", "request-log")[0]["messages"][-1]
+    except (SkipRecord, FormatMismatch):
+        return None, None
+    if answer["role"] != "assistant":
+        return None, None
+    return answer, str(response.get("model")) if response.get("model") else None

@@ -1,6 +1,14 @@
 """Draft kinds (EAGLE-3, EAGLE-1/2, Medusa-1/2, draft models), one registry entry each."""
 
 from drafttrain.drafts.base import Drafter, StepOutput
-from drafttrain.drafts.registry import KINDS, build_drafter, drafter_class, load_drafter, saved_kind
+from drafttrain.drafts.registry import (
+    KINDS,
+    build_drafter,
+    drafter_class,
+    load_drafter,
+    saved_kind,
+    start_drafter,
+)
 
-__all__ = ["KINDS", "Drafter", "StepOutput", "build_drafter", "drafter_class", "load_drafter", "saved_kind"]
+__all__ = ["KINDS", "Drafter", "StepOutput", "build_drafter", "drafter_class", "load_drafter", "saved_kind",
+           "start_drafter"]

@@ -30,6 +30,7 @@ from torch import nn
 
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DraftConfig
+from drafttrain.drafts.lora import has_lora, merged_state
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
@@ -108,10 +109,13 @@ class Drafter(nn.Module):
         self.__dict__["_target"] = None  # a plain attribute: the target must not become a submodule
 
     loaded_from: dict[str, str] | None = None  # {"path", "weights_sha256"} when loaded from files (load_drafter)
+    trained_for: str | None = None  # the name of the target it was trained for, when loaded from files
 
     def identity(self) -> dict[str, Any]:
-        """What a report records of the draft it measured, so a model card's table is matched to its weights."""
-        return {"kind": self.kind, **(self.loaded_from or {"path": None, "weights_sha256": None})}
+        """What a report records of the draft it measured, so a model card's table is matched to its weights, and
+        which target it was trained for (a report says so when it serves another: a fine-tune of that one)."""
+        return {"kind": self.kind, **(self.loaded_from or {"path": None, "weights_sha256": None}),
+                "trained_for": self.trained_for}
 
     # -- the target it serves ---------------------------------------------------------------------------
     def attach_target(self, target) -> "Drafter":
@@ -232,7 +236,9 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        """The weights as the kind's checkpoint holds them (draft LoRA adapters merged into their layers)."""
+        state = merged_state(self) if has_lora(self) else self.state_dict()
+        return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
     def checkpoint_config(self, **meta) -> dict[str, Any]:
         """config.json of a checkpoint: the interchange config and the ``drafttrain`` section."""

@@ -34,7 +34,13 @@ from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, t
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits
 from drafttrain.drafts.eagle3 import SPECULATORS_VERSION, check_aux_layers, default_aux_layers
-from drafttrain.drafts.layers import LayerCache, llama_config_like, resolve_mask_token
+from drafttrain.drafts.layers import (
+    FOREIGN_EXTRAS,
+    LayerCache,
+    check_foreign_layers,
+    llama_config_like,
+    resolve_mask_token,
+)
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import decoder_layers, final_norm
 from drafttrain.targets.loading import verifier_path
@@ -158,9 +164,6 @@ def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: float) ->
 
 
 # what speculators' DFlash checkpoints may hold beside the draft: copies of the target's own weights
-FOREIGN_EXTRAS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
-
-
 def foreign_block_attention(config: dict) -> str:
     """speculators' rule: a sliding-attention layer's block is causal unless ``sliding_window_non_causal``; a
     full-attention layer's is always bidirectional. drafttrain's draft has one block attention for all layers."""
@@ -172,26 +175,6 @@ def foreign_block_attention(config: dict) -> str:
                               f"sliding_window_non_causal {config.get('sliding_window_non_causal')}): drafttrain's "
                               "DFlash draft has one block attention for every layer")
     return "causal" if causal.pop() else "bidirectional"
-
-
-def check_foreign_layers(config: dict, target) -> None:
-    """Our draft layers take the target's shape, norm epsilon, activation and RoPE (``llama_config_like``): a
-    foreign draft whose layers differ in any of them would load and compute something else, so it is refused."""
-    layer, ours = config["transformer_layer_config"], llama_config_like(target.config)
-    checks = [("hidden_size", layer["hidden_size"], target.hidden_size),
-              ("target_hidden_size", config.get("target_hidden_size") or target.hidden_size, target.hidden_size),
-              ("vocab_size", layer["vocab_size"], target.vocab_size),
-              ("num_attention_heads", layer["num_attention_heads"], ours.num_attention_heads),
-              ("num_key_value_heads", layer["num_key_value_heads"], ours.num_key_value_heads),
-              ("head_dim", layer.get("head_dim"), ours.head_dim),
-              ("rms_norm_eps", layer.get("rms_norm_eps"), ours.rms_norm_eps),
-              ("hidden_act", layer.get("hidden_act"), ours.hidden_act),
-              ("rope_theta", (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta")),
-               ours.rope_parameters.get("rope_theta"))]
-    for what, theirs, mine in checks:
-        if theirs != mine:
-            raise DrafttrainError(f"the draft's {what} is {theirs}, the target {target.name!r} has {mine} (drafttrain "
-                                  "builds DFlash layers like the target's): it was trained for another target")
 
 
 class DFlashDrafter(Drafter):

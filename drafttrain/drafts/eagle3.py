@@ -19,7 +19,15 @@ from drafttrain.data.vocab import draft_ids, draft_vocab_for, to_target_vocab
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
-from drafttrain.drafts.layers import DraftDecoderLayer, LayerCache, llama_config_like, resolve_mask_token, shift_left
+from drafttrain.drafts.layers import (
+    FOREIGN_EXTRAS,
+    DraftDecoderLayer,
+    LayerCache,
+    check_foreign_layers,
+    llama_config_like,
+    resolve_mask_token,
+    shift_left,
+)
 from drafttrain.drafts.peagle import cod_rollouts, parallel_mask
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import final_norm
@@ -280,6 +288,34 @@ class Eagle3Drafter(EagleHead):
             d2t, t2d = draft_vocab_for(None, None, config["draft_vocab_size"])
             tensors = {**tensors, "d2t": d2t, "t2d": t2d}
         return config, tensors
+
+    @classmethod
+    def foreign_format(cls, config):
+        return "speculators" if config.get("speculators_model_type") == "eagle3" else None
+
+    @classmethod
+    def foreign_draft(cls, config, tensors, target):
+        """An EAGLE-3 (or 3.1) draft as speculators' Eagle3DraftModel saves it (a speculators trainer's checkpoint, or
+        what `speculators convert` writes from EAGLE / SpecForge heads)."""
+        layer = config["transformer_layer_config"]
+        check_foreign_layers(config, target)
+        for flag, why in (("norm_before_fc", "one RMSNorm over the concatenated taps"),
+                          ("norm_before_residual", "the residual taken after hidden_norm")):
+            if config.get(flag):
+                raise DrafttrainError(f"the draft sets {flag} ({why}), which drafttrain's EAGLE-3 head does not "
+                                      "compute: it would load and draft something else")
+        ids = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers)
+        check_aux_layers(ids, target.num_layers)
+        types = layer.get("layer_types") or []
+        window = layer.get("sliding_window") if "sliding_attention" in types else None
+        # the training-time test's depth is a training setting (the default, below a window it must stay under)
+        draft = Eagle3Config(num_layers=layer["num_hidden_layers"], layers=ids, intermediate_size=layer["intermediate_size"],
+                             fc_norm=bool(config.get("fc_norm")), norm_output=bool(config.get("norm_output")),
+                             sliding_window=window, ttt_steps=min(7, window - 1) if window else 7)
+        tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
+        config, tensors = cls.imported("speculators", {**config, "drafttrain": {"export": {"aux_layer_ids": ids}}},
+                                       tensors)
+        return draft, {k: v for k, v in config.items() if k != "drafttrain"}, tensors, []
 
     def vllm_speculative_config(self) -> dict:
         """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""

@@ -280,3 +280,27 @@ def resolve_mask_token(configured: int | None, target) -> int:
     if chosen is None or not 0 <= chosen < vocab:
         raise DrafttrainError(f"draft.mask_token_id {chosen!r} is not a row of the target's {vocab}-token embeddings")
     return int(chosen)
+
+
+# what speculators' checkpoints carry beside the draft: copies of the target's embeddings and its norm / lm_head
+FOREIGN_EXTRAS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+
+
+def check_foreign_layers(config: dict, target) -> None:
+    """Our draft layers take the target's shape, norm epsilon, activation and RoPE (``llama_config_like``): a
+    foreign draft whose layers differ in any of them would load and compute something else, so it is refused."""
+    layer, ours = config["transformer_layer_config"], llama_config_like(target.config)
+    checks = [("hidden_size", layer["hidden_size"], target.hidden_size),
+              ("target_hidden_size", config.get("target_hidden_size") or target.hidden_size, target.hidden_size),
+              ("vocab_size", layer["vocab_size"], target.vocab_size),
+              ("num_attention_heads", layer["num_attention_heads"], ours.num_attention_heads),
+              ("num_key_value_heads", layer["num_key_value_heads"], ours.num_key_value_heads),
+              ("head_dim", layer.get("head_dim"), ours.head_dim),
+              ("rms_norm_eps", layer.get("rms_norm_eps"), ours.rms_norm_eps),
+              ("hidden_act", layer.get("hidden_act"), ours.hidden_act),
+              ("rope_theta", (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta")),
+               ours.rope_parameters.get("rope_theta"))]
+    for what, theirs, mine in checks:
+        if theirs != mine:
+            raise DrafttrainError(f"the draft's {what} is {theirs}, the target {target.name!r} has {mine} (drafttrain "
+                                  "builds draft layers like the target's): it was trained for another target")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
@@ -18,6 +18,7 @@ from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.draft_model import DraftModelDrafter
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
+from drafttrain.drafts.lora import add_draft_lora
 from drafttrain.drafts.medusa import MedusaDrafter
 from drafttrain.runfolder import (
     CONFIG_NAME,
@@ -79,6 +80,69 @@ def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> 
         raise DrafttrainError(f"a {config.kind} draft is built from a {cls.config_class.__name__} section, not a "
                               f"{type(config).__name__}")
     return cls.build(config, target, run)
+
+
+def start_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> Drafter:
+    """The draft a training run starts from: a fresh one of the recipe's kind, or the saved one ``init_from``
+    names, continued; with ``draft_lora``, wrapped in LoRA adapters that alone train."""
+    drafter = build_drafter(config, target, run) if config.init_from is None else continued_drafter(config, target)
+    if config.draft_lora is not None:
+        add_draft_lora(drafter, config.draft_lora)
+    return drafter
+
+
+def continued_drafter(config: DraftConfig, target) -> Drafter:
+    """The saved draft at ``config.init_from`` (checked as every loaded draft is: its files, its tokenizer, its
+    weights), given the recipe's training settings."""
+    section = resolved_section(config)
+    drafter = load_drafter(config.init_from, target)
+    drafter.config = section
+    return drafter.train()
+
+
+def resolved_section(config: DraftConfig) -> DraftConfig:
+    """The draft section a run trains with: the recipe's, or under ``init_from`` the saved draft's with the recipe's
+    training settings (read from its config alone: a recipe is checked before any model loads)."""
+    if config.init_from is None:
+        return config
+    directory = find_draft(config.init_from)
+    kind = saved_kind(directory)
+    if kind.kind != config.kind:
+        raise DrafttrainError(f"draft.init_from {config.init_from} holds a {kind.kind} draft; the recipe trains "
+                              f"a {config.kind} draft")
+    try:
+        saved = kind.config_class.model_validate(read_draft_config(directory)["drafttrain"]["draft"])
+    except (KeyError, ValidationError) as err:
+        raise damaged(directory / CONFIG_NAME, f"holds no valid {kind.kind} section ({err})") from None
+    return continued_config(saved, config, config.init_from)
+
+
+def saved_draft_vocab_size(path: str | Path) -> int | None:
+    """How many tokens the saved draft at ``path`` drafts over (its d2t), None when it has no draft vocabulary."""
+    weights = find_draft(path) / WEIGHTS_NAME
+    with safe_open(str(weights), "pt") as tensors:
+        return tensors.get_slice("d2t").get_shape()[0] if "d2t" in tensors.keys() else None
+
+
+def continued_config(saved: DraftConfig, recipe: DraftConfig, where: str) -> DraftConfig:
+    """The saved draft's section with the recipe's training settings (those it sets); any other setting the recipe
+    gives must equal the saved draft's, since the weights were made with it."""
+    given = recipe.model_fields_set - {"kind", "init_from", "draft_lora"}
+    clashes = [name for name in sorted(given - recipe.training_settings)
+               if getattr(recipe, name) != getattr(saved, name)]
+    if clashes:
+        raise DrafttrainError(f"draft.init_from keeps the architecture of the draft at {where}, which the recipe "
+                              "contradicts: " + "; ".join(f"draft.{name} is {getattr(recipe, name)!r} in the recipe, "
+                                                          f"{getattr(saved, name)!r} in the draft" for name in clashes)
+                              + " (leave these out of the recipe)")
+    changes = {name: getattr(recipe, name) for name in given & recipe.training_settings}
+    merged = {**saved.model_dump(), **changes, "init_from": recipe.init_from,
+              "draft_lora": recipe.draft_lora.model_dump() if recipe.draft_lora else None}
+    try:
+        return type(saved).model_validate(merged)
+    except ValidationError as err:
+        raise DrafttrainError(f"draft.init_from {where}: the recipe's settings do not fit the saved draft: "
+                              f"{err.errors()[0]['msg']}") from None
 
 
 def saved_kind(path: str | Path) -> type[Drafter]:
@@ -161,6 +225,7 @@ def load_drafter(path: str | Path, target, *, as_saved: bool = False) -> Drafter
     weights = directory / WEIGHTS_NAME
     sha = (checked.get(WEIGHTS_NAME) or {}).get("sha256") or (file_sha256(weights) if weights.is_file() else None)
     drafter.loaded_from = {"path": str(directory), "weights_sha256": sha}
+    drafter.trained_for = (config["drafttrain"].get("target") or {}).get("name")
     return drafter
 
 

@@ -102,12 +102,17 @@ def _config_line(c: dict[str, Any]) -> str:
             tree = (f"none: plain decoding (auto: the best tree, {auto['size']} nodes, predicted "
                     f"{auto['predicted_speedup']:.2f}x on this machine)")
     return (
-        f"target `{c['target']}` · proposer `{c['proposer']}` · depth {_depth_text(c)} · tree {tree} · "
+        f"target `{c['target']}`{_trained_for_text(c)} · proposer `{c['proposer']}` · depth {_depth_text(c)} · tree {tree} · "
         f"T={c['temperature']} top_p={c['top_p']} · suite `{c['suite']}` ({c['num_prompts']} prompts, "
         f"{c['num_turns']} turns) · max_new_tokens {c['max_new_tokens']} · seed {c['seed']} · "
         f"{c['dtype']} on {c['device']}, {c['threads']} threads{_kernel_text(c)} · torch {c['versions']['torch']}, "
         f"transformers {c['versions']['transformers']}, drafttrain {c['versions']['drafttrain']}"
     )
+
+
+def _trained_for_text(c: dict[str, Any]) -> str:
+    trained_for = (c.get("draft") or {}).get("trained_for")
+    return f" (the draft was trained for `{trained_for}`)" if trained_for and trained_for != c["target"] else ""
 
 
 def _kernel_text(c: dict[str, Any]) -> str:

@@ -5,7 +5,9 @@ A target spec is one of:
     safetensors folder (with tokenizer and chat template) and loaded from there afterwards, offline;
   * a local folder with safetensors weights;
   * a path to a ``.gguf`` file (dequantised by transformers + gguf);
-  * a Hugging Face Hub id (needs the Hub, or the HF cache when offline).
+  * a Hugging Face Hub id (needs the Hub, or the HF cache when offline);
+  * any of these and a peft LoRA adapter folder, joined by ``+`` (``smollm2-135m-instruct+runs/my-lora``): the
+    fine-tuned target, as a recipe's ``target.adapter`` gives it (and as its name is recorded).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Target:
     model: torch.nn.Module
     tokenizer: object
     source_dir: Path | None = None
+    adapter_dir: Path | None = None  # a LoRA adapter merged into the weights (TargetConfig.adapter)
 
     @property
     def config(self):
@@ -94,9 +97,12 @@ class Target:
     @functools.cached_property
     def fingerprint(self) -> str:
         """Identity of the target's weights (16 hex), recorded by every artifact built from its outputs."""
-        if self.source_dir is not None:
+        if self.source_dir is None:
+            return parameter_fingerprint(self.model)
+        if self.adapter_dir is None:
             return folder_fingerprint(self.source_dir)
-        return parameter_fingerprint(self.model)
+        both = f"{folder_fingerprint(self.source_dir)}\0{folder_fingerprint(self.adapter_dir)}"
+        return hashlib.sha256(both.encode()).hexdigest()[:16]
 
 
 def provenance(target: Target) -> dict[str, str | None]:
@@ -218,8 +224,16 @@ def _apply_chat_template_override(tokenizer, chat_template: str | None) -> None:
     tokenizer.chat_template = path.read_text() if path.suffix in (".jinja", ".j2") and path.is_file() else chat_template
 
 
+def target_config(spec: str, **settings) -> TargetConfig:
+    """The target a spec string names: a model, or ``MODEL+ADAPTER_FOLDER`` (see the module docstring)."""
+    model, plus, adapter = spec.rpartition("+")
+    if plus and model and (Path(adapter).expanduser() / "adapter_config.json").is_file():
+        return TargetConfig(model=model, adapter=adapter, **settings)
+    return TargetConfig(model=spec, **settings)
+
+
 def load_tokenizer(cfg: TargetConfig | str):
-    cfg = TargetConfig(model=cfg) if isinstance(cfg, str) else cfg
+    cfg = target_config(cfg) if isinstance(cfg, str) else cfg
     where = resolve_model_dir(cfg.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -234,7 +248,7 @@ def load_tokenizer(cfg: TargetConfig | str):
 def load_target(cfg: TargetConfig | str, *, role: str = "target", **overrides) -> Target:
     """Load a frozen target (eval mode, no gradients) and its tokenizer. ``role``: what the model is to the user
     ("target", "draft model"), for the error when it cannot be loaded."""
-    cfg = TargetConfig(model=cfg, **overrides) if isinstance(cfg, str) else cfg.model_copy(update=overrides)
+    cfg = target_config(cfg, **overrides) if isinstance(cfg, str) else cfg.model_copy(update=overrides)
     where = resolve_model_dir(cfg.model)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -253,9 +267,30 @@ def load_target(cfg: TargetConfig | str, *, role: str = "target", **overrides) -
         log.info("target %s loaded partitioned over the processes (ZeRO-3)", cfg.model)
     elif cfg.device != "auto":
         model.to(cfg.device)
+    adapter = None
+    if cfg.adapter is not None:
+        model, adapter = merged_adapter(model, cfg.adapter)
     model.eval().requires_grad_(False)
     tokenizer = load_tokenizer(cfg)
-    return Target(name=cfg.model, model=model, tokenizer=tokenizer, source_dir=Path(where) if Path(where).is_dir() else None)
+    name = cfg.model if adapter is None else f"{cfg.model}+{adapter}"
+    return Target(name=name, model=model, tokenizer=tokenizer, source_dir=Path(where) if Path(where).is_dir() else None,
+                  adapter_dir=adapter)
+
+
+def merged_adapter(model, folder: str) -> tuple[torch.nn.Module, Path]:
+    """``model`` with the peft LoRA adapter in ``folder`` merged into its weights (target.adapter)."""
+    path = Path(folder).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise DrafttrainError(f"target.adapter {folder}: not a peft adapter folder (no adapter_config.json)")
+    try:
+        from peft import PeftModel  # optional extra (peft): only for target.adapter
+    except ImportError:
+        raise DrafttrainError("target.adapter needs peft: pip install 'drafttrain[peft]'") from None
+    try:
+        return PeftModel.from_pretrained(model, str(path)).merge_and_unload(), path.resolve()
+    except (ValueError, RuntimeError, KeyError) as err:  # modules or shapes of another base model
+        raise DrafttrainError(f"target.adapter {folder} does not fit the target's model "
+                              f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
 
 
 def _partitioned_at_load() -> bool:

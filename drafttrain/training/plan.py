@@ -39,6 +39,8 @@ import drafttrain.training.trainer  # noqa: F401
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
 from drafttrain.drafts import drafter_class
+from drafttrain.drafts.lora import add_draft_lora
+from drafttrain.drafts.registry import resolved_section, saved_draft_vocab_size
 from drafttrain.runfolder import RunFolder, open_dataset
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
@@ -228,16 +230,18 @@ def meta_target(recipe: Recipe, config):
 
 @contextlib.contextmanager
 def _draft_section(recipe: Recipe, vocab_size: int):
-    """The recipe's draft section; a draft vocabulary that prepare has not written yet is stood in for by one of
-    the recipe's size (only its size matters here)."""
-    draft, run = recipe.draft, RunFolder.of(recipe.output_dir)
-    wants_file = recipe.draft_vocab.enabled and "draft_vocab" in type(draft).model_fields
-    if not wants_file or draft.draft_vocab or run.draft_vocab.is_file():
+    """The draft section the run trains with (a continued draft's own); a draft vocabulary that prepare has not
+    written yet, or that a continued draft brings, is stood in for by one of its size (only its size matters)."""
+    draft, run = resolved_section(recipe.draft), RunFolder.of(recipe.output_dir)
+    wants_file = recipe.draft_vocab.enabled and not draft.draft_vocab and not run.draft_vocab.is_file()
+    size = saved_draft_vocab_size(draft.init_from) if draft.init_from else recipe.draft_vocab.size if wants_file \
+        else None
+    if "draft_vocab" not in type(draft).model_fields or size is None:
         yield draft, run
         return
 
     with tempfile.TemporaryDirectory() as tmp:
-        size = min(recipe.draft_vocab.size, vocab_size)
+        size = min(size, vocab_size)
         t2d = torch.zeros(vocab_size, dtype=torch.bool)
         t2d[:size] = True
         save_file({"d2t": torch.zeros(size, dtype=torch.long), "t2d": t2d}, f"{tmp}/vocab.safetensors")
@@ -275,6 +279,8 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
         # generation, dropout masks) that a meta tensor cannot decide
         with init_empty_weights():  # parameters made on meta, never initialised: an 8B target's took 12 s on a CPU
             drafter = drafter_class(section.kind).build(section, target, run).to("meta").eval()
+            if section.draft_lora is not None:  # only the adapters train
+                add_draft_lora(drafter, section.draft_lora)
         if recipe.training.mixed_precision != "no":  # activations in the half type (autocast, or DeepSpeed's cast)
             drafter.to(torch.bfloat16 if recipe.training.mixed_precision == "bf16" else torch.float16)
         needs = drafter.needs()
@@ -375,7 +381,7 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
     target_bytes = sum(_nbytes(p) for p in target.model.parameters())
     footprint = draft_footprint(recipe, target)
 
-    needs = drafter_class(recipe.draft.kind).target_needs(recipe.draft, target)
+    needs = drafter_class(recipe.draft.kind).target_needs(resolved_section(recipe.draft), target)
     offline = recipe.training.hidden_states == "offline"
     memory = {"runtime": runtime}
     if stage == "prepare":

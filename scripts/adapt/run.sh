@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 30: adapt a general EAGLE-3 head to a shifted domain (maths: GSM8K questions, answered by the target) and
+# compare, on held-out maths prompts and on MT-Bench, in one evaluation run per prompt set:
+#   general   the head as it was (scripts/adapt/general.yaml: the longer recipe's mixture without maths)
+#   adapt     continued on the maths rows for MINUTES (draft.init_from)
+#   replay    the same, with 30% of the train split replayed from the general run's rows (data.replay)
+#   lora      continued through draft LoRA adapters (rank 16) instead of all its weights (draft.draft_lora)
+#   scratch   a fresh head (the general recipe's start) trained on the maths rows for the same MINUTES
+# and prompt lookup, against plain decoding.
+#
+#   bash scripts/adapt/run.sh [OUT=runs/adapt] [MINUTES=8]
+#
+# Run alone on the machine: the arms share a time budget, so a second job would change what each one learns.
+# Every stage resumes: a finished run is kept, answers come from the answer store after the first prepare.
+set -euo pipefail
+out=${1:-runs/adapt}
+minutes=${2:-8}
+tokens=${TOKENS:-96}
+general=$out/general
+mkdir -p "$out"
+
+trained() { [ -e "$1/checkpoints/latest" ]; }
+
+if ! trained "$general"; then
+    drafttrain prepare scripts/adapt/general.yaml output_dir="$general" >"$out/general-prepare.log" 2>&1
+    drafttrain train scripts/adapt/general.yaml output_dir="$general" >"$out/general-train.log" 2>&1
+fi
+
+arm() {  # NAME OVERRIDES...: prepare the maths rows (as the arm needs them) and train MINUTES
+    local name=$1 run=$out/$1
+    shift
+    if ! trained "$run"; then
+        drafttrain prepare scripts/adapt/math.yaml output_dir="$run" "$@" >"$out/$name-prepare.log" 2>&1
+        drafttrain train scripts/adapt/math.yaml output_dir="$run" training.time_budget_minutes="$minutes" "$@" \
+            >"$out/$name-train.log" 2>&1
+    fi
+}
+arm adapt draft.init_from="$general"
+arm replay draft.init_from="$general" "data.replay={run: $general, fraction: 0.3}"
+arm lora draft.init_from="$general" "draft.draft_lora={rank: 16, alpha: 32}" training.learning_rate=1.0e-3
+arm scratch draft_vocab.enabled=true "draft.init_from_target=[lm_head, layer, fc]" training.learning_rate=8.0e-4 \
+    training.warmup_steps=30
+
+sides=(--compare "adapt=$out/adapt" --compare "replay=$out/replay" --compare "lora=$out/lora"
+       --compare "scratch=$out/scratch" --compare prompt_lookup)
+drafttrain eval --target smollm2-135m-instruct --draft "$general" "${sides[@]}" \
+    --questions "$out/adapt/data/validation_prompts.jsonl" --num-prompts all --max-new-tokens "$tokens" --depth 2 \
+    --threads 2 --no-progress --out "$out/eval-math" >"$out/eval-math.log" 2>&1
+drafttrain eval --target smollm2-135m-instruct --draft "$general" "${sides[@]}" \
+    --suite mt_bench --num-prompts 8 --turns 1 --max-new-tokens "$tokens" --depth 2 \
+    --threads 2 --no-progress --out "$out/eval-mt_bench" >"$out/eval-mt_bench.log" 2>&1
+grep -h -B2 -A12 "^## Results" "$out"/eval-*/report.md || true

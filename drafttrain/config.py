@@ -40,7 +40,7 @@ class TargetConfig(Section):
 
 class SourceConfig(Section):
     path: str  # local file (json/jsonl/parquet, optionally .gz) or a Hub dataset id
-    # request_log: served traffic (OpenAI-format request/response logs); prompts: a prompts file (drafttrain.data.traffic)
+    # request_log: served traffic (OpenAI-format request/response logs); prompts: a prompts file (data/traffic.py)
     format: Literal["auto", "sharegpt", "openai", "alpaca", "fastchat", "gsm8k", "mbpp", "self_instruct",
                     "request_log", "prompts"] = "auto"
     split: str = "train"  # Hub datasets only

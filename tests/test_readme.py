@@ -19,3 +19,14 @@ def test_readme_opens_with_two_commands_quickstart_then_tests():
 def test_ci_runs_the_readme_test_command():
     ci_lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
     assert ci_lines == [readme_commands()[1]]
+
+
+def test_every_recipe_snippet_in_the_readme_is_a_valid_recipe():
+    import yaml
+
+    from drafttrain.config import parse_recipe
+
+    snippets = re.findall(r"```yaml\n(.+?)\n```", (REPO / "README.md").read_text(), re.S)
+    assert snippets
+    for snippet in snippets:
+        parse_recipe(yaml.safe_load(snippet), "README.md")

@@ -1,5 +1,6 @@
-"""``drafttrain import FOLDER --target T --out DIR``: a draft another trainer wrote, as a drafttrain checkpoint that
-``eval`` and ``export`` take like our own."""
+"""``drafttrain import FOLDER --target T --out DIR``: a draft another trainer wrote (EAGLE-3 / 3.1 or DFlash in
+speculators' format), as a drafttrain checkpoint that ``eval`` and ``export`` take like our own and ``train``
+continues (``draft.init_from``)."""
 
 from __future__ import annotations
 

@@ -129,6 +129,17 @@ class DraftConfig(Section):
     # the settings a continued draft may change: they shape the training loss, not the weights
     training_settings: ClassVar[frozenset[str]] = frozenset()
 
+    @model_validator(mode="after")
+    def _lora_continues(self) -> "DraftConfig":
+        if self.draft_lora is not None and self.init_from is None:
+            raise ValueError("draft_lora adapts a trained draft through low-rank adapters: name it in draft.init_from "
+                             "(on a fresh draft they would train around frozen random weights)")
+        return self
+
+    def cannot_continue(self) -> str | None:
+        """Why a saved draft of this section cannot be continued by draft.init_from (None: it can)."""
+        return None
+
     @property
     def trains_target(self) -> bool:
         """Whether this draft trains part of the target (then the target must run online, inside the step)."""
@@ -239,6 +250,10 @@ class MedusaConfig(DraftConfig):
     def trains_target(self) -> bool:
         return self.lora is not None
 
+    def cannot_continue(self) -> str | None:
+        return ("a Medusa-2 draft (its target's LoRA adapters, draft.lora) is not continued yet: its adapters load "
+                "merged for serving") if self.lora is not None else None
+
 
 class StudentLoraConfig(Section):
     """LoRA adapters on a draft model (through peft) instead of training all its weights (the draft model's own
@@ -298,6 +313,11 @@ class DraftModelConfig(DraftConfig):
         if self.parallel and self.on_policy > 0:
             raise ValueError("parallel (PARD) trains on the data's answers: on_policy must be 0")
         return self
+
+    def cannot_continue(self) -> str | None:
+        return ("a draft model trained through LoRA adapters (draft.lora) is not continued yet: it loads merged; "
+                "continue it as a whole model (leave draft.lora out when it was first trained)") \
+            if self.lora is not None else None
 
     @model_validator(mode="after")
     def _student_lora(self) -> "DraftModelConfig":

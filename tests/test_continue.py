@@ -9,14 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import load_from_disk
+from peft import LoraConfig, get_peft_model
 
 import drafttrain.commands.train as train_command
 from drafttrain import DrafttrainError
 from drafttrain.commands.prepare import prepare
-from drafttrain.config import ReplayConfig, parse_recipe
+from drafttrain.config import DraftModelConfig, LoraConfig as TargetLoraConfig, MedusaConfig, ReplayConfig, parse_recipe
 from drafttrain.data.replay import with_replay
 from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.drafts import load_drafter, start_drafter
+from drafttrain.drafts.registry import continued_config
+from drafttrain.evaluation.report import _config_line
+from drafttrain.targets import load_target
 from drafttrain.runfolder import WEIGHTS_NAME, DataManifest, RunFolder, read_safetensors
 from trainer_helpers import fresh_accelerate, reset_accelerate, tiny_dataset, tiny_target  # noqa: F401 (fixture)
 
@@ -70,6 +75,16 @@ def test_a_continued_draft_starts_from_the_saved_weights_with_its_own_architectu
     assert any(not torch.equal(moved[name], weights[name]) for name in weights)  # it trained from there
 
 
+def test_a_continued_draft_trains_in_fp32_beside_a_half_precision_target(tmp_path):
+    saved = trained_head(tmp_path / "general")
+    half = tiny_target()
+    half.model.to(torch.bfloat16)
+    section = recipe_for(tmp_path / "new", {"kind": "eagle3", "init_from": str(saved),
+                                            "draft_lora": {"rank": 4}}).draft
+    drafter = start_drafter(section, half)  # AdamW on bf16 weights would lose updates below bf16's resolution
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+
+
 def test_a_continued_draft_refuses_another_architecture_kind_or_vocabulary(tmp_path):
     trained_head(tmp_path / "general")
     prepared_run(tmp_path / "new")
@@ -80,6 +95,14 @@ def test_a_continued_draft_refuses_another_architecture_kind_or_vocabulary(tmp_p
         train_command.check_trainable(recipe_for(tmp_path / "new", {"kind": "dflash", "init_from": where}))
     with pytest.raises(DrafttrainError, match="no draft checkpoint|not found|no checkpoint"):
         train_command.check_trainable(recipe_for(tmp_path / "new", {**HEAD, "init_from": str(tmp_path / "nope")}))
+    medusa2 = MedusaConfig(lora=TargetLoraConfig(target_modules=["q_proj"]))  # its adapters load merged
+    with pytest.raises(DrafttrainError, match="Medusa-2 draft .* is not continued yet"):
+        continued_config(medusa2, MedusaConfig(), "runs/m")
+    with pytest.raises(DrafttrainError, match="trained through LoRA adapters .* is not continued yet"):
+        continued_config(DraftModelConfig(cut="first:2", lora={"target_modules": ["q_proj"]}),
+                         DraftModelConfig(cut="first:2"), "runs/d")
+    with pytest.raises(DrafttrainError, match="draft_lora adapts a trained draft"):
+        parse_recipe({"draft": {**HEAD, "draft_lora": {"rank": 4}}})
     with pytest.raises(DrafttrainError, match="draft_vocab.enabled: false"):
         parse_recipe({"draft": {**HEAD, "init_from": where}, "draft_vocab": {"enabled": True},
                       "data": {"sources": [{"path": "x.jsonl"}]}})
@@ -184,8 +207,6 @@ def test_prepare_replays_an_earlier_run_into_the_split_that_train_checks(tmp_pat
                      progress=False, show_summary=False)
     replay = result.summary["replay"]
     assert replay["asked"] == 6 and replay["rows"] == 6 and result.train_rows == 12
-    from datasets import load_from_disk
-
     ids = load_from_disk(str(tmp_path / "math" / "data" / "train"))["conversation_id"]
     assert sum(i.startswith("gpteacher_roleplay:") for i in ids) == 6 and sum(i.startswith("gsm8k") for i in ids) == 6
     validation = load_from_disk(str(tmp_path / "math" / "data" / "validation"))["conversation_id"]
@@ -197,11 +218,6 @@ def test_prepare_replays_an_earlier_run_into_the_split_that_train_checks(tmp_pat
 
 @pytest.mark.slow
 def test_a_fine_tuned_target_given_as_a_lora_adapter_is_the_merged_model_under_its_own_name(tmp_path, smollm2):
-    from peft import LoraConfig, get_peft_model
-
-    from drafttrain.evaluation.report import _config_line
-    from drafttrain.targets import load_target
-
     tuned = get_peft_model(load_target("smollm2-135m-instruct").model, LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))  # random B: a real change
     tuned.save_pretrained(str(tmp_path / "lora"))

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from drafttrain import DrafttrainError
+from drafttrain.config import Eagle3Config
 from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
-from drafttrain.drafts import load_drafter
+from drafttrain.drafts import load_drafter, start_drafter
 from drafttrain.export import export_draft
 from drafttrain.export.importer import import_draft
 
@@ -106,24 +107,25 @@ def test_a_speculators_eagle3_draft_imports_with_every_weight_and_exports_back(t
     config, back = json.loads((EAGLE3 / name / "config.json").read_text()), json.loads((export / "config.json").read_text())
     for key in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "fc_norm", "norm_output", "target_hidden_size"):
         assert back[key] == config[key], key
+    speculative = [c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] for c in (back, config)]
+    assert speculative[0] == speculative[1] == 3  # the draft length engines default to, kept
     exported = load_file(str(export / "model.safetensors"))
     assert exported.keys() == theirs.keys()
     for key, value in theirs.items():
         assert torch.equal(exported[key], value) or key in FOREIGN_EXTRAS, key
 
 
-def test_an_imported_eagle3_draft_decodes_losslessly_and_trains_on(tmp_path):
+def test_an_imported_eagle3_draft_serves_losslessly_and_continues_as_saved(tmp_path):
     target = tiny_target()
     out, _ = import_draft(EAGLE3 / "eagle31_draft_vocab", target, tmp_path / "imported")
     drafter = load_drafter(out, target).eval()
     prompt = [5, 9, 17, 3]
     decoder = SpeculativeDecoder(target, build_proposer(drafter.proposer, target, draft=drafter), depth=3)
     assert decoder.generate(prompt, 24).tokens == plain_decode(target, prompt, 24).tokens
-    from drafttrain.config import Eagle3Config
-    from drafttrain.drafts import start_drafter
-
-    continued = start_drafter(Eagle3Config(init_from=str(out), ttt_steps=2), target)  # adapt a published head
-    assert continued.config.fc_norm and continued.config.layers == [1, 2, 3] and continued.config.ttt_steps == 2
+    continued = start_drafter(Eagle3Config(init_from=str(out), step_decay=0.5), target)  # adapt a published head
+    assert continued.config.fc_norm and continued.config.layers == [1, 2, 3] and continued.config.ttt_steps == 3
+    assert continued.config.step_decay == 0.5
+    assert all(torch.equal(a, b) for a, b in zip(continued.state_tensors().values(), drafter.state_tensors().values()))
 
 
 def test_an_eagle3_draft_with_a_norm_drafttrain_does_not_compute_is_refused(tmp_path):
@@ -133,9 +135,20 @@ def test_an_eagle3_draft_with_a_norm_drafttrain_does_not_compute_is_refused(tmp_
     (other / "config.json").write_text(json.dumps({**config, "norm_before_fc": True}))
     with pytest.raises(DrafttrainError, match="sets norm_before_fc"):
         import_draft(other, tiny_target(), tmp_path / "imported")
-    (other / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 2, 9]}))
-    with pytest.raises(DrafttrainError, match="9"):
+    (other / "config.json").write_text(json.dumps({**config, "embed_requires_grad": True}))
+    with pytest.raises(DrafttrainError, match="sets embed_requires_grad"):
         import_draft(other, tiny_target(), tmp_path / "imported")
+    (other / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 2, 9]}))
+    with pytest.raises(DrafttrainError, match=r"aux layer ids \[0, 2, 9\] must be"):
+        import_draft(other, tiny_target(), tmp_path / "imported")
+    layer = config["transformer_layer_config"]
+    for types, window, problem in ((["sliding_attention"], None, "name no sliding_window"),
+                                   (["sliding_attention", "full_attention"], 16, "mixes layer types")):
+        mixed = {**layer, "num_hidden_layers": len(types), "layer_types": types, "sliding_window": window}
+        (other / "config.json").write_text(json.dumps({**config, "transformer_layer_config": mixed}))
+        with pytest.raises(DrafttrainError, match=problem):
+            import_draft(other, tiny_target(), tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
 
 
 def tiny_target_of(hidden: int = 32, rope_theta: float = 10000.0):

@@ -2,7 +2,10 @@
 
 import re
 
+import yaml
 from conftest import REPO
+
+from drafttrain.config import parse_recipe
 
 
 def readme_commands() -> list[str]:
@@ -22,10 +25,6 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_every_recipe_snippet_in_the_readme_is_a_valid_recipe():
-    import yaml
-
-    from drafttrain.config import parse_recipe
-
     snippets = re.findall(r"```yaml\n(.+?)\n```", (REPO / "README.md").read_text(), re.S)
     assert snippets
     for snippet in snippets:

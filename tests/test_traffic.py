@@ -8,6 +8,7 @@ import json
 from collections import Counter
 
 import pytest
+from datasets import load_from_disk
 
 from drafttrain import DrafttrainError
 from drafttrain.commands.prepare import prepare
@@ -42,9 +43,18 @@ def test_redaction_replaces_each_kind_of_secret_and_keeps_the_text_around_it():
             "password = 'correct-horse' and api_key: Zx81kLmn")
     assert redact(text, found) == (f"curl -H 'Authorization: Bearer {REDACTED}' https://bob:{REDACTED}@db.example"
                                    f".com/x; password = '{REDACTED}' and api_key: {REDACTED}")
-    assert found["bearer token"] == 1 and found["url password"] == 1 and found["password"] == 2
-    ordinary = "The password policy needs 12 characters; sk-learn is a library; see https://example.com/a:b"
-    assert redact(ordinary, Counter()) == ordinary  # words about secrets are not secrets
+    assert found["authorization header"] == 1 and found["url password"] == 1 and found["password"] == 2
+    found = Counter()
+    lines = ["DB_PASSWORD=hunter22", "client_secret: \"x9y8z7w6\"", "AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRf",
+             "Authorization: Basic dXNlcjpwYXNzd29yZDEyMzQ=", "redis://:s3cretpw@host:6379", "ASIAIOSFODNN7EXAMPLE"]
+    assert [redact(line, found) for line in lines] == [
+        f"DB_PASSWORD={REDACTED}", f"client_secret: \"{REDACTED}\"", f"AWS_SECRET_ACCESS_KEY={REDACTED}",
+        f"Authorization: Basic {REDACTED}", f"redis://:{REDACTED}@host:6379", REDACTED]
+    ordinary = ["The password policy needs 12 characters; sk-learn is a library; see https://example.com/a:b",
+                'password = input("Password: ")', 'api_key = os.environ["OPENAI_API_KEY"]', "secret = get_secret()",
+                "Secret: Remember the rule", f'api_key = "{REDACTED}"']
+    found = Counter()
+    assert [redact(line, found) for line in ordinary] == ordinary and not +found  # code and prose about secrets
 
 
 def test_a_request_log_names_and_counts_bad_lines_keeps_each_request_once_and_redacts_before_storing(tmp_path):
@@ -58,6 +68,11 @@ def test_a_request_log_names_and_counts_bad_lines_keeps_each_request_once_and_re
                     "response": {"status_code": 200, "body": answer(f"Rotate {key} now.", "gpt-x")}}),
         json.dumps(request("Write a poem", "Roses...", "Longer please")),
         json.dumps({"request": request("Summarise this"), "response": answer("It is about", "gpt-x", "length")}),
+        json.dumps({"request": {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                                             {"role": "assistant", "content": "", "tool_calls": [
+                                                 {"type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+                                             {"role": "tool", "content": "rain"}]},
+                    "response": answer("It rains.", "smollm2")}),
         json.dumps({"prompt": "a completions request"}),
         json.dumps({"messages": [{"role": "narrator", "content": "x"}]}),
     ]
@@ -65,12 +80,12 @@ def test_a_request_log_names_and_counts_bad_lines_keeps_each_request_once_and_re
     path.write_text("\n".join(lines) + "\n")
     loaded, read = traffic_source(str(path), "request_log", "traffic")
     assert read.skipped == ["line 3: not JSON (Expecting property name enclosed in double quotes)",
-                            "line 7: no messages (not a chat completions request)",
-                            "line 8: unknown role 'narrator'"]
-    assert read.duplicates == 1 and loaded.records == 8
+                            "line 8: no messages (not a chat completions request)",
+                            "line 9: unknown role 'narrator'"]
+    assert read.duplicates == 1 and loaded.records == 9
     assert loaded.skipped == Counter({"not JSON": 1, "no messages": 1, "unknown role 'narrator'": 1,
                                       "duplicate request": 1})
-    first, batch, poem, cut = loaded.conversations
+    first, batch, poem, cut, tool_loop = loaded.conversations
     assert first["messages"][0] == {"role": "system", "content": "Be brief."}
     assert first["messages"][-1]["content"] == "4" and first["answered_by"] == "smollm2"
     assert not first["needs_response"]
@@ -78,6 +93,8 @@ def test_a_request_log_names_and_counts_bad_lines_keeps_each_request_once_and_re
     assert key not in json.dumps(loaded.conversations) and read.redacted == Counter({"api key": 2})
     assert [m["role"] for m in poem["messages"]] == ["user", "assistant", "user"] and poem["needs_response"]
     assert cut["needs_response"] and "answered_by" not in cut  # an answer cut at its length limit is not kept
+    # the logged answer replied to the tool's result, which the prompt (up to the user turn) leaves out
+    assert tool_loop["needs_response"] and [m["role"] for m in tool_loop["messages"]] == ["user"]
     path.write_text("{broken\n")
     with pytest.raises(DrafttrainError, match="no usable request.*line 1: not JSON"):
         read_request_log(path)
@@ -112,8 +129,6 @@ def test_prepare_keeps_the_targets_own_logged_answers_and_has_the_target_answer_
     result = prepare(recipe, target=smollm2, progress=False, show_summary=False)
     assert result.summary["regenerate"]["regenerated_now"] == 2  # another model's answer, and the unanswered one
     assert result.summary["sources"]["traffic"]["regenerated"] == 2
-    from datasets import load_from_disk
-
     rows = load_from_disk(str(tmp_path / "run" / "data" / "train"))
     texts = {cid: smollm2.tokenizer.decode(ids) for cid, ids in zip(rows["conversation_id"], rows["input_ids"])}
     assert len(texts) == 4

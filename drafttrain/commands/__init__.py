@@ -20,8 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("drafttrain.commands.train", "train a draft from a recipe (also under accelerate launch)"),
     "eval": ("drafttrain.commands.eval", "measure speculative decoding: tau, acceptance, speedup"),
     "export": ("drafttrain.commands.export", "write a trained draft for vLLM, SGLang or speculators, with a model card"),
-    "import": ("drafttrain.commands.import_draft", "read a draft another trainer wrote (speculators' EAGLE-3 or "
-                                                   "DFlash) as a drafttrain checkpoint"),
+    "import": ("drafttrain.commands.import_draft", "read a draft another trainer wrote (speculators' format) as a "
+                                                   "drafttrain checkpoint"),
     "bench": ("drafttrain.commands.bench", "serve the target in vLLM plainly and with drafts, and sweep concurrency"),
     "push": ("drafttrain.commands.push", "upload an export to the Hugging Face Hub"),
     "report": ("drafttrain.commands.report", "draw a run's training and checkpoint curves as PNG files"),

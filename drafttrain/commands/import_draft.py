@@ -1,5 +1,5 @@
-"""``drafttrain import FOLDER --target T --out DIR``: a draft another trainer wrote (EAGLE-3 / 3.1 or DFlash in
-speculators' format), as a drafttrain checkpoint that ``eval`` and ``export`` take like our own and ``train``
+"""``drafttrain import FOLDER --target T --out DIR``: a draft another trainer wrote (in a format a kind reads:
+``Drafter.foreign_format``), as a drafttrain checkpoint that ``eval`` and ``export`` take like our own and ``train``
 continues (``draft.init_from``)."""
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from drafttrain.drafts import drafter_class
 from drafttrain.drafts.registry import resolved_section
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset, write_text_atomic
 from drafttrain.targets import load_target, load_tokenizer
-from drafttrain.targets.loading import resolve_model_dir
+from drafttrain.targets.loading import resolve_model_dir, target_name
 from drafttrain.training.features import (
     cache_dtype,
     cache_settings,
@@ -136,7 +136,7 @@ def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool)
 
     kept_sources = {name for name, yes in _regenerated_sources(recipe, mixture).items() if not yes}
     # served traffic whose logged answer the target itself gave is kept as it is: it is already the target's own
-    own = {recipe.target.model, recipe.regenerate.served_model} - {None}
+    own = {target_name(recipe.target), recipe.regenerate.served_model} - {None}
     kept = {str(c["id"]) for c in mixture.train + mixture.validation
             if c["source"] in kept_sources or c.get("answered_by") in own}
     todo = [c for c in mixture.train + mixture.validation if str(c["id"]) not in kept]
@@ -146,7 +146,7 @@ def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool)
         run.regenerated,
         seed=recipe.seed,
         target=target,
-        target_name=recipe.target.model,
+        target_name=target_name(recipe.target),  # a fine-tune (target.adapter) is another model than its base
         progress=progress,
     )
     by_id = {str(c["id"]): c for c in result.conversations}
@@ -275,7 +275,7 @@ def build_summary(
 
     return {
         "output_dir": str(run.root),
-        "target": recipe.target.model,
+        "target": target_name(recipe.target),
         "seed": recipe.seed,
         "sources": sources,
         "mixture": {
@@ -436,18 +436,18 @@ def _write_splits(recipe: Recipe, data: DataConfig, conversations: tuple, tokeni
     (train, validation), (tokenizer, tokenizer_id) = conversations, tokenizer
     cache_dir = run.data_cache(data.cache_dir)
     train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, cache_dir, required=True)
+    val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, cache_dir, required=False)
     if data.replay is not None:  # an earlier run's rows, so a continued draft keeps what it learnt there
         train_ds, train_stats["replay"] = with_replay(train_ds, data.replay, tokenizer_id, data.max_length,
-                                                      recipe.seed)
+                                                      recipe.seed, validation=val_ds)
         train_stats["fingerprint"] = split_fingerprint(train_ds)
-    val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, cache_dir, required=False)
     save_dataset(train_ds, run.train_split)
     if val_ds is not None:
         save_dataset(val_ds, run.validation_split)
     else:
         shutil.rmtree(run.validation_split, ignore_errors=True)  # never leave a stale split from an earlier run
     write_validation_prompts(validation if val_ds is not None else [], run.validation_prompts)
-    describe_run_data(run, train_stats["fingerprint"], val_ds, tokenizer_id, recipe.target.model).write(run)
+    describe_run_data(run, train_stats["fingerprint"], val_ds, tokenizer_id, target_name(recipe.target)).write(run)
     return (train_ds, train_stats), (val_ds, val_stats)
 
 

@@ -50,7 +50,9 @@ def check_trainable(recipe: Recipe) -> None:
     """What `train` needs beyond a valid schema; checked before anything heavy loads."""
     if recipe.draft is None:
         raise DrafttrainError("the recipe has no draft section: set draft.kind (e.g. eagle3)")
-    resolved_section(recipe.draft)  # a continued draft (draft.init_from) exists, is of the kind, agrees with the recipe
+    # a continued draft (draft.init_from) exists, is of the kind and agrees with the recipe; what follows checks the
+    # section it trains with (a saved head count, say), not the recipe's defaults
+    recipe = recipe.model_copy(update={"draft": resolved_section(recipe.draft)})
     if recipe.training.deepspeed is not None and not Path(recipe.training.deepspeed).is_file():
         raise DrafttrainError(f"training.deepspeed: file not found: {recipe.training.deepspeed}")
     if recipe.data is not None and recipe.data.packing:

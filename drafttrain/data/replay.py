@@ -23,18 +23,23 @@ def replay_count(new_rows: int, fraction: float) -> int:
     return round(new_rows * fraction / (1 - fraction))
 
 
-def with_replay(train: Dataset, replay: ReplayConfig, tokenizer_id: str | None, max_length: int,
-                seed: int) -> tuple[Dataset, dict]:
+def _row_keys(dataset: Dataset | None) -> set[bytes]:
+    return {np.asarray(ids, dtype=np.int64).tobytes() for ids in dataset["input_ids"]} if dataset is not None else set()
+
+
+def with_replay(train: Dataset, replay: ReplayConfig, tokenizer_id: str | None, max_length: int, seed: int,
+                validation: Dataset | None = None) -> tuple[Dataset, dict]:
     """``train`` with the replayed rows appended, and what was replayed (the run, its split's fingerprint, the
-    rows asked for and taken, those too long)."""
+    rows asked for and taken, those too long, those already in this run: a row of the new validation split must
+    not be trained on, and one already in the train split would count twice)."""
     run = RunFolder.of(replay.run)
     if not run.data_manifest.is_file():
         raise DrafttrainError(f"data.replay.run {replay.run}: no prepared data there ({run.data_manifest} is "
                               "missing): name the output_dir of the run whose data the draft was trained on")
     manifest = DataManifest.read(run)
     if manifest.tokenizer and tokenizer_id and manifest.tokenizer != tokenizer_id:
-        raise DrafttrainError(f"data.replay.run {replay.run} was tokenised by another tokenizer than this "
-                              f"target's ({manifest.target}): its token ids would mean other tokens")
+        raise DrafttrainError(f"data.replay.run {replay.run} was tokenised by another tokenizer (its target: "
+                              f"{manifest.target}) than this run's target: its token ids would mean other tokens")
     old = open_dataset(run.train_split)
     fingerprint = split_fingerprint(old)
     if fingerprint != manifest.train:
@@ -43,11 +48,14 @@ def with_replay(train: Dataset, replay: ReplayConfig, tokenizer_id: str | None, 
         raise DrafttrainError(f"data.replay.run {replay.run}: its rows have columns {sorted(old.column_names)}, "
                               f"this run's {sorted(train.column_names)} (one of them packs rows: set data.packing "
                               "alike)")
+    present = _row_keys(train) | _row_keys(validation)
     fitting = [i for i, n in enumerate(old["num_tokens"]) if n <= max_length]
+    fresh = [i for i, ids in zip(fitting, old.select(fitting)["input_ids"])
+             if np.asarray(ids, dtype=np.int64).tobytes() not in present]
     asked = replay_count(len(train), replay.fraction)
-    chosen = sorted(np.random.default_rng(seed).permutation(fitting)[:asked].tolist())
+    chosen = sorted(np.random.default_rng(seed).permutation(fresh)[:asked].tolist())
     stats = {"run": str(run.root), "split_fingerprint": fingerprint, "asked": asked, "rows": len(chosen),
-             "too_long": len(old) - len(fitting)}
+             "too_long": len(old) - len(fitting), "already_here": len(fitting) - len(fresh)}
     if not chosen:
         raise DrafttrainError(f"data.replay.run {replay.run}: none of its {len(old)} rows fits data.max_length "
                               f"{max_length}")

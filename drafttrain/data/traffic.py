@@ -1,9 +1,10 @@
-"""Served traffic as data: OpenAI-format request logs (chat completions JSONL, as a gateway or vLLM's request
-logging writes them) and plain prompt files.
+"""Served traffic as data: OpenAI-format request logs (chat completions JSONL, as an API gateway logs them) and
+plain prompt files.
 
-Each line of a request log is one logged request, in any of the shapes those writers use: the request itself
-(``{"messages": [...], "tools": [...]}``), a request beside its response (``{"request": {...}, "response": {...}}``),
-or an OpenAI batch line (``{"custom_id": ..., "body": {...}}``, its output under ``response.body``). The prompt is
+Each line of a request log is one logged request, in any of these shapes: the request itself
+(``{"messages": [...], "tools": [...]}``), a request beside its response (``{"request": {...}, "response": {...}}``,
+the response's body possibly under ``response.body``), or an OpenAI batch input line (``{"custom_id": ...,
+"body": {...}}``; a batch *output* line holds no request and is skipped as such). The prompt is
 the request's messages (system prompt and tools kept) up to its last user turn; the logged answer, when there is
 one, is kept beside it with the model that wrote it, so that ``prepare`` keeps the target's own answers and has the
 target answer the rest. A line that is not JSON or holds no usable request is skipped and named (line number and
@@ -32,27 +33,39 @@ from drafttrain.data.conversations import FormatMismatch, LoadedSource, SkipReco
 REQUEST_KEYS = ("request", "body")  # where a logged line nests the request, when it does
 REDACTED = "[REDACTED]"
 
-# What credentials look like, by kind; the first group, where there is one, is what is kept (a key's name)
+# What credentials look like, by kind. A pattern's group ``s``, where it has one, is the secret (the rest, a key's
+# name or a scheme, is kept); without it the whole match is. An assignment's value counts only when it is quoted or
+# looks like a token (it has a digit and ends where the value does): ``password = input(...)`` or "Secret: Remember"
+# are code and prose, not secrets.
+_KEY_NAME = r"\b[\w-]*(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|access[_-]?token|auth[_-]?token)[\w-]*"
 SECRET_PATTERNS: dict[str, re.Pattern] = {
-    "private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|\Z)",
-                              re.S),
+    "private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY[A-Z ]*-----.*?"
+                              r"(?:-----END [A-Z ]*PRIVATE KEY[A-Z ]*-----|\Z)", re.S),
     "jwt": re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
     "api key": re.compile(
-        r"\b(?:sk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,}|sk_(?:live|test)_[A-Za-z0-9]{16,}|AKIA[0-9A-Z]{16}"
+        r"\b(?:sk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,}|sk_(?:live|test)_[A-Za-z0-9]{16,}|(?:AKIA|ASIA)[0-9A-Z]{16}"
         r"|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|xox[abprs]-[A-Za-z0-9-]{10,}"
         r"|AIza[0-9A-Za-z_-]{35}|hf_[A-Za-z0-9]{30,}|glpat-[A-Za-z0-9_-]{20,})"),
-    "bearer token": re.compile(r"(\b[Bb]earer\s+)[A-Za-z0-9._~+/=-]{16,}"),
-    "url password": re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)[^@\s/]+(?=@)"),
-    "password": re.compile(r"(\b(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?token)\b[\"']?\s*[:=]\s*"
-                           r"[\"']?)[^\s\"',;]{6,}", re.I),
+    "authorization header": re.compile(r"\b(?:[Bb]earer|[Bb]asic)\s+(?P<s>[A-Za-z0-9._~+/=-]{16,})"),
+    "url password": re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@]*:(?P<s>[^@\s/]+)@"),
+    "password": re.compile(_KEY_NAME + r"[\"']?\s*[:=]\s*(?P<q>[\"'])(?P<s>(?!\[REDACTED\])[^\"'\s]{6,})(?P=q)", re.I),
+    "password value": re.compile(_KEY_NAME + r"[\"']?\s*[:=]\s*(?P<s>(?=[^\s\"',;]*\d)[A-Za-z0-9_\-+/=!@#$%^&*~]{6,})"
+                                 r"(?![^\s\"',;])", re.I),
 }
+
+
+def _replaced(match: re.Match) -> str:
+    if "s" not in match.re.groupindex:
+        return REDACTED
+    start, end = match.start("s") - match.start(), match.end("s") - match.start()
+    return match.group(0)[:start] + REDACTED + match.group(0)[end:]
 
 
 def redact(text: str, found: Counter) -> str:
     """``text`` with every secret-looking string replaced (counted in ``found`` by kind)."""
     for kind, pattern in SECRET_PATTERNS.items():
-        text, n = pattern.subn(lambda m: (m.group(1) if m.re.groups else "") + REDACTED, text)
-        found[kind] += n
+        text, n = pattern.subn(_replaced, text)
+        found[kind.removesuffix(" value")] += n
     return text
 
 
@@ -183,7 +196,9 @@ def _prompt_of(record: Any, where: str) -> Prompt:
     messages = conversation["messages"]
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     tools = conversation.get("tools")
-    answer, model = _logged_answer(record)
+    # the logged answer replies to the whole request: it is kept only when the prompt is all of it (after a tool
+    # result or an assistant prefill it answers turns the prompt leaves out)
+    answer, model = _logged_answer(record) if last_user == len(messages) - 1 else (None, None)
     return Prompt(tuple(messages[: last_user + 1]), tuple(tools) if tools else None, answer, model)
 
 

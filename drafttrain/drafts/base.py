@@ -110,6 +110,7 @@ class Drafter(nn.Module):
 
     loaded_from: dict[str, str] | None = None  # {"path", "weights_sha256"} when loaded from files (load_drafter)
     trained_for: str | None = None  # the name of the target it was trained for, when loaded from files
+    continued_from: dict[str, str] | None = None  # the saved draft a run continued (draft.init_from), as loaded
 
     def identity(self) -> dict[str, Any]:
         """What a report records of the draft it measured, so a model card's table is matched to its weights, and
@@ -245,7 +246,7 @@ class Drafter(nn.Module):
         config = self.interchange_config()
         config["drafttrain"] = {"kind": self.kind, "version": __version__,
                                 "draft": self.config.model_dump(mode="json"), "target": target_identity(self.target),
-                                **meta}
+                                **({"continued_from": self.continued_from} if self.continued_from else {}), **meta}
         return config
 
     def load_weights(self, directory: str | Path) -> None:

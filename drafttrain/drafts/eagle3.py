@@ -44,6 +44,21 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
 
 
+def foreign_window(layer: dict) -> int | None:
+    """The sliding window of a foreign draft's layers (None: full attention); drafttrain's head has one attention
+    for all its layers, so a mix, or sliding layers without a window, is refused rather than read as another."""
+    types = set(layer.get("layer_types") or ["full_attention"])
+    window = layer.get("sliding_window")
+    if types == {"full_attention"} and not layer.get("use_sliding_window"):
+        return None
+    if types == {"sliding_attention"} or (types == {"full_attention"} and layer.get("use_sliding_window")):
+        if not window:
+            raise DrafttrainError("the draft's layers slide but name no sliding_window: its window is unknown")
+        return int(window)
+    raise DrafttrainError(f"the draft mixes layer types {sorted(types)}: drafttrain's EAGLE-3 head has one attention "
+                          "for all its layers")
+
+
 def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
     """The taps as vLLM and SGLang read them: ascending, unique, each the input of a real layer (< L)."""
     if layers != sorted(set(layers)) or any(not 0 <= i < num_layers for i in layers):
@@ -300,18 +315,21 @@ class Eagle3Drafter(EagleHead):
         layer = config["transformer_layer_config"]
         check_foreign_layers(config, target)
         for flag, why in (("norm_before_fc", "one RMSNorm over the concatenated taps"),
-                          ("norm_before_residual", "the residual taken after hidden_norm")):
+                          ("norm_before_residual", "the residual taken after hidden_norm"),
+                          ("embed_requires_grad", "token embeddings of its own, where drafttrain's head reads the "
+                                                  "target's")):
             if config.get(flag):
                 raise DrafttrainError(f"the draft sets {flag} ({why}), which drafttrain's EAGLE-3 head does not "
                                       "compute: it would load and draft something else")
         ids = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers)
         check_aux_layers(ids, target.num_layers)
-        types = layer.get("layer_types") or []
-        window = layer.get("sliding_window") if "sliding_attention" in types else None
-        # the training-time test's depth is a training setting (the default, below a window it must stay under)
+        window = foreign_window(layer)
+        # its draft length, kept as the training-time test's depth (what the speculators export writes back)
+        methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        depth = int(methods[0].get("speculative_tokens") or 7)
         draft = Eagle3Config(num_layers=layer["num_hidden_layers"], layers=ids, intermediate_size=layer["intermediate_size"],
                              fc_norm=bool(config.get("fc_norm")), norm_output=bool(config.get("norm_output")),
-                             sliding_window=window, ttt_steps=min(7, window - 1) if window else 7)
+                             sliding_window=window, ttt_steps=min(depth, window - 1) if window else depth)
         tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
         config, tensors = cls.imported("speculators", {**config, "drafttrain": {"export": {"aux_layer_ids": ids}}},
                                        tensors)

@@ -299,7 +299,9 @@ def check_foreign_layers(config: dict, target) -> None:
               ("rms_norm_eps", layer.get("rms_norm_eps"), ours.rms_norm_eps),
               ("hidden_act", layer.get("hidden_act"), ours.hidden_act),
               ("rope_theta", (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta")),
-               ours.rope_parameters.get("rope_theta"))]
+               ours.rope_parameters.get("rope_theta")),
+              ("rope_type", (layer.get("rope_parameters") or layer.get("rope_scaling") or {}).get("rope_type", "default"),
+               ours.rope_parameters.get("rope_type", "default"))]
     for what, theirs, mine in checks:
         if theirs != mine:
             raise DrafttrainError(f"the draft's {what} is {theirs}, the target {target.name!r} has {mine} (drafttrain "

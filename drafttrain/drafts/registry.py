@@ -95,8 +95,12 @@ def continued_drafter(config: DraftConfig, target) -> Drafter:
     """The saved draft at ``config.init_from`` (checked as every loaded draft is: its files, its tokenizer, its
     weights), given the recipe's training settings."""
     section = resolved_section(config)
-    drafter = load_drafter(config.init_from, target)
+    # as saved, then in fp32 as a fresh draft is built: a draft in the target's half type would train without fp32
+    # master weights (updates below bf16's resolution lost) and its LoRA adapters would be made in that type too
+    drafter = load_drafter(config.init_from, target, as_saved=True)
+    _params_to(drafter, torch.float32)
     drafter.config = section
+    drafter.continued_from = drafter.loaded_from
     return drafter.train()
 
 
@@ -127,6 +131,9 @@ def saved_draft_vocab_size(path: str | Path) -> int | None:
 def continued_config(saved: DraftConfig, recipe: DraftConfig, where: str) -> DraftConfig:
     """The saved draft's section with the recipe's training settings (those it sets); any other setting the recipe
     gives must equal the saved draft's, since the weights were made with it."""
+    cannot = saved.cannot_continue()
+    if cannot:
+        raise DrafttrainError(f"draft.init_from {where}: {cannot}")
     given = recipe.model_fields_set - {"kind", "init_from", "draft_lora"}
     clashes = [name for name in sorted(given - recipe.training_settings)
                if getattr(recipe, name) != getattr(saved, name)]

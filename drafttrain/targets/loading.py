@@ -101,7 +101,8 @@ class Target:
             return parameter_fingerprint(self.model)
         if self.adapter_dir is None:
             return folder_fingerprint(self.source_dir)
-        both = f"{folder_fingerprint(self.source_dir)}\0{folder_fingerprint(self.adapter_dir)}"
+        adapter = folder_fingerprint(self.adapter_dir, "adapter_config.json", ("*.safetensors", "*.bin"))
+        both = f"{folder_fingerprint(self.source_dir)}\0{adapter}"
         return hashlib.sha256(both.encode()).hexdigest()[:16]
 
 
@@ -123,15 +124,18 @@ def provenance(target: Target) -> dict[str, str | None]:
 
 
 def verifier_path(target: Target) -> str:
-    """What an engine loads as this target: its Hub id where known, else its local folder."""
+    """What an engine loads as this target: its Hub id where known, else its local folder (a fine-tune given as an
+    adapter: its name, base+adapter, never the base alone, which is another model)."""
+    if target.adapter_dir is not None:
+        return target.name
     return provenance(target)["base_model"] or str(target.source_dir or target.name)
 
 
-def folder_fingerprint(folder: Path) -> str:
+def folder_fingerprint(folder: Path, config: str = "config.json", weights: tuple[str, ...] = ("*.safetensors",)) -> str:
     """A model folder's config plus, per weight file, its size and its first and last MiB: cheap for a 140 GB
     checkpoint, and different for any other checkpoint in practice (a fine-tune changes the tensor bytes)."""
-    digest = hashlib.sha256((folder / "config.json").read_bytes() if (folder / "config.json").is_file() else b"")
-    for path in sorted(folder.glob("*.safetensors")):
+    digest = hashlib.sha256((folder / config).read_bytes() if (folder / config).is_file() else b"")
+    for path in sorted(p for pattern in weights for p in folder.glob(pattern)):
         size = path.stat().st_size
         digest.update(f"{path.name}\0{size}\0".encode())
         with path.open("rb") as f:
@@ -196,6 +200,10 @@ def convert_gguf(gguf: Path) -> Path:
 
 def resolve_model_dir(spec: str) -> str:
     """Turn a target spec into something ``from_pretrained`` accepts (a folder or a Hub id)."""
+    if target_config(spec).adapter is not None:  # drafttrain merges it on load; an engine needs the merged folder
+        raise DrafttrainError(f"{spec} is a base model with a LoRA adapter, which drafttrain merges as it loads it; "
+                              "an engine needs the merged model: merge it (peft's merge_and_unload, then "
+                              "save_pretrained) and give that folder")
     if spec in BUILTIN_TARGETS:
         return str(convert_gguf(builtin_gguf_path(spec)))
     path = Path(spec).expanduser()
@@ -222,6 +230,14 @@ def _apply_chat_template_override(tokenizer, chat_template: str | None) -> None:
         return
     path = Path(chat_template)
     tokenizer.chat_template = path.read_text() if path.suffix in (".jinja", ".j2") and path.is_file() else chat_template
+
+
+def target_name(cfg: TargetConfig) -> str:
+    """The name a target is loaded and recorded under: its spec, or ``MODEL+ADAPTER`` (the adapter's absolute
+    folder) for a fine-tune given as a LoRA adapter, which is another model than its base."""
+    if cfg.adapter is None:
+        return cfg.model
+    return f"{cfg.model}+{Path(cfg.adapter).expanduser().resolve()}"
 
 
 def target_config(spec: str, **settings) -> TargetConfig:
@@ -272,9 +288,8 @@ def load_target(cfg: TargetConfig | str, *, role: str = "target", **overrides) -
         model, adapter = merged_adapter(model, cfg.adapter)
     model.eval().requires_grad_(False)
     tokenizer = load_tokenizer(cfg)
-    name = cfg.model if adapter is None else f"{cfg.model}+{adapter}"
-    return Target(name=name, model=model, tokenizer=tokenizer, source_dir=Path(where) if Path(where).is_dir() else None,
-                  adapter_dir=adapter)
+    return Target(name=target_name(cfg), model=model, tokenizer=tokenizer,
+                  source_dir=Path(where) if Path(where).is_dir() else None, adapter_dir=adapter)
 
 
 def merged_adapter(model, folder: str) -> tuple[torch.nn.Module, Path]:
@@ -282,6 +297,10 @@ def merged_adapter(model, folder: str) -> tuple[torch.nn.Module, Path]:
     path = Path(folder).expanduser()
     if not (path / "adapter_config.json").is_file():
         raise DrafttrainError(f"target.adapter {folder}: not a peft adapter folder (no adapter_config.json)")
+    if _partitioned_at_load():
+        raise DrafttrainError(f"target.adapter {folder}: under ZeRO-3 the target loads partitioned and the adapter "
+                              "cannot be merged into it: merge it first (peft's merge_and_unload, then "
+                              "save_pretrained) and give that folder as target.model")
     try:
         from peft import PeftModel  # optional extra (peft): only for target.adapter
     except ImportError:

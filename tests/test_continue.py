@@ -218,6 +218,7 @@ def test_prepare_replays_an_earlier_run_into_the_split_that_train_checks(tmp_pat
 
 @pytest.mark.slow
 def test_a_fine_tuned_target_given_as_a_lora_adapter_is_the_merged_model_under_its_own_name(tmp_path, smollm2):
+    torch.manual_seed(0)
     tuned = get_peft_model(load_target("smollm2-135m-instruct").model, LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))  # random B: a real change
     tuned.save_pretrained(str(tmp_path / "lora"))
@@ -226,7 +227,8 @@ def test_a_fine_tuned_target_given_as_a_lora_adapter_is_the_merged_model_under_i
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         expected = tuned(input_ids=ids).logits
-        assert torch.allclose(target.model(input_ids=ids).logits, expected, atol=1e-4)
+        # merged weights against the adapter computed beside them: fp32 rounding (logits of size ~30) apart
+        assert torch.allclose(target.model(input_ids=ids).logits, expected, rtol=0, atol=3e-3)
         assert not torch.allclose(smollm2.model(input_ids=ids).logits, expected, atol=1e-2)
     assert target.name == f"smollm2-135m-instruct+{(tmp_path / 'lora').resolve()}"
     assert load_target(target.name).fingerprint == target.fingerprint != smollm2.fingerprint  # the name reloads it

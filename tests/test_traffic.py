@@ -12,7 +12,8 @@ from datasets import load_from_disk
 
 from drafttrain import DrafttrainError
 from drafttrain.commands.prepare import prepare
-from drafttrain.config import parse_recipe
+from drafttrain.config import DataConfig, SourceConfig, parse_recipe
+from drafttrain.data.sources import load_mixture
 from drafttrain.data.traffic import REDACTED, read_prompts_file, read_request_log, redact, traffic_source
 
 SECRETS = {
@@ -137,3 +138,17 @@ def test_prepare_keeps_the_targets_own_logged_answers_and_has_the_target_answer_
     stored = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file()
                      and p.suffix in (".jsonl", ".json", ".arrow"))
     assert key not in stored and all(key not in t for t in texts.values())
+
+
+def test_a_mixture_names_the_lines_it_skipped_and_counts_what_it_redacted(tmp_path, caplog):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join([json.dumps(request("Hello there")), "{oops",
+                               json.dumps(request(f"key {SECRETS['api key'][2]} fails")), json.dumps(request("Hello there"))]))
+    with caplog.at_level("WARNING", logger="drafttrain.data.sources"):
+        mixture = load_mixture(DataConfig(sources=[SourceConfig(path=str(path), format="request_log")],
+                                          validation_fraction=0.0), seed=0)
+    stats = mixture.stats["sources"]["log"]
+    assert stats["records"] == 4 and stats["loaded"] == 2 and stats["redacted"] == {"api key": 1}
+    assert stats["skipped"] == {"not JSON": 1, "duplicate request": 1}
+    assert any("line 2: not JSON" in r.getMessage() for r in caplog.records)
+    assert all(SECRETS["api key"][2] not in json.dumps(c) for c in mixture.train)

@@ -266,6 +266,17 @@ def test_a_time_budget_stops_on_time_with_the_schedule_run_over_it(tmp_path):
     assert lrs[0] > 0.9e-2 and lrs[-1] < 0.02e-2  # from the full rate (1e-2) to ~0 at the budget's end
 
 
+def test_under_a_time_budget_the_time_left_is_the_budgets_not_the_step_counts(tmp_path, caplog):
+    from drafttrain.progress import PROGRESS_LOGGER
+
+    with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
+        make_trainer(tmp_path, max_steps=100_000, time_budget_minutes=1.5 / 60, save_every=100_000,
+                     log_every=1).train()
+    etas = [float(r.getMessage().rsplit(" eta=", 1)[1].removesuffix("min")) for r in caplog.records
+            if r.name == PROGRESS_LOGGER]
+    assert len(etas) > 2 and max(etas) <= 1.5 / 60 + 1e-9  # 100,000 steps at the measured rate would be hours
+
+
 def test_without_a_terminal_training_writes_progress_records_with_the_total_and_time_left(tmp_path, caplog):
     """A log file, CI or nohup gets one line per log step (no bar can be drawn): step of total, loss, tokens/s,
     and an ETA from the rate so far; the quickstart shows them on such a console every 30 s at most."""

@@ -185,6 +185,8 @@ class MetricsLog:
         self._wandb = self._start_wandb(recipe, resumed)
         self._bar = self._start_bar(total_steps, start_step)
         self._total, self._start_step, self._started = total_steps, start_step, time.perf_counter()
+        budget = recipe.training.time_budget_minutes
+        self._budget_s = budget * 60 if budget is not None else None
         self._throughput = ThroughputWatch()
 
     def _prepare_file(self, start_step: int, resumed: bool) -> None:
@@ -276,6 +278,8 @@ class MetricsLog:
         """``step=S/T ... eta=...``: the record, with how far the run is and the time left at the rate so far."""
         step, done = record["step"], record["step"] - self._start_step
         left = (time.perf_counter() - self._started) / done * (self._total - step) if done > 0 else None
+        if left is not None and self._budget_s is not None and "train_s" in record:  # the budget ends it sooner
+            left = min(left, max(0.0, self._budget_s - record["train_s"]))
         fields = {k: v for k, v in record.items() if k != "step"}
         eta = "" if left is None else f" eta={left / 60:.1f}min"
         return f"step={step}/{self._total} " + " ".join(f"{k}={_short(v)}" for k, v in fields.items()) + eta

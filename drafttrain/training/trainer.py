@@ -357,7 +357,7 @@ class Trainer:
         epoch = state.epoch + state.batch_in_epoch / self.layout.micro_batches_per_epoch
         record = {"step": state.step, "epoch": round(epoch, 4), "lr": self.scheduler.get_last_lr()[0],
                   "grad_norm": self.grad_norm, **summary,
-                  "elapsed_s": round(time.perf_counter() - self.started, 2)}
+                  "elapsed_s": round(time.perf_counter() - self.started, 2), "train_s": round(state.train_seconds, 2)}
         self.metrics.write(record)
         self.metrics.advance(state.step, {"loss": summary["loss"], "lr": record["lr"],
                                           "tok/s": summary["tokens_per_s"]})

@@ -23,6 +23,7 @@ from test_draft_model import tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators_dflash"
 EAGLE3 = Path(__file__).parent / "fixtures" / "speculators_eagle3"
+SPECFORGE = Path(__file__).parent / "fixtures" / "specforge_eagle3"
 FOREIGN_EXTRAS = ("embed_tokens.weight",)  # the target's embeddings, which speculators' files carry a copy of
 
 
@@ -126,6 +127,25 @@ def test_an_imported_eagle3_draft_serves_losslessly_and_continues_as_saved(tmp_p
     assert continued.config.fc_norm and continued.config.layers == [1, 2, 3] and continued.config.ttt_steps == 3
     assert continued.config.step_decay == 0.5
     assert all(torch.equal(a, b) for a, b in zip(continued.state_tensors().values(), drafter.state_tensors().values()))
+
+
+@pytest.mark.parametrize("name, layers, taps, fc_norm, vocab", [("draft_vocab", 8, [2, 4, 5], False, 16),
+                                                               ("eagle31", 4, [1, 2, 3], True, 64)])
+def test_a_specforge_eagle3_draft_imports_with_every_weight(tmp_path, name, layers, taps, fc_norm, vocab):
+    # draft_vocab leaves its taps to the default (2, L/2, L-3 as inputs: an 8-layer target); eagle31 names them in
+    # SpecForge's (SGLang's) numbering, the output of layers 0-2
+    target = tiny_target(layers=layers)
+    out, _ = import_draft(SPECFORGE / name, target, tmp_path / "imported")
+    drafter = load_drafter(out, target).eval()
+    assert drafter.layer_ids == taps and drafter.config.fc_norm == fc_norm and not drafter.config.norm_output
+    assert drafter.d2t.numel() == vocab
+    mine = drafter.state_tensors()
+    for key, value in load_file(str(SPECFORGE / name / "model.safetensors")).items():
+        if key not in FOREIGN_EXTRAS:
+            assert torch.equal(mine[key], value), key
+    prompt = [5, 9, 17, 3]
+    decoder = SpeculativeDecoder(target, build_proposer(drafter.proposer, target, draft=drafter), depth=3)
+    assert decoder.generate(prompt, 16).tokens == plain_decode(target, prompt, 16).tokens
 
 
 def test_an_eagle3_draft_with_a_norm_drafttrain_does_not_compute_is_refused(tmp_path):

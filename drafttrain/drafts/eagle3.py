@@ -306,12 +306,17 @@ class Eagle3Drafter(EagleHead):
 
     @classmethod
     def foreign_format(cls, config):
-        return "speculators" if config.get("speculators_model_type") == "eagle3" else None
+        if config.get("speculators_model_type") == "eagle3":
+            return "speculators"
+        # EAGLE's and SpecForge's trainers write the interchange layout (a Llama config, midlayer.*, fc, d2t/t2d)
+        return "specforge" if config.get("architectures") == ["LlamaForCausalLMEagle3"] else None
 
     @classmethod
     def foreign_draft(cls, config, tensors, target):
         """An EAGLE-3 (or 3.1) draft as speculators' Eagle3DraftModel saves it (a speculators trainer's checkpoint, or
-        what `speculators convert` writes from EAGLE / SpecForge heads)."""
+        what `speculators convert` writes from EAGLE / SpecForge heads), or as EAGLE's and SpecForge's trainers do."""
+        if "transformer_layer_config" not in config:
+            return cls._specforge_draft(config, tensors, target)
         layer = config["transformer_layer_config"]
         check_foreign_layers(config, target)
         for flag, why in (("norm_before_fc", "one RMSNorm over the concatenated taps"),
@@ -334,6 +339,29 @@ class Eagle3Drafter(EagleHead):
         config, tensors = cls.imported("speculators", {**config, "drafttrain": {"export": {"aux_layer_ids": ids}}},
                                        tensors)
         return draft, {k: v for k, v in config.items() if k != "drafttrain"}, tensors, []
+
+    @classmethod
+    def _specforge_draft(cls, config, tensors, target):
+        """SpecForge's LlamaForCausalLMEagle3 (and EAGLE's layout): its ids in ``eagle_config`` are SGLang's (the output
+        of layer i, so the input of i + 1; default (2, L/2, L-3) as inputs); its ``norm_output`` (default true) says
+        whether the final norm comes before lm_head, which drafttrain's head always applies: the next step reads the
+        un-normed hidden in SpecForge's training either way, so it is not speculators' EAGLE-3.1 ``norm_output``."""
+        check_foreign_layers({"transformer_layer_config": config, "target_hidden_size": config.get("target_hidden_size")},
+                             target)
+        if config.get("norm_output") is False:
+            raise DrafttrainError("the draft sets norm_output false (lm_head on the un-normed hidden), which "
+                                  "drafttrain's EAGLE-3 head does not compute")
+        explicit = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = check_aux_layers([i + 1 for i in explicit] if explicit else default_aux_layers(target.num_layers),
+                               target.num_layers)
+        window = foreign_window(config)
+        draft = Eagle3Config(num_layers=config["num_hidden_layers"], layers=ids,
+                             intermediate_size=config["intermediate_size"], fc_norm=bool(config.get("fc_norm")),
+                             sliding_window=window, ttt_steps=min(7, window - 1) if window else 7)
+        tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
+        config = {**{k: v for k, v in config.items() if k not in ("eagle_config", "norm_output")},
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+        return draft, config, tensors, []
 
     def vllm_speculative_config(self) -> dict:
         """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""

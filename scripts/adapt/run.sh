@@ -38,7 +38,8 @@ arm() {  # NAME OVERRIDES...: prepare the maths rows (as the arm needs them) and
 arm adapt draft.init_from="$general"
 arm replay draft.init_from="$general" "data.replay={run: $general, fraction: 0.3}"
 arm lora draft.init_from="$general" "draft.draft_lora={rank: 16, alpha: 32}" training.learning_rate=1.0e-3
-arm scratch draft_vocab.enabled=true "draft.init_from_target=[lm_head, layer, fc]" training.learning_rate=8.0e-4 \
+# the general head's draft vocabulary size (the schema's default, 32,000, made a head twice as slow to train)
+arm scratch draft_vocab.enabled=true draft_vocab.size=8192 "draft.init_from_target=[lm_head, layer, fc]" training.learning_rate=8.0e-4 \
     training.warmup_steps=30
 
 sides=(--compare "adapt=$out/adapt" --compare "replay=$out/replay" --compare "lora=$out/lora"

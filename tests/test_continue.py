@@ -23,22 +23,18 @@ from drafttrain.drafts.registry import continued_config
 from drafttrain.evaluation.report import _config_line
 from drafttrain.targets import load_target
 from drafttrain.runfolder import WEIGHTS_NAME, DataManifest, RunFolder, read_safetensors
-from trainer_helpers import fresh_accelerate, reset_accelerate, tiny_dataset, tiny_target  # noqa: F401 (fixture)
+from trainer_helpers import (  # noqa: F401 (fresh_accelerate: a fixture)
+    Interrupted,
+    fresh_accelerate,
+    prepared_run,
+    reset_accelerate,
+    tiny_dataset,
+    tiny_target,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 HEAD = {"kind": "eagle3", "ttt_steps": 2, "layers": [0, 1]}
-
-
-class Interrupted(Exception):
-    pass
-
-
-def prepared_run(folder: Path, rows: int = 16, seed: int = 0) -> Path:
-    dataset = tiny_dataset(rows, seed=seed)
-    dataset.save_to_disk(str(folder / "data" / "train"))
-    (folder / "data" / "manifest.json").write_text(json.dumps({"train": split_fingerprint(dataset)}))
-    return folder
 
 
 def recipe_for(folder: Path, draft: dict, **training):
@@ -50,7 +46,8 @@ def recipe_for(folder: Path, draft: dict, **training):
 
 def trained_head(folder: Path, steps: int = 3) -> Path:
     """A general head: trained a few steps on one data set, its run folder returned."""
-    result = train_command.train(recipe_for(prepared_run(folder), HEAD, max_steps=steps), target=tiny_target())
+    result = train_command.train(recipe_for(prepared_run(folder, tiny_dataset(16)), HEAD, max_steps=steps),
+                                 target=tiny_target())
     reset_accelerate()
     return result.last_checkpoint
 
@@ -66,7 +63,7 @@ def test_a_continued_draft_starts_from_the_saved_weights_with_its_own_architectu
     for name, tensor in drafter.state_tensors().items():
         assert torch.equal(tensor, weights[name]), name
 
-    result = train_command.train(recipe_for(prepared_run(tmp_path / "new", seed=1),
+    result = train_command.train(recipe_for(prepared_run(tmp_path / "new", tiny_dataset(16, seed=1)),
                                             {"kind": "eagle3", "init_from": str(saved)}, max_steps=2),
                                  target=tiny_target())
     config = json.loads((result.last_checkpoint / "config.json").read_text())["drafttrain"]["draft"]
@@ -87,7 +84,7 @@ def test_a_continued_draft_trains_in_fp32_beside_a_half_precision_target(tmp_pat
 
 def test_a_continued_draft_refuses_another_architecture_kind_or_vocabulary(tmp_path):
     trained_head(tmp_path / "general")
-    prepared_run(tmp_path / "new")
+    prepared_run(tmp_path / "new", tiny_dataset(16))
     where = str(tmp_path / "general")
     with pytest.raises(DrafttrainError, match=r"draft.layers is \[0\] in the recipe, \[0, 1\] in the draft"):
         train_command.check_trainable(recipe_for(tmp_path / "new", {**HEAD, "layers": [0], "init_from": where}))
@@ -112,7 +109,8 @@ def test_a_continued_draft_refuses_another_architecture_kind_or_vocabulary(tmp_p
 def test_continued_training_resumes_after_a_crash_exactly_as_an_uninterrupted_run(tmp_path, monkeypatch, lora):
     saved = trained_head(tmp_path / "general")
     draft = {"kind": "eagle3", "init_from": str(saved), "draft_lora": lora}
-    straight = train_command.train(recipe_for(prepared_run(tmp_path / "straight", seed=1), draft, max_steps=4),
+    straight = train_command.train(recipe_for(prepared_run(tmp_path / "straight", tiny_dataset(16, seed=1)), draft,
+                                              max_steps=4),
                                    target=tiny_target())
     reset_accelerate()
 
@@ -121,7 +119,7 @@ def test_continued_training_resumes_after_a_crash_exactly_as_an_uninterrupted_ru
             raise Interrupted
 
     monkeypatch.setattr(train_command, "checkpoint_callbacks", lambda *args: [crash_at_2])
-    recipe = recipe_for(prepared_run(tmp_path / "crashed", seed=1), draft, max_steps=4)
+    recipe = recipe_for(prepared_run(tmp_path / "crashed", tiny_dataset(16, seed=1)), draft, max_steps=4)
     with pytest.raises(Interrupted):
         train_command.train(recipe, target=tiny_target())
     reset_accelerate()

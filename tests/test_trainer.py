@@ -10,22 +10,18 @@ import math
 import pytest
 import torch
 from trainer_helpers import (  # noqa: F401  (fresh_accelerate: an autouse fixture)
-    StandInDraft, fresh_accelerate, make_trainer, reset_accelerate, tiny_dataset, tiny_target,
+    Interrupted, StandInDraft, fresh_accelerate, make_trainer, prepared_run, reset_accelerate, tiny_dataset,
+    tiny_target,
 )
 
 from drafttrain import DrafttrainError
 from drafttrain.config import WandbConfig
-from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.training.loader import BatchLayout, ResumableBatchSampler, epoch_permutation, pad_collate
 from drafttrain.training.run_log import resolve_wandb_mode, simulated_tau
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
-
-
-class Interrupted(Exception):
-    """Raised by a checkpoint callback to stop a run right after a checkpoint, like a preemption would."""
 
 
 def test_training_learns_and_logs_numbers_only(tmp_path):
@@ -220,9 +216,7 @@ def test_cli_trains_a_real_eagle3_head_and_resumes(tmp_path, monkeypatch, capsys
     from drafttrain.drafts import load_drafter
 
     monkeypatch.setattr(drafttrain.targets, "load_target", lambda cfg: tiny_target())
-    dataset = tiny_dataset(16)
-    dataset.save_to_disk(str(tmp_path / "data" / "train"))
-    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"train": split_fingerprint(dataset)}))
+    prepared_run(tmp_path, tiny_dataset(16))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"output_dir: {tmp_path}\ndraft: {{kind: eagle3, ttt_steps: 2, layers: [0, 1]}}\n"
                       "training: {batch_size: 4, save_every: 2, log_every: 1}\nwandb: {enabled: false}\n"

@@ -24,6 +24,7 @@ if str(REPO) not in sys.path:  # when run as a script by accelerate launch
     sys.path.insert(0, str(REPO))
 
 from drafttrain.config import DraftConfig, Recipe, parse_recipe  # noqa: E402
+from drafttrain.data.tokenize import split_fingerprint  # noqa: E402
 from drafttrain.drafts.base import Drafter, StepOutput, top1_hits  # noqa: E402
 from drafttrain.targets import Target, TargetNeeds, TargetOutputs  # noqa: E402
 
@@ -38,6 +39,17 @@ def tiny_target(seed: int = 0) -> Target:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return Target("tiny-llama", LlamaForCausalLM(config).eval().requires_grad_(False), tokenizer=None)
+
+
+class Interrupted(Exception):
+    """Raised by a checkpoint callback to stop a run right after a checkpoint, like a preemption would."""
+
+
+def prepared_run(folder: Path, dataset) -> Path:
+    """``folder`` as prepare leaves a run: the tokenised train split and the data manifest that records it."""
+    dataset.save_to_disk(str(folder / "data" / "train"))
+    (folder / "data" / "manifest.json").write_text(json.dumps({"train": split_fingerprint(dataset)}))
+    return folder
 
 
 def tiny_dataset(num_rows: int = 48, seed: int = 0, poison_row: int | None = None):

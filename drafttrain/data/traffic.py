@@ -101,7 +101,7 @@ class RequestLog:
 def read_request_log(path: str | Path) -> RequestLog:
     """Every distinct prompt of a request log, in file order, with the lines it could not use and why."""
     path = _existing(path, "request log")
-    prompts, skipped, seen, duplicates, redacted = [], [], set(), 0, Counter()
+    prompts, skipped, redacted = [], [], Counter()
     for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         if not line.strip():
             continue
@@ -113,24 +113,14 @@ def read_request_log(path: str | Path) -> RequestLog:
         except (SkipRecord, FormatMismatch) as err:
             skipped.append(f"line {number}: {err}")
             continue
-        # every message counts here, system prompts and tools included: the same question under another system
-        # prompt is another request to the server
-        key = json.dumps([prompt.messages, prompt.tools], sort_keys=True, default=str)
-        if key in seen:
-            duplicates += 1
-            continue
-        seen.add(key)
         prompts.append(prompt)
-    if not prompts:
-        raise DrafttrainError(f"request log {path} holds no usable request"
-                              + (f" ({len(skipped)} lines skipped; first: {skipped[0]})" if skipped else ""))
-    return RequestLog(prompts, skipped, duplicates, +redacted)
+    return _distinct(prompts, skipped, redacted, f"request log {path} holds no usable request")
 
 
 def read_prompts_file(path: str | Path) -> RequestLog:
     """A prompts file (see the module docstring) as user prompts, each once."""
     path = _existing(path, "prompts file")
-    prompts, skipped, seen, duplicates, redacted = [], [], set(), 0, Counter()
+    prompts, skipped, redacted = [], [], Counter()
     for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         text = line.strip()
         if path.suffix.lower() != ".txt" and text:
@@ -145,15 +135,23 @@ def read_prompts_file(path: str | Path) -> RequestLog:
                 continue
         if not text.strip():
             continue
-        prompt = Prompt(({"role": "user", "content": redact(text, redacted)},))
-        duplicates += prompt.messages[0]["content"] in seen
-        if prompt.messages[0]["content"] not in seen:
-            seen.add(prompt.messages[0]["content"])
-            prompts.append(prompt)
-    if not prompts:
-        raise DrafttrainError(f"prompts file {path} holds no prompt"
-                              + (f" ({len(skipped)} lines skipped; first: {skipped[0]})" if skipped else ""))
-    return RequestLog(prompts, skipped, duplicates, +redacted)
+        prompts.append(Prompt(({"role": "user", "content": redact(text, redacted)},)))
+    return _distinct(prompts, skipped, redacted, f"prompts file {path} holds no prompt")
+
+
+def _distinct(prompts: list[Prompt], skipped: list[str], redacted: Counter, empty: str) -> RequestLog:
+    """The prompts read, each once in file order (the first copy kept), or an error saying ``empty`` and why."""
+    kept, seen = [], set()
+    for prompt in prompts:
+        # every message counts, system prompts and tools included: the same question under another system prompt
+        # is another request to the server
+        key = json.dumps([prompt.messages, prompt.tools], sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            kept.append(prompt)
+    if not kept:
+        raise DrafttrainError(empty + (f" ({len(skipped)} lines skipped; first: {skipped[0]})" if skipped else ""))
+    return RequestLog(kept, skipped, len(prompts) - len(kept), +redacted)
 
 
 def traffic_source(path: str, fmt: str, name: str) -> tuple[LoadedSource, RequestLog]:

@@ -35,9 +35,9 @@ from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits
 from drafttrain.drafts.eagle3 import SPECULATORS_VERSION, check_aux_layers, default_aux_layers
 from drafttrain.drafts.layers import (
-    FOREIGN_EXTRAS,
     LayerCache,
     check_foreign_layers,
+    foreign_tensors,
     llama_config_like,
     resolve_mask_token,
 )
@@ -481,7 +481,7 @@ class DFlashDrafter(Drafter):
                              sample_from_anchor=bool(config.get("sample_from_anchor")),
                              mask_token_id=config["mask_token_id"], intermediate_size=layer["intermediate_size"],
                              init_from_target=False)
-        tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
+        tensors = foreign_tensors(tensors)
         if "lm_head.weight" not in tensors:  # speculators omits a whole-vocabulary head: it is the target's own
             tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().float().cpu()
         config, tensors = cls.imported("speculators", config, tensors)

@@ -20,10 +20,10 @@ from drafttrain.drafts import losses
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import (
-    FOREIGN_EXTRAS,
     DraftDecoderLayer,
     LayerCache,
     check_foreign_layers,
+    foreign_tensors,
     llama_config_like,
     resolve_mask_token,
     shift_left,
@@ -57,6 +57,15 @@ def foreign_window(layer: dict) -> int | None:
         return int(window)
     raise DrafttrainError(f"the draft mixes layer types {sorted(types)}: drafttrain's EAGLE-3 head has one attention "
                           "for all its layers")
+
+
+def foreign_section(layer: dict, ids: list[int], depth: int, fc_norm: bool, norm_output: bool) -> Eagle3Config:
+    """The EAGLE-3 section of a foreign draft whose layers ``layer`` describes: its window read from them, its draft
+    length ``depth`` kept as the training-time test's depth (below the window, which must exceed it)."""
+    window = foreign_window(layer)
+    return Eagle3Config(num_layers=layer["num_hidden_layers"], layers=ids, intermediate_size=layer["intermediate_size"],
+                        fc_norm=fc_norm, norm_output=norm_output, sliding_window=window,
+                        ttt_steps=min(depth, window - 1) if window else depth)
 
 
 def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -326,16 +335,13 @@ class Eagle3Drafter(EagleHead):
             if config.get(flag):
                 raise DrafttrainError(f"the draft sets {flag} ({why}), which drafttrain's EAGLE-3 head does not "
                                       "compute: it would load and draft something else")
-        ids = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers)
-        check_aux_layers(ids, target.num_layers)
-        window = foreign_window(layer)
-        # its draft length, kept as the training-time test's depth (what the speculators export writes back)
+        ids = check_aux_layers(config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers),
+                               target.num_layers)
+        # its draft length (what the speculators export writes back)
         methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        depth = int(methods[0].get("speculative_tokens") or 7)
-        draft = Eagle3Config(num_layers=layer["num_hidden_layers"], layers=ids, intermediate_size=layer["intermediate_size"],
-                             fc_norm=bool(config.get("fc_norm")), norm_output=bool(config.get("norm_output")),
-                             sliding_window=window, ttt_steps=min(depth, window - 1) if window else depth)
-        tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
+        draft = foreign_section(layer, ids, int(methods[0].get("speculative_tokens") or 7),
+                                bool(config.get("fc_norm")), bool(config.get("norm_output")))
+        tensors = foreign_tensors(tensors)
         config, tensors = cls.imported("speculators", {**config, "drafttrain": {"export": {"aux_layer_ids": ids}}},
                                        tensors)
         return draft, {k: v for k, v in config.items() if k != "drafttrain"}, tensors, []
@@ -354,11 +360,8 @@ class Eagle3Drafter(EagleHead):
         explicit = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         ids = check_aux_layers([i + 1 for i in explicit] if explicit else default_aux_layers(target.num_layers),
                                target.num_layers)
-        window = foreign_window(config)
-        draft = Eagle3Config(num_layers=config["num_hidden_layers"], layers=ids,
-                             intermediate_size=config["intermediate_size"], fc_norm=bool(config.get("fc_norm")),
-                             sliding_window=window, ttt_steps=min(7, window - 1) if window else 7)
-        tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
+        draft = foreign_section(config, ids, 7, bool(config.get("fc_norm")), norm_output=False)
+        tensors = foreign_tensors(tensors)
         config = {**{k: v for k, v in config.items() if k not in ("eagle_config", "norm_output")},
                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         return draft, config, tensors, []

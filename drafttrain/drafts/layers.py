@@ -286,6 +286,11 @@ def resolve_mask_token(configured: int | None, target) -> int:
 FOREIGN_EXTRAS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
 
 
+def foreign_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A foreign draft's own tensors (the target's copies left out), floating point in fp32 as drafttrain trains."""
+    return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
+
+
 def check_foreign_layers(config: dict, target) -> None:
     """Our draft layers take the target's shape, norm epsilon, activation and RoPE (``llama_config_like``): a
     foreign draft whose layers differ in any of them would load and compute something else, so it is refused."""

@@ -32,9 +32,8 @@ def add_draft_lora(drafter: nn.Module, lora: DraftLoraConfig) -> None:
     names = {name for name, _ in drafter.named_modules()}
     missing = [m for m in modules if not any(n == m or n.endswith("." + m) for n in names)]
     if missing:
-        linear = [n for n in default_modules(drafter)][:12]
         raise DrafttrainError(f"draft.draft_lora.target_modules {missing} are not modules of the "
-                              f"{drafter.kind} draft (its linear layers: {', '.join(linear)})")
+                              f"{drafter.kind} draft (its linear layers: {', '.join(default_modules(drafter)[:12])})")
     inject_adapter_in_model(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                        target_modules=list(modules), bias="none"), drafter)
     for name, param in drafter.named_parameters():

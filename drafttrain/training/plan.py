@@ -233,12 +233,12 @@ def _draft_section(recipe: Recipe, vocab_size: int):
     """The draft section the run trains with (a continued draft's own); a draft vocabulary that prepare has not
     written yet, or that a continued draft brings, is stood in for by one of its size (only its size matters)."""
     draft, run = resolved_section(recipe.draft), RunFolder.of(recipe.output_dir)
-    wants_file = recipe.draft_vocab.enabled and not draft.draft_vocab and not run.draft_vocab.is_file()
-    if "draft_vocab" not in type(draft).model_fields:
-        yield draft, run
-        return
-    size = saved_draft_vocab_size(draft.init_from) if draft.init_from else recipe.draft_vocab.size if wants_file \
-        else None
+    size = None
+    if "draft_vocab" in type(draft).model_fields and draft.init_from:
+        size = saved_draft_vocab_size(draft.init_from)
+    elif "draft_vocab" in type(draft).model_fields and recipe.draft_vocab.enabled and not draft.draft_vocab \
+            and not run.draft_vocab.is_file():
+        size = recipe.draft_vocab.size
     if size is None:
         yield draft, run
         return

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("DRAFTTRAIN_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -102,6 +107,31 @@ def small_recipe(folder: Path, draft: dict, **sections) -> Path:
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+def killed_and_straight_losses(recipes: dict[str, Path], kill_at: int = 3) -> dict[str, dict[int, float]]:
+    """Losses by step of `drafttrain train` on two prepared recipes, in subprocesses: "straight" runs to its end;
+    "killed" is killed (SIGKILL) once its step-``kill_at`` checkpoint is written, then resumed with ``--resume``."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    losses = {}
+    for name, recipe in recipes.items():
+        command = [sys.executable, "-m", "drafttrain", "train", str(recipe)]
+        run = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+        if name == "killed":
+            proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            checkpoint = run / "checkpoints" / f"step-{kill_at:06d}"
+            deadline = time.monotonic() + 240
+            while not (checkpoint / "model.safetensors").is_file() and proc.poll() is None:
+                assert time.monotonic() < deadline, f"no step-{kill_at} checkpoint in 4 minutes"
+                time.sleep(0.05)
+            proc.kill()
+            assert proc.wait() == -9, "the run ended before it could be killed"
+            command.append("--resume")
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = {r["step"]: r["loss"] for r in records if "loss" in r}
+    return losses
 
 
 @pytest.fixture(scope="session")

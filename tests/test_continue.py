@@ -239,3 +239,31 @@ def test_a_fine_tuned_target_given_as_a_lora_adapter_is_the_merged_model_under_i
     assert "(the draft was trained for `smollm2-135m-instruct`)" in _config_line(config)
     with pytest.raises(DrafttrainError, match="not a peft adapter folder"):
         load_target(parse_recipe({"target": {"adapter": str(tmp_path)}}).target)
+
+
+@pytest.mark.slow
+def test_a_continued_run_killed_mid_training_resumes_to_the_uninterrupted_runs_losses(tmp_path, folder_target):
+    """A head continued with draft LoRA by `drafttrain train`, killed (SIGKILL) once its step-3 checkpoint is written,
+    then `--resume`: steps 4-6 give the losses of the continued run that was never interrupted."""
+    from conftest import killed_and_straight_losses, small_recipe
+
+    from drafttrain.commands import main
+
+    general = tmp_path / "general"
+    general.mkdir()
+    head = {"kind": "eagle3", "ttt_steps": 2}
+    training = {"batch_size": 2, "max_steps": 6, "save_every": 3, "log_every": 1}
+    recipe = small_recipe(general, head, target={"model": str(folder_target)}, eval={"every_checkpoint": False},
+                          training=training)
+    assert main(["prepare", str(recipe), "--no-progress"]) == 0 and main(["train", str(recipe)]) == 0
+    recipes = {}
+    for name in ("straight", "killed"):
+        (tmp_path / name).mkdir()
+        continued = {"kind": "eagle3", "init_from": str(general / "run"), "draft_lora": {"rank": 4}}
+        recipes[name] = small_recipe(tmp_path / name, continued, target={"model": str(folder_target)},
+                                     eval={"every_checkpoint": False}, training={**training, "learning_rate": 1e-3})
+        assert main(["prepare", str(recipes[name]), "--no-progress"]) == 0
+    losses = killed_and_straight_losses(recipes)
+    assert sorted(losses["killed"]) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert losses["killed"][step] == pytest.approx(losses["straight"][step], rel=0, abs=1e-5)

@@ -214,46 +214,18 @@ def test_the_dflash_recipes_validate():
 def test_a_dflash_run_killed_mid_training_resumes_to_the_uninterrupted_runs_losses(tmp_path, folder_target):
     """`drafttrain train` killed (SIGKILL) once its step-3 checkpoint is written, then `--resume`: steps 4-6 give the
     losses of a run that was never interrupted (the anchors come from the restored random state)."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from conftest import small_recipe
+    from conftest import killed_and_straight_losses, small_recipe
 
     from drafttrain.commands import main
 
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-
-    def command(recipe, *extra):
-        return [sys.executable, "-m", "drafttrain", "train", str(recipe), *extra]
-
-    losses = {}
+    recipes = {}
     for name in ("straight", "killed"):
         (tmp_path / name).mkdir()
-        recipe = small_recipe(tmp_path / name, {"kind": "dflash", "block_size": 4, "anchors": 8},
-                              target={"model": str(folder_target)}, eval={"every_checkpoint": False},
-                              training={"batch_size": 2, "max_steps": 6, "save_every": 3, "log_every": 1})
-        assert main(["prepare", str(recipe), "--no-progress"]) == 0  # here: only the training is killed
-        if name == "killed":
-            proc = subprocess.Popen(command(recipe), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
-            checkpoint = tmp_path / name / "run" / "checkpoints" / "step-000003"
-            deadline = time.monotonic() + 240
-            while not (checkpoint / "model.safetensors").is_file() and proc.poll() is None:
-                assert time.monotonic() < deadline, "no step-3 checkpoint in 4 minutes"
-                time.sleep(0.05)
-            proc.kill()
-            assert proc.wait() == -9, "the run ended before it could be killed"
-            metrics = tmp_path / name / "run" / "metrics.jsonl"
-            assert len(metrics.read_text().splitlines()) < 6 if metrics.is_file() else True
-            extra = ("--resume",)
-        else:
-            extra = ()
-        done = subprocess.run(command(recipe, *extra), cwd=REPO, env=env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
-        records = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = {r["step"]: r["loss"] for r in records if "loss" in r}
+        recipes[name] = small_recipe(tmp_path / name, {"kind": "dflash", "block_size": 4, "anchors": 8},
+                                     target={"model": str(folder_target)}, eval={"every_checkpoint": False},
+                                     training={"batch_size": 2, "max_steps": 6, "save_every": 3, "log_every": 1})
+        assert main(["prepare", str(recipes[name]), "--no-progress"]) == 0  # here: only the training is killed
+    losses = killed_and_straight_losses(recipes)
     assert sorted(losses["killed"]) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):
         assert losses["killed"][step] == pytest.approx(losses["straight"][step], rel=0, abs=1e-5)

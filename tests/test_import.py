@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from drafttrain import DrafttrainError
-from drafttrain.config import Eagle3Config
+from drafttrain.config import Eagle3Config, EagleConfig
 from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
 from drafttrain.drafts import load_drafter, start_drafter
 from drafttrain.export import export_draft
@@ -24,6 +24,8 @@ from test_draft_model import tiny_target
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators_dflash"
 EAGLE3 = Path(__file__).parent / "fixtures" / "speculators_eagle3"
 SPECFORGE = Path(__file__).parent / "fixtures" / "specforge_eagle3"
+EAGLE1 = Path(__file__).parent / "fixtures" / "eagle1"
+VLLM_MEDUSA = Path(__file__).parent / "fixtures" / "vllm_medusa"
 FOREIGN_EXTRAS = ("embed_tokens.weight",)  # the target's embeddings, which speculators' files carry a copy of
 
 
@@ -168,6 +170,102 @@ def test_an_eagle3_draft_with_a_norm_drafttrain_does_not_compute_is_refused(tmp_
         (other / "config.json").write_text(json.dumps({**config, "transformer_layer_config": mixed}))
         with pytest.raises(DrafttrainError, match=problem):
             import_draft(other, tiny_target(), tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+
+
+def target_with_embedding_of(folder: Path):
+    """The tiny target, given the embedding the EAGLE-1 head was trained with (EAGLE copies its target's)."""
+    target = tiny_target()
+    with torch.no_grad():
+        target.model.get_input_embeddings().weight.copy_(load_file(str(folder / "model.safetensors"))["embed_tokens.weight"])
+    return target
+
+
+@pytest.mark.parametrize("name, layers, fc_bias", [("vicuna", 1, True), ("llama3", 2, False)])
+def test_an_eagle1_head_from_eagles_trainer_imports_and_computes_what_eagle_computes(tmp_path, name, layers, fc_bias):
+    target = target_with_embedding_of(EAGLE1 / name)
+    out, notes = import_draft(EAGLE1 / name, target, tmp_path / "imported")
+    assert (notes == []) == fc_bias
+    drafter = load_drafter(out, target).eval()
+    assert drafter.kind == "eagle" and drafter.config.num_layers == layers
+    mine, theirs = drafter.state_tensors(), load_file(str(EAGLE1 / name / "model.safetensors"))
+    for key, value in theirs.items():
+        if key != "embed_tokens.weight":  # the target's own, which the head reads
+            assert torch.equal(mine[key], value), key
+    assert fc_bias or not mine["fc.bias"].any()
+    reference = load_file(str(EAGLE1 / name / "reference.safetensors"))  # EAGLE's own forward on this input
+    with torch.no_grad():
+        hidden, _ = drafter.step(reference["hidden"], reference["input_ids"], torch.arange(6)[None],
+                                 drafter.new_caches())
+    assert torch.allclose(hidden, reference["output"], atol=1e-5, rtol=1e-4)
+    prompt = [5, 9, 17, 3]
+    decoder = SpeculativeDecoder(target, build_proposer(drafter.proposer, target, draft=drafter), depth=3)
+    assert decoder.generate(prompt, 24).tokens == plain_decode(target, prompt, 24).tokens
+    for fmt in ("vllm", "sglang"):
+        served = load_drafter(export_draft(out, fmt, tmp_path / fmt, target), target)
+        assert all(torch.allclose(served.state_tensors()[k], v) for k, v in mine.items()), fmt
+    continued = start_drafter(EagleConfig(init_from=str(out), noise=0.1), target)
+    assert continued.config.num_layers == layers and continued.config.noise == 0.1
+
+
+def test_an_eagle1_head_for_another_target_or_with_what_drafttrain_does_not_compute_is_refused(tmp_path):
+    with pytest.raises(DrafttrainError, match="embed_tokens is not this target's embedding"):
+        import_draft(EAGLE1 / "vicuna", tiny_target(), tmp_path / "imported")
+    pickled = tmp_path / "pickled"  # as EAGLE-1's published heads are: refused, never unpickled
+    pickled.mkdir()
+    shutil.copy(EAGLE1 / "vicuna" / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(DrafttrainError, match="pytorch_model.bin, a pickle"):
+        import_draft(pickled, tiny_target(), tmp_path / "imported")
+    other = tmp_path / "other"
+    shutil.copytree(EAGLE1 / "vicuna", other)
+    config = json.loads((other / "config.json").read_text())
+    target = target_with_embedding_of(other)
+    for change, problem in (({"qkv_bias": True}, "sets qkv_bias"),
+                            ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "sets rope_scaling"),
+                            ({"rope_theta": 5e5}, "rope_theta is 500000.0"),
+                            ({"num_key_value_heads": 4}, "num_key_value_heads is 4")):
+        (other / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(DrafttrainError, match=problem):
+            import_draft(other, target, tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.parametrize("name, heads, layers, vocab", [("plain", 3, 1, 64), ("fasterdecoding", 2, 2, 64),
+                                                      ("token_map", 2, 1, 16)])
+def test_medusa_heads_in_vllms_layout_import_and_compute_what_vllm_computes(tmp_path, name, heads, layers, vocab):
+    target = tiny_target()
+    out, notes = import_draft(VLLM_MEDUSA / name, target, tmp_path / "imported")
+    assert (notes == []) == (name == "fasterdecoding")  # the others' blocks have no bias in vLLM: ours are zero
+    drafter = load_drafter(out, target).eval()
+    assert (drafter.kind, drafter.config.num_heads, drafter.config.num_layers) == ("medusa", heads, layers)
+    assert drafter.d2t.numel() == vocab
+    reference = load_file(str(VLLM_MEDUSA / name / "reference.safetensors"))  # vLLM's Medusa, loaded by vLLM
+    with torch.no_grad():
+        logits = drafter.head_logits(reference["hidden"])
+    for h in range(heads):
+        assert torch.equal(logits[:, h].isinf(), reference[f"logits.{h}"].isinf())
+        assert torch.allclose(logits[:, h], reference[f"logits.{h}"], atol=1e-5, rtol=1e-4), h
+    prompt = [5, 9, 17, 3]
+    decoder = SpeculativeDecoder(target, build_proposer("medusa", target, draft=drafter), depth=2)
+    assert decoder.generate(prompt, 24).tokens == plain_decode(target, prompt, 24).tokens
+    if vocab == 64:  # vLLM 0.32 serves Medusa heads over the whole vocabulary only
+        back = load_drafter(export_draft(out, "vllm", tmp_path / "export", target), target)
+        assert all(torch.equal(back.state_tensors()[k], v) for k, v in drafter.state_tensors().items())
+
+
+def test_medusa_heads_vllm_would_load_otherwise_or_for_another_target_are_refused(tmp_path):
+    with pytest.raises(DrafttrainError, match="hidden_size is 32, the target 'tiny' has 16"):
+        import_draft(VLLM_MEDUSA / "plain", tiny_target_of(hidden=16), tmp_path / "imported")
+    other = tmp_path / "other"
+    shutil.copytree(VLLM_MEDUSA / "fasterdecoding", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "medusa_fc_bias": False}))
+    with pytest.raises(DrafttrainError, match="vLLM would not load with this config.*set medusa_fc_bias true"):
+        import_draft(other, tiny_target(), tmp_path / "imported")
+    (other / "config.json").write_text(json.dumps({**config, "truncated_vocab_size": 16}))
+    with pytest.raises(DrafttrainError, match="truncated_vocab_size is 16, but the heads hold no token_map"):
+        import_draft(other, tiny_target(), tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
 
 

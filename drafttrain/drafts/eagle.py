@@ -15,7 +15,13 @@ from drafttrain.config import EagleConfig
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
-from drafttrain.drafts.layers import DraftDecoderLayer, llama_config_like, shift_left
+from drafttrain.drafts.layers import (
+    DraftDecoderLayer,
+    check_foreign_layers,
+    foreign_tensors,
+    llama_config_like,
+    shift_left,
+)
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
@@ -108,6 +114,31 @@ class EagleDrafter(EagleHead):
         tensors["fc.bias"] = fc_bias
         return config, tensors
 
+    # -- import (a head EAGLE's own trainer wrote) -----------------------------------------------------------
+    @classmethod
+    def foreign_format(cls, config):
+        # EAGLE's trainer (eagle/train/main.py) saves the head beside its train config: a plain Llama config
+        return "eagle" if config.get("architectures") == ["LlamaForCausalLM"] else None
+
+    @classmethod
+    def foreign_draft(cls, config, tensors, target):
+        """An EAGLE-1/2 head as EAGLE's trainer saves it (the state dict of ``eagle.model.cnets1.Model``): ``fc``, with
+        a bias unless the config says ``"bias": false``; ``layers.{i}.*``, layer 0 without an input norm; the target's
+        embedding, frozen (checked against this target's, then left out: the head reads the target's own)."""
+        if "fc.weight" not in tensors:
+            raise DrafttrainError("the folder has no fc.weight: it is not an EAGLE head (a model's own folder?)")
+        for field, why in (("qkv_bias", "biases on q, k and v"), ("rope_scaling", "a scaled RoPE")):
+            if config.get(field):
+                raise DrafttrainError(f"the head sets {field} ({why}), which drafttrain's EAGLE head does not compute")
+        check_foreign_layers({"transformer_layer_config": eagle_layer_fields(config)}, target)
+        _check_same_embedding(tensors.get("embed_tokens.weight"), target)
+        tensors, notes = foreign_tensors(tensors), []
+        if "fc.bias" not in tensors:  # EAGLE builds fc with bias=config["bias"] (default true)
+            tensors["fc.bias"] = torch.zeros(tensors["fc.weight"].shape[0])
+            notes.append("the head's fc has no bias: drafttrain's has one, set to zero (the same computation)")
+        draft = EagleConfig(num_layers=config["num_hidden_layers"], intermediate_size=config["intermediate_size"])
+        return draft, {k: v for k, v in config.items() if k != "bias"}, tensors, notes
+
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.model.get_output_embeddings()(hidden)
 
@@ -150,3 +181,21 @@ class EagleDrafter(EagleHead):
             correct, counted = top1_hits(logits.argmax(-1), target_logits.argmax(-1), trainable)
         metrics = {"loss_reg": float(reg.detach()), "loss_ce": float(ce.detach())}
         return StepOutput(loss=loss, metrics=metrics, correct=[correct], counted=[counted])
+
+
+def eagle_layer_fields(config: dict) -> dict:
+    """An EAGLE-1 train config's layer fields, with the defaults EAGLE's code takes for the ones it leaves out
+    (eagle/model/configs.py and cnets1.py: head_dim = hidden / heads, RoPE base 10000)."""
+    heads = config["num_attention_heads"]
+    return {"rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0, "num_key_value_heads": heads,
+            "head_dim": config["hidden_size"] // heads, **config}
+
+
+def _check_same_embedding(embedding: torch.Tensor | None, target) -> None:
+    """EAGLE trains its head on a frozen copy of the target's embedding: another one means another target."""
+    if embedding is None:
+        return
+    ours = target.model.get_input_embeddings().weight.detach().float().cpu()
+    if embedding.shape != ours.shape or not torch.allclose(embedding.float(), ours, rtol=1e-2, atol=1e-3):
+        raise DrafttrainError("the head's embed_tokens is not this target's embedding: it was trained for another "
+                              f"target than {target.name!r} (EAGLE copies and freezes its target's embedding)")

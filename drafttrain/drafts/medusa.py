@@ -183,6 +183,50 @@ class MedusaDrafter(Drafter):
         vocab = config["vocab_size"]  # heads over the full vocabulary: draft id == target id
         return config, {**tensors, "d2t": torch.zeros(vocab, dtype=torch.long), "t2d": torch.ones(vocab, dtype=torch.bool)}
 
+    # -- import (heads another tool wrote, as vLLM reads them) ---------------------------------------------
+    @classmethod
+    def foreign_format(cls, config):
+        return "vllm" if config.get("model_type") == "medusa" else None
+
+    @classmethod
+    def foreign_draft(cls, config, tensors, target):
+        """Medusa heads as vLLM 0.32 reads them (vllm/model_executor/models/medusa.py and its MedusaConfig): the head
+        and layer counts under any key vLLM renames (FasterDecoding's ``medusa_num_heads`` too), names with or
+        without ``medusa_heads.`` and in FasterDecoding's numbered layout, block biases only with ``medusa_fc_bias``
+        (vLLM's default: none), one shared lm_head with ``original_lm_head``, and a ``token_map`` for a
+        ``truncated_vocab_size`` below the vocabulary."""
+        for what, theirs, mine in (("hidden_size", config["hidden_size"], target.hidden_size),
+                                   ("vocab_size", config["vocab_size"], target.vocab_size)):
+            if theirs != mine:
+                raise DrafttrainError(f"the heads' {what} is {theirs}, the target {target.name!r} has {mine}: they were "
+                                      "trained for another target")
+        heads, layers = vllm_medusa_counts(config)
+        named = {vllm_medusa_name(k): v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+        token_map = named.pop("token_map", None)
+        d2t, t2d, order = foreign_vocab(token_map, config.get("truncated_vocab_size"), target.vocab_size)
+        bias, shared = bool(config.get("medusa_fc_bias", False)), bool(config.get("original_lm_head"))
+        out, notes = {}, [] if bias else ["vLLM's Medusa blocks have no bias unless medusa_fc_bias is set: drafttrain's "
+                                          "have one, set to zero (the same computation)"]
+        for h in range(heads):
+            for index in range(layers):
+                key = f"blocks.{h}.layers.{index}."
+                out[key + "weight"] = named.pop(key + "weight")
+                out[key + "bias"] = named.pop(key + "bias") if bias else torch.zeros(config["hidden_size"])
+            lm_head = named["lm_heads.0.weight"] if shared else named.pop(f"lm_heads.{h}.weight")
+            if order is not None:  # vLLM takes a full-vocabulary head's rows by token_map; ours go in id order
+                lm_head = (lm_head[token_map] if lm_head.shape[0] > token_map.numel() else lm_head)[order]
+            out[f"lm_heads.{h}.weight"] = lm_head
+        named.pop("lm_heads.0.weight", None)
+        if named:
+            hint = " (block biases: set medusa_fc_bias true if they were trained with them)" \
+                if not bias and any(k.endswith(".bias") for k in named) else ""
+            raise DrafttrainError(f"the heads hold weights that vLLM would not load with this config: "
+                                  f"{sorted(named)[:5]}{hint}")
+        draft = MedusaConfig(num_heads=heads, num_layers=layers)
+        n = int(d2t.numel())
+        config = {**config, "truncated_vocab_size": n if n < target.vocab_size else None}
+        return draft, config, {**out, "d2t": d2t, "t2d": t2d}, notes
+
     def save_pretrained(self, directory, **meta) -> Path:
         directory = super().save_pretrained(directory, **meta)
         if self.adapts_target:
@@ -226,6 +270,43 @@ class MedusaDrafter(Drafter):
             original = self.target.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                                          use_cache=False).logits
         return losses.forward_kl(adapted_logits, original, shift_left(loss_mask, 1))
+
+
+def vllm_medusa_counts(config: dict) -> tuple[int, int]:
+    """(heads, layers per head) as vLLM's MedusaConfig reads them: any key naming a number of heads (or layers),
+    FasterDecoding's ``medusa_num_heads`` among them; its defaults otherwise (5 heads, 1 layer)."""
+    heads = [v for k, v in config.items() if "num" in k and "heads" in k]
+    layers = [v for k, v in config.items() if "num" in k and "layers" in k]
+    return int(heads[0] if heads else 5), int(layers[0] if layers else 1)
+
+
+def vllm_medusa_name(name: str) -> str:
+    """A weight's name as vLLM's Medusa loader maps it: ``medusa_heads.`` dropped, FasterDecoding's numbered names
+    (``{head}.{layer}.linear.weight``, ``{head}.{layers}.weight``) to ``blocks.*`` and ``lm_heads.*``."""
+    name = name.replace("medusa_heads.", "")
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0].isdigit() and parts[1].isdigit():
+        rest = parts[2:]
+        if "linear" in rest:
+            return f"blocks.{parts[0]}.layers.{parts[1]}." + ".".join(rest[rest.index("linear") + 1:])
+        return f"lm_heads.{parts[0]}." + ".".join(rest)
+    return name
+
+
+def foreign_vocab(token_map: torch.Tensor | None, truncated: int | None, vocab: int):
+    """(d2t, t2d, order) of heads over vLLM's ``token_map`` (their rows in its order; ``order`` sorts them into
+    drafttrain's draft-id order), or over the whole vocabulary (order None)."""
+    truncated = truncated or vocab
+    if truncated >= vocab:  # vLLM ignores a token_map then
+        return torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool), None
+    if token_map is None or token_map.numel() != truncated or token_map.unique().numel() != truncated \
+            or int(token_map.min()) < 0 or int(token_map.max()) >= vocab:
+        raise DrafttrainError(f"truncated_vocab_size is {truncated}, but the heads hold no token_map of as many distinct "
+                              f"token ids below {vocab} (vLLM needs one to load them)")
+    ids, order = token_map.long().sort()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(truncated), t2d, order
 
 
 # ------------------------------------------------------------------------------------------------ LoRA (peft)

@@ -24,6 +24,10 @@ from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, damaged, file_sha256
 
 
 def read_foreign(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    pickles = sorted(p.name for p in source.glob("*.bin")) + sorted(p.name for p in source.glob("*.pt"))
+    if pickles and not (source / WEIGHTS_NAME).is_file():
+        raise DrafttrainError(f"{source} holds its weights as {pickles[0]}, a pickle, which drafttrain never loads "
+                              f"(it can run code): convert it to {WEIGHTS_NAME} first (with safetensors, in a sandbox)")
     if not (source / CONFIG_NAME).is_file() or not (source / WEIGHTS_NAME).is_file():
         raise DrafttrainError(f"{source} holds no draft to import: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
     config = read_json(source / CONFIG_NAME)

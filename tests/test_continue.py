@@ -254,7 +254,7 @@ def test_a_continued_run_killed_mid_training_resumes_to_the_uninterrupted_runs_l
     head = {"kind": "eagle3", "ttt_steps": 2}
     training = {"batch_size": 2, "max_steps": 6, "save_every": 3, "log_every": 1}
     recipe = small_recipe(general, head, target={"model": str(folder_target)}, eval={"every_checkpoint": False},
-                          training=training)
+                          training={**training, "max_steps": 2, "save_every": 2})
     assert main(["prepare", str(recipe), "--no-progress"]) == 0 and main(["train", str(recipe)]) == 0
     recipes = {}
     for name in ("straight", "killed"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config, EagleConfig
@@ -223,11 +223,16 @@ def test_an_eagle1_head_for_another_target_or_with_what_drafttrain_does_not_comp
     target = target_with_embedding_of(other)
     for change, problem in (({"qkv_bias": True}, "sets qkv_bias"),
                             ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "sets rope_scaling"),
-                            ({"rope_theta": 5e5}, "rope_theta is 500000.0"),
-                            ({"num_key_value_heads": 4}, "num_key_value_heads is 4")):
+                            ({"bias": False}, "config says bias False but the weights hold fc.bias"),
+                            ({"vocab_size": 128}, "vocab_size is 128, the target 'tiny' has 64")):
         (other / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(DrafttrainError, match=problem):
             import_draft(other, target, tmp_path / "imported")
+    with pytest.raises(DrafttrainError, match=r"its fc.weight is \(32, 64\), EAGLE-1's is \(16, 32\)"):
+        import_draft(EAGLE1 / "vicuna", tiny_target_of(hidden=16), tmp_path / "imported")
+    (other / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 32}))  # EAGLE's EAGLE-3 trainer's
+    with pytest.raises(DrafttrainError, match="is not a draft format drafttrain imports"):
+        import_draft(other, target, tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
 
 
@@ -249,6 +254,14 @@ def test_medusa_heads_in_vllms_layout_import_and_compute_what_vllm_computes(tmp_
     prompt = [5, 9, 17, 3]
     decoder = SpeculativeDecoder(target, build_proposer("medusa", target, draft=drafter), depth=2)
     assert decoder.generate(prompt, 24).tokens == plain_decode(target, prompt, 24).tokens
+    if name == "token_map":  # vLLM also reads the shared head under the name lm_head.weight
+        renamed = tmp_path / "renamed"
+        shutil.copytree(VLLM_MEDUSA / name, renamed)
+        tensors = load_file(str(renamed / "model.safetensors"))
+        tensors["lm_head.weight"] = tensors.pop("medusa_heads.lm_heads.0.weight")
+        save_file(tensors, str(renamed / "model.safetensors"))
+        again = load_drafter(import_draft(renamed, target, tmp_path / "again")[0], target)
+        assert all(torch.equal(again.state_tensors()[k], v) for k, v in drafter.state_tensors().items())
     if vocab == 64:  # vLLM 0.32 serves Medusa heads over the whole vocabulary only
         back = load_drafter(export_draft(out, "vllm", tmp_path / "export", target), target)
         assert all(torch.equal(back.state_tensors()[k], v) for k, v in drafter.state_tensors().items())
@@ -266,6 +279,18 @@ def test_medusa_heads_vllm_would_load_otherwise_or_for_another_target_are_refuse
     (other / "config.json").write_text(json.dumps({**config, "truncated_vocab_size": 16}))
     with pytest.raises(DrafttrainError, match="truncated_vocab_size is 16, but the heads hold no token_map"):
         import_draft(other, tiny_target(), tmp_path / "imported")
+    (other / "config.json").write_text(json.dumps({**config, "logit_scale": 0.5}))
+    with pytest.raises(DrafttrainError, match="logit_scale 0.5"):
+        import_draft(other, tiny_target(), tmp_path / "imported")
+    mapped = tmp_path / "mapped"  # a token_map with a lm_head per head: vLLM 0.32 cannot load it
+    shutil.copytree(VLLM_MEDUSA / "token_map", mapped)
+    config = json.loads((mapped / "config.json").read_text())
+    (mapped / "config.json").write_text(json.dumps({**config, "original_lm_head": False}))
+    with pytest.raises(DrafttrainError, match="a token_map but one lm_head each"):
+        import_draft(mapped, tiny_target(), tmp_path / "imported")
+    (mapped / "model.safetensors").rename(mapped / "medusa_lm_head.safetensors")  # as FasterDecoding names it
+    with pytest.raises(DrafttrainError, match="as medusa_lm_head.safetensors: name the file model.safetensors"):
+        import_draft(mapped, tiny_target(), tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
 
 

@@ -15,13 +15,7 @@ from drafttrain.config import EagleConfig
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
-from drafttrain.drafts.layers import (
-    DraftDecoderLayer,
-    check_foreign_layers,
-    foreign_tensors,
-    llama_config_like,
-    shift_left,
-)
+from drafttrain.drafts.layers import DraftDecoderLayer, foreign_tensors, llama_config_like, shift_left
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
@@ -62,7 +56,7 @@ class EagleDrafter(EagleHead):
     def from_pretrained(cls, directory, target) -> "EagleDrafter":
         config = cls.read_checked_config(directory, target)
         cfg = EagleConfig.model_validate(config["drafttrain"]["draft"])
-        head = cls(cfg, llama_config_like(target.config, intermediate_size=config["intermediate_size"]), target.num_layers)
+        head = cls(cfg, llama_config_like(target.config, **saved_layer_fields(config)), target.num_layers)
         head.load_weights(directory)
         return head.to(target.device).attach_target(target)
 
@@ -117,27 +111,40 @@ class EagleDrafter(EagleHead):
     # -- import (a head EAGLE's own trainer wrote) -----------------------------------------------------------
     @classmethod
     def foreign_format(cls, config):
-        # EAGLE's trainer (eagle/train/main.py) saves the head beside its train config: a plain Llama config
-        return "eagle" if config.get("architectures") == ["LlamaForCausalLM"] else None
+        # EAGLE's trainer (eagle/train/main.py) saves the head beside its train config: a plain Llama config (its
+        # EAGLE-3 trainer's config adds draft_vocab_size: not an EAGLE-1 head)
+        plain = config.get("architectures") == ["LlamaForCausalLM"] and "draft_vocab_size" not in config
+        return "eagle" if plain else None
 
     @classmethod
     def foreign_draft(cls, config, tensors, target):
-        """An EAGLE-1/2 head as EAGLE's trainer saves it (the state dict of ``eagle.model.cnets1.Model``): ``fc``, with
-        a bias unless the config says ``"bias": false``; ``layers.{i}.*``, layer 0 without an input norm; the target's
-        embedding, frozen (checked against this target's, then left out: the head reads the target's own)."""
-        if "fc.weight" not in tensors:
-            raise DrafttrainError("the folder has no fc.weight: it is not an EAGLE head (a model's own folder?)")
+        """An EAGLE-1/2 head as EAGLE's trainer saves it (the state dict of ``eagle.model.cnets1.Model``, which
+        ``EaModel`` loads): ``fc`` over [embedding, hidden] (2H wide), with a bias as the config's ``bias`` says
+        (default true); ``layers.{i}.*``, layer 0 without an input norm, built from the head's own config (its norm
+        epsilon, heads and RoPE base need not be the target's); the target's embedding, frozen (checked against this
+        target's, then left out: the head reads the target's own)."""
+        fc, h = tensors.get("fc.weight"), target.hidden_size
+        if fc is None or tuple(fc.shape) != (h, 2 * h) or any(k.startswith("midlayer.") for k in tensors):
+            raise DrafttrainError(f"the folder holds no EAGLE-1/2 head for hidden size {h} (its fc.weight is "
+                                  f"{None if fc is None else tuple(fc.shape)}, EAGLE-1's is {(h, 2 * h)}): an EAGLE-3 "
+                                  "head, another target's, or a model's own folder?")
         for field, why in (("qkv_bias", "biases on q, k and v"), ("rope_scaling", "a scaled RoPE")):
             if config.get(field):
                 raise DrafttrainError(f"the head sets {field} ({why}), which drafttrain's EAGLE head does not compute")
-        check_foreign_layers({"transformer_layer_config": eagle_layer_fields(config)}, target)
+        if bool(config.get("bias", True)) != ("fc.bias" in tensors):  # EaModel builds fc as the config says
+            raise DrafttrainError(f"the config says bias {config.get('bias', True)} but the weights "
+                                  f"{'hold' if 'fc.bias' in tensors else 'lack'} fc.bias: EAGLE would load it otherwise")
+        if config["vocab_size"] != target.vocab_size:
+            raise DrafttrainError(f"the head's vocab_size is {config['vocab_size']}, the target {target.name!r} has "
+                                  f"{target.vocab_size}: it was trained for another target")
         _check_same_embedding(tensors.get("embed_tokens.weight"), target)
         tensors, notes = foreign_tensors(tensors), []
-        if "fc.bias" not in tensors:  # EAGLE builds fc with bias=config["bias"] (default true)
-            tensors["fc.bias"] = torch.zeros(tensors["fc.weight"].shape[0])
+        if "fc.bias" not in tensors:
+            tensors["fc.bias"] = torch.zeros(h)
             notes.append("the head's fc has no bias: drafttrain's has one, set to zero (the same computation)")
-        draft = EagleConfig(num_layers=config["num_hidden_layers"], intermediate_size=config["intermediate_size"])
-        return draft, {k: v for k, v in config.items() if k != "bias"}, tensors, notes
+        fields = eagle_layer_fields(config)
+        draft = EagleConfig(num_layers=fields["num_hidden_layers"], intermediate_size=fields["intermediate_size"])
+        return draft, {k: v for k, v in fields.items() if k != "bias"}, tensors, notes
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.model.get_output_embeddings()(hidden)
@@ -184,11 +191,21 @@ class EagleDrafter(EagleHead):
 
 
 def eagle_layer_fields(config: dict) -> dict:
-    """An EAGLE-1 train config's layer fields, with the defaults EAGLE's code takes for the ones it leaves out
-    (eagle/model/configs.py and cnets1.py: head_dim = hidden / heads, RoPE base 10000)."""
+    """An EAGLE-1 train config with the values EAGLE's code takes for the fields it leaves out or sets to null
+    (eagle/model/configs.py and cnets1.py: KV heads = heads, head_dim = hidden / heads always, RoPE base 10000)."""
     heads = config["num_attention_heads"]
-    return {"rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0, "num_key_value_heads": heads,
-            "head_dim": config["hidden_size"] // heads, **config}
+    defaults = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0, "num_key_value_heads": heads}
+    fields = {**config, **{k: v for k, v in defaults.items() if config.get(k) is None}}
+    return {**fields, "head_dim": config["hidden_size"] // heads,
+            "rope_parameters": {"rope_type": "default", "rope_theta": fields["rope_theta"]}}
+
+
+def saved_layer_fields(config: dict) -> dict:
+    """The draft layers' shape as a checkpoint's config.json records it (drafttrain's own record the target's; an
+    imported head's, its own)."""
+    names = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+             "hidden_act", "rope_parameters")
+    return {k: config[k] for k in names if config.get(k) is not None}
 
 
 def _check_same_embedding(embedding: torch.Tensor | None, target) -> None:

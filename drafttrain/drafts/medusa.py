@@ -31,7 +31,7 @@ from drafttrain.config import MedusaConfig
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits, with_lora
-from drafttrain.drafts.layers import shift_left
+from drafttrain.drafts.layers import foreign_tensors, shift_left
 from drafttrain.runfolder import RunFolder, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
@@ -99,10 +99,7 @@ class MedusaDrafter(Drafter):
         directory = Path(directory)
         config = read_draft_config(directory)
         cfg = MedusaConfig.model_validate(config["drafttrain"]["draft"])
-        if config["hidden_size"] != target.hidden_size or config["vocab_size"] != target.vocab_size:
-            raise DrafttrainError(f"the draft at {directory} was trained for a target with hidden {config['hidden_size']}"
-                                  f" and vocab {config['vocab_size']}; this one has {target.hidden_size} and "
-                                  f"{target.vocab_size}")
+        check_heads_fit(config, target)
         n = config.get("truncated_vocab_size") or target.vocab_size
         drafter = cls(cfg, target.hidden_size, torch.zeros(n, dtype=torch.long),
                       torch.zeros(target.vocab_size, dtype=torch.bool))
@@ -195,37 +192,38 @@ class MedusaDrafter(Drafter):
         without ``medusa_heads.`` and in FasterDecoding's numbered layout, block biases only with ``medusa_fc_bias``
         (vLLM's default: none), one shared lm_head with ``original_lm_head``, and a ``token_map`` for a
         ``truncated_vocab_size`` below the vocabulary."""
-        for what, theirs, mine in (("hidden_size", config["hidden_size"], target.hidden_size),
-                                   ("vocab_size", config["vocab_size"], target.vocab_size)):
-            if theirs != mine:
-                raise DrafttrainError(f"the heads' {what} is {theirs}, the target {target.name!r} has {mine}: they were "
-                                      "trained for another target")
+        check_heads_fit(config, target)
+        if config.get("logit_scale", 1.0) != 1.0:
+            raise DrafttrainError(f"the heads set logit_scale {config['logit_scale']}, which drafttrain's heads do not "
+                                  "apply")
         heads, layers = vllm_medusa_counts(config)
-        named = {vllm_medusa_name(k): v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+        named = foreign_tensors({vllm_medusa_name(k): v for k, v in tensors.items()})
         token_map = named.pop("token_map", None)
         d2t, t2d, order = foreign_vocab(token_map, config.get("truncated_vocab_size"), target.vocab_size)
         bias, shared = bool(config.get("medusa_fc_bias", False)), bool(config.get("original_lm_head"))
-        out, notes = {}, [] if bias else ["vLLM's Medusa blocks have no bias unless medusa_fc_bias is set: drafttrain's "
-                                          "have one, set to zero (the same computation)"]
+        if order is not None and not shared:
+            raise DrafttrainError("the heads have a token_map but one lm_head each: vLLM 0.32 builds those at the whole "
+                                  "vocabulary and cannot load them cut to the map (only original_lm_head is cut)")
+        out = {}
         for h in range(heads):
             for index in range(layers):
                 key = f"blocks.{h}.layers.{index}."
                 out[key + "weight"] = named.pop(key + "weight")
                 out[key + "bias"] = named.pop(key + "bias") if bias else torch.zeros(config["hidden_size"])
-            lm_head = named["lm_heads.0.weight"] if shared else named.pop(f"lm_heads.{h}.weight")
-            if order is not None:  # vLLM takes a full-vocabulary head's rows by token_map; ours go in id order
-                lm_head = (lm_head[token_map] if lm_head.shape[0] > token_map.numel() else lm_head)[order]
-            out[f"lm_heads.{h}.weight"] = lm_head
-        named.pop("lm_heads.0.weight", None)
+            out[f"lm_heads.{h}.weight"] = _head_rows(named, h, shared, token_map, order)
+        for name in ("lm_head.weight", "lm_heads.0.weight") if shared else ():
+            named.pop(name, None)
         if named:
             hint = " (block biases: set medusa_fc_bias true if they were trained with them)" \
                 if not bias and any(k.endswith(".bias") for k in named) else ""
             raise DrafttrainError(f"the heads hold weights that vLLM would not load with this config: "
                                   f"{sorted(named)[:5]}{hint}")
-        draft = MedusaConfig(num_heads=heads, num_layers=layers)
         n = int(d2t.numel())
-        config = {**config, "truncated_vocab_size": n if n < target.vocab_size else None}
-        return draft, config, {**out, "d2t": d2t, "t2d": t2d}, notes
+        notes = [] if bias else ["vLLM's Medusa blocks have no bias unless medusa_fc_bias is set: drafttrain's have "
+                                 "one, set to zero (the same computation)"]
+        return (MedusaConfig(num_heads=heads, num_layers=layers),
+                {**config, "truncated_vocab_size": n if n < target.vocab_size else None},
+                {**out, "d2t": d2t, "t2d": t2d}, notes)
 
     def save_pretrained(self, directory, **meta) -> Path:
         directory = super().save_pretrained(directory, **meta)
@@ -272,12 +270,35 @@ class MedusaDrafter(Drafter):
         return losses.forward_kl(adapted_logits, original, shift_left(loss_mask, 1))
 
 
+def check_heads_fit(config: dict, target) -> None:
+    for what, theirs, mine in (("hidden_size", config["hidden_size"], target.hidden_size),
+                               ("vocab_size", config["vocab_size"], target.vocab_size)):
+        if theirs != mine:
+            raise DrafttrainError(f"the heads' {what} is {theirs}, the target {target.name!r} has {mine}: they were "
+                                  "trained for another target")
+
+
 def vllm_medusa_counts(config: dict) -> tuple[int, int]:
-    """(heads, layers per head) as vLLM's MedusaConfig reads them: any key naming a number of heads (or layers),
-    FasterDecoding's ``medusa_num_heads`` among them; its defaults otherwise (5 heads, 1 layer)."""
-    heads = [v for k, v in config.items() if "num" in k and "heads" in k]
-    layers = [v for k, v in config.items() if "num" in k and "layers" in k]
-    return int(heads[0] if heads else 5), int(layers[0] if layers else 1)
+    """(heads, layers per head) as vLLM's MedusaConfig.from_pretrained reads them: in the file's order, every key
+    with "num" and "heads" in it is renamed num_heads, and "num" and "layers" num_hidden_layers, the last one
+    winning (FasterDecoding's ``medusa_num_heads`` so becomes the count); its defaults otherwise (5 heads, 1 layer)."""
+    renamed = dict(config)
+    for key in list(config):
+        if "num" in key and ("heads" in key or "layers" in key):
+            renamed["num_heads" if "heads" in key else "num_hidden_layers"] = renamed.pop(key)
+    return int(renamed.get("num_heads", 5)), int(renamed.get("num_hidden_layers", 1))
+
+
+def _head_rows(named: dict[str, torch.Tensor], h: int, shared: bool, token_map, order) -> torch.Tensor:
+    """Head h's lm_head in drafttrain's draft-id order: its own, or the one shared lm_head (vLLM reads it as
+    ``lm_head.weight`` or ``lm_heads.0.weight``), its rows taken by token_map when it covers the whole vocabulary."""
+    lm_head = (named.get("lm_head.weight", named.get("lm_heads.0.weight")) if shared
+               else named.pop(f"lm_heads.{h}.weight"))
+    if lm_head is None:
+        raise KeyError("lm_head.weight")
+    if order is None:
+        return lm_head
+    return (lm_head[token_map] if lm_head.shape[0] > token_map.numel() else lm_head)[order]
 
 
 def vllm_medusa_name(name: str) -> str:

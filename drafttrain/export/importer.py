@@ -24,10 +24,16 @@ from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, damaged, file_sha256
 
 
 def read_foreign(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    pickles = sorted(p.name for p in source.glob("*.bin")) + sorted(p.name for p in source.glob("*.pt"))
-    if pickles and not (source / WEIGHTS_NAME).is_file():
-        raise DrafttrainError(f"{source} holds its weights as {pickles[0]}, a pickle, which drafttrain never loads "
-                              f"(it can run code): convert it to {WEIGHTS_NAME} first (with safetensors, in a sandbox)")
+    if (source / CONFIG_NAME).is_file() and not (source / WEIGHTS_NAME).is_file():
+        others = sorted(p.name for p in source.glob("*.safetensors"))
+        pickles = sorted(p.name for p in source.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        if others:
+            raise DrafttrainError(f"{source} holds its weights as {others[0]}: name the file {WEIGHTS_NAME} (one "
+                                  "file with every weight) to import it")
+        if pickles:
+            raise DrafttrainError(f"{source} holds its weights as {pickles[0]}, a pickle, which drafttrain never "
+                                  f"loads (it can run code): convert it to {WEIGHTS_NAME} first (with safetensors, in "
+                                  "a sandbox)")
     if not (source / CONFIG_NAME).is_file() or not (source / WEIGHTS_NAME).is_file():
         raise DrafttrainError(f"{source} holds no draft to import: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
     config = read_json(source / CONFIG_NAME)

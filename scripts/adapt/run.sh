@@ -6,9 +6,13 @@
 #   replay    the same, with 30% of the train split replayed from the general run's rows (data.replay)
 #   lora      continued through draft LoRA adapters (rank 16) instead of all its weights (draft.draft_lora)
 #   scratch   a fresh head (the general recipe's start) trained on the maths rows for the same MINUTES
+#   adapt-fast  as adapt, at the general head's own learning rate (8e-4 instead of the maths recipe's 3e-4)
 # and prompt lookup, against plain decoding.
 #
 #   bash scripts/adapt/run.sh [OUT=runs/adapt] [MINUTES=8]
+#   ARMS="adapt adapt-fast scratch" bash scripts/adapt/run.sh OUT 10    # some arms only (default: the first four)
+#
+# OUT/general may be a link to an earlier OUT's general head: it is trained only when absent.
 #
 # Run alone on the machine: the arms share a time budget, so a second job would change what each one learns.
 # Every stage resumes: a finished run is kept, answers come from the answer store after the first prepare.
@@ -35,17 +39,27 @@ arm() {  # NAME OVERRIDES...: prepare the maths rows (as the arm needs them) and
             >"$out/$name-train.log" 2>&1
     fi
 }
-arm adapt draft.init_from="$general"
-arm replay draft.init_from="$general" "data.replay={run: $general, fraction: 0.3}"
-arm lora draft.init_from="$general" "draft.draft_lora={rank: 16, alpha: 32}" training.learning_rate=1.0e-3
-# the general head's draft vocabulary size (the schema's default, 32,000, made a head twice as slow to train)
-arm scratch draft_vocab.enabled=true draft_vocab.size=8192 "draft.init_from_target=[lm_head, layer, fc]" training.learning_rate=8.0e-4 \
-    training.warmup_steps=30
-
-sides=(--compare "adapt=$out/adapt" --compare "replay=$out/replay" --compare "lora=$out/lora"
-       --compare "scratch=$out/scratch" --compare prompt_lookup)
+run_arm() {
+    case $1 in
+        adapt) arm adapt draft.init_from="$general" ;;
+        adapt-fast) arm adapt-fast draft.init_from="$general" training.learning_rate=8.0e-4 ;;
+        replay) arm replay draft.init_from="$general" "data.replay={run: $general, fraction: 0.3}" ;;
+        lora) arm lora draft.init_from="$general" "draft.draft_lora={rank: 16, alpha: 32}" training.learning_rate=1.0e-3 ;;
+        # the general head's draft vocabulary size (the schema's default, 32,000, made a head twice as slow to train)
+        scratch) arm scratch draft_vocab.enabled=true draft_vocab.size=8192 "draft.init_from_target=[lm_head, layer, fc]" \
+            training.learning_rate=8.0e-4 training.warmup_steps=30 ;;
+        *) echo "unknown arm $1" >&2; exit 2 ;;
+    esac
+}
+arms=(${ARMS:-adapt replay lora scratch})
+sides=()
+for name in "${arms[@]}"; do
+    run_arm "$name"
+    sides+=(--compare "$name=$out/$name")
+done
+sides+=(--compare prompt_lookup)
 drafttrain eval --target smollm2-135m-instruct --draft "$general" "${sides[@]}" \
-    --questions "$out/adapt/data/validation_prompts.jsonl" --num-prompts all --max-new-tokens "$tokens" --depth 2 \
+    --questions "$out/${arms[0]}/data/validation_prompts.jsonl" --num-prompts all --max-new-tokens "$tokens" --depth 2 \
     --threads 2 --no-progress --out "$out/eval-math" >"$out/eval-math.log" 2>&1
 drafttrain eval --target smollm2-135m-instruct --draft "$general" "${sides[@]}" \
     --suite mt_bench --num-prompts 8 --turns 1 --max-new-tokens "$tokens" --depth 2 \

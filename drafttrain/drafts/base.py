@@ -222,6 +222,8 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     # -- import (a draft another trainer wrote) --------------------------------------------------------------
+    foreign_formats: ClassVar[tuple[str, ...]] = ()  # the formats foreign_format names, for error messages
+
     @classmethod
     def foreign_format(cls, config: dict[str, Any]) -> str | None:
         """The format in which another tool wrote a draft of this kind whose config.json is ``config``; None when

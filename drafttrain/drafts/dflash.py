@@ -464,6 +464,8 @@ class DFlashDrafter(Drafter):
         return config, tensors
 
     # -- import: a DFlash draft speculators' trainer (or a converter to its format) wrote ----------------------
+    foreign_formats = ("speculators",)
+
     @classmethod
     def foreign_format(cls, config):
         return "speculators" if config.get("speculators_model_type") == "dflash" else None

@@ -109,6 +109,8 @@ class EagleDrafter(EagleHead):
         return config, tensors
 
     # -- import (a head EAGLE's own trainer wrote) -----------------------------------------------------------
+    foreign_formats = ("eagle",)
+
     @classmethod
     def foreign_format(cls, config):
         # EAGLE's trainer (eagle/train/main.py) saves the head beside its train config: a plain Llama config (its

@@ -313,6 +313,8 @@ class Eagle3Drafter(EagleHead):
             tensors = {**tensors, "d2t": d2t, "t2d": t2d}
         return config, tensors
 
+    foreign_formats = ("speculators", "specforge")
+
     @classmethod
     def foreign_format(cls, config):
         if config.get("speculators_model_type") == "eagle3":

@@ -181,6 +181,8 @@ class MedusaDrafter(Drafter):
         return config, {**tensors, "d2t": torch.zeros(vocab, dtype=torch.long), "t2d": torch.ones(vocab, dtype=torch.bool)}
 
     # -- import (heads another tool wrote, as vLLM reads them) ---------------------------------------------
+    foreign_formats = ("vllm",)
+
     @classmethod
     def foreign_format(cls, config):
         return "vllm" if config.get("model_type") == "medusa" else None

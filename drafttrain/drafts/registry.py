@@ -240,7 +240,7 @@ def foreign_kind(config: dict, where: Path) -> tuple[type[Drafter], str]:
     """The kind (and format) of a draft folder another tool wrote, from its config.json."""
     found = [(kind, fmt) for kind in KINDS.values() if (fmt := kind.foreign_format(config))]
     if not found:
-        raise damaged(where / CONFIG_NAME, "is not a draft format drafttrain imports (known: "
-                      + ", ".join(f"{k}: {', '.join(c.formats)}" for k, c in KINDS.items()
-                                  if c.foreign_format is not Drafter.foreign_format) + ")")
+        raise DrafttrainError(f"{where / CONFIG_NAME} is not a draft format drafttrain imports (known: "
+                      + ", ".join(f"{k}: {', '.join(c.foreign_formats)}" for k, c in KINDS.items()
+                                  if c.foreign_formats) + ")")
     return found[0]

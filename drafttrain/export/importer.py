@@ -20,7 +20,7 @@ from drafttrain import DrafttrainError
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.registry import foreign_kind
 from drafttrain.export.writer import publish, staging_for
-from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, damaged, file_sha256, read_json, read_safetensors, write_manifest
+from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, file_sha256, read_json, read_safetensors, write_manifest
 
 
 def read_foreign(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -53,8 +53,8 @@ def import_draft(source: str | Path, target, out: str | Path, overwrite: bool = 
     try:
         draft, config, tensors, notes = kind.foreign_draft(config, tensors, target)
     except (KeyError, TypeError, ValueError) as err:
-        raise damaged(source / CONFIG_NAME, f"does not describe a {kind.kind} draft in {fmt}'s format "
-                                            f"({type(err).__name__}: {err})") from None
+        raise DrafttrainError(f"{source / CONFIG_NAME} does not describe a {kind.kind} draft in {fmt}'s format "
+                              f"({type(err).__name__}: {err})") from None
     origin = {"path": str(source), "format": fmt, "weights_sha256": file_sha256(source / WEIGHTS_NAME)}
     with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
         drafter = _built(kind, draft, config, tensors, target, Path(tmp))
@@ -80,5 +80,5 @@ def _check_weights_kept(drafter, tensors: dict[str, torch.Tensor], source: Path)
     lost = sorted(k for k in tensors if k not in mine)
     changed = sorted(k for k in tensors if k in mine and not torch.equal(mine[k].float(), tensors[k].float()))
     if lost or changed:
-        raise damaged(source / WEIGHTS_NAME, f"has weights the imported draft does not hold as they are "
-                                             f"(dropped {lost[:5]}, changed {changed[:5]})")
+        raise DrafttrainError(f"{source / WEIGHTS_NAME} has weights the imported draft does not hold as they are "
+                              f"(dropped {lost[:5]}, changed {changed[:5]})")

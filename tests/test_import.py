@@ -150,19 +150,25 @@ def test_a_specforge_eagle3_draft_imports_with_every_weight(tmp_path, name, laye
     assert decoder.generate(prompt, 16).tokens == plain_decode(target, prompt, 16).tokens
 
 
-def test_an_eagle3_draft_with_a_norm_drafttrain_does_not_compute_is_refused(tmp_path):
-    other = tmp_path / "other"
-    shutil.copytree(EAGLE3 / "full_vocab", other)
+def refused_when_changed(folder: Path, changes, target, tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of ``folder``, imported once per (config change, reason): each must be refused with that reason.
+    Returns the copy and its original config."""
+    other = tmp_path / f"changed-{folder.name}"
+    shutil.copytree(folder, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "norm_before_fc": True}))
-    with pytest.raises(DrafttrainError, match="sets norm_before_fc"):
-        import_draft(other, tiny_target(), tmp_path / "imported")
-    (other / "config.json").write_text(json.dumps({**config, "embed_requires_grad": True}))
-    with pytest.raises(DrafttrainError, match="sets embed_requires_grad"):
-        import_draft(other, tiny_target(), tmp_path / "imported")
-    (other / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 2, 9]}))
-    with pytest.raises(DrafttrainError, match=r"aux layer ids \[0, 2, 9\] must be"):
-        import_draft(other, tiny_target(), tmp_path / "imported")
+    for change, reason in changes:
+        (other / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(DrafttrainError, match=reason):
+            import_draft(other, target, tmp_path / "imported")
+    return other, config
+
+
+def test_an_eagle3_draft_with_a_norm_drafttrain_does_not_compute_is_refused(tmp_path):
+    other, config = refused_when_changed(
+        EAGLE3 / "full_vocab", [({"norm_before_fc": True}, "sets norm_before_fc"),
+                                ({"embed_requires_grad": True}, "sets embed_requires_grad"),
+                                ({"eagle_aux_hidden_state_layer_ids": [0, 2, 9]}, r"aux layer ids \[0, 2, 9\] must be")],
+        tiny_target(), tmp_path)
     layer = config["transformer_layer_config"]
     for types, window, problem in ((["sliding_attention"], None, "name no sliding_window"),
                                    (["sliding_attention", "full_attention"], 16, "mixes layer types")):
@@ -217,17 +223,13 @@ def test_an_eagle1_head_for_another_target_or_with_what_drafttrain_does_not_comp
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(DrafttrainError, match="pytorch_model.bin, a pickle"):
         import_draft(pickled, tiny_target(), tmp_path / "imported")
-    other = tmp_path / "other"
-    shutil.copytree(EAGLE1 / "vicuna", other)
-    config = json.loads((other / "config.json").read_text())
-    target = target_with_embedding_of(other)
-    for change, problem in (({"qkv_bias": True}, "sets qkv_bias"),
+    target = target_with_embedding_of(EAGLE1 / "vicuna")
+    other, config = refused_when_changed(
+        EAGLE1 / "vicuna", [({"qkv_bias": True}, "sets qkv_bias"),
                             ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "sets rope_scaling"),
                             ({"bias": False}, "config says bias False but the weights hold fc.bias"),
-                            ({"vocab_size": 128}, "vocab_size is 128, the target 'tiny' has 64")):
-        (other / "config.json").write_text(json.dumps({**config, **change}))
-        with pytest.raises(DrafttrainError, match=problem):
-            import_draft(other, target, tmp_path / "imported")
+                            ({"vocab_size": 128}, "vocab_size is 128, the target 'tiny' has 64")],
+        target, tmp_path)
     with pytest.raises(DrafttrainError, match=r"its fc.weight is \(32, 64\), EAGLE-1's is \(16, 32\)"):
         import_draft(EAGLE1 / "vicuna", tiny_target_of(hidden=16), tmp_path / "imported")
     (other / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 32}))  # EAGLE's EAGLE-3 trainer's
@@ -270,24 +272,15 @@ def test_medusa_heads_in_vllms_layout_import_and_compute_what_vllm_computes(tmp_
 def test_medusa_heads_vllm_would_load_otherwise_or_for_another_target_are_refused(tmp_path):
     with pytest.raises(DrafttrainError, match="hidden_size is 32, the target 'tiny' has 16"):
         import_draft(VLLM_MEDUSA / "plain", tiny_target_of(hidden=16), tmp_path / "imported")
-    other = tmp_path / "other"
-    shutil.copytree(VLLM_MEDUSA / "fasterdecoding", other)
-    config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "medusa_fc_bias": False}))
-    with pytest.raises(DrafttrainError, match="vLLM would not load with this config.*set medusa_fc_bias true"):
-        import_draft(other, tiny_target(), tmp_path / "imported")
-    (other / "config.json").write_text(json.dumps({**config, "truncated_vocab_size": 16}))
-    with pytest.raises(DrafttrainError, match="truncated_vocab_size is 16, but the heads hold no token_map"):
-        import_draft(other, tiny_target(), tmp_path / "imported")
-    (other / "config.json").write_text(json.dumps({**config, "logit_scale": 0.5}))
-    with pytest.raises(DrafttrainError, match="logit_scale 0.5"):
-        import_draft(other, tiny_target(), tmp_path / "imported")
-    mapped = tmp_path / "mapped"  # a token_map with a lm_head per head: vLLM 0.32 cannot load it
-    shutil.copytree(VLLM_MEDUSA / "token_map", mapped)
-    config = json.loads((mapped / "config.json").read_text())
-    (mapped / "config.json").write_text(json.dumps({**config, "original_lm_head": False}))
-    with pytest.raises(DrafttrainError, match="a token_map but one lm_head each"):
-        import_draft(mapped, tiny_target(), tmp_path / "imported")
+    refused_when_changed(
+        VLLM_MEDUSA / "fasterdecoding",
+        [({"medusa_fc_bias": False}, "vLLM would not load with this config.*set medusa_fc_bias true"),
+         ({"truncated_vocab_size": 16}, "truncated_vocab_size is 16, but the heads hold no token_map"),
+         ({"logit_scale": 0.5}, "logit_scale 0.5")], tiny_target(), tmp_path)
+    # a token_map with a lm_head per head: vLLM 0.32 cannot load it
+    mapped, _ = refused_when_changed(VLLM_MEDUSA / "token_map",
+                                     [({"original_lm_head": False}, "a token_map but one lm_head each")],
+                                     tiny_target(), tmp_path)
     (mapped / "model.safetensors").rename(mapped / "medusa_lm_head.safetensors")  # as FasterDecoding names it
     with pytest.raises(DrafttrainError, match="as medusa_lm_head.safetensors: name the file model.safetensors"):
         import_draft(mapped, tiny_target(), tmp_path / "imported")

@@ -15,7 +15,13 @@ from drafttrain.config import EagleConfig
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
-from drafttrain.drafts.layers import DraftDecoderLayer, foreign_tensors, llama_config_like, shift_left
+from drafttrain.drafts.layers import (
+    DraftDecoderLayer,
+    check_target_sizes,
+    foreign_tensors,
+    llama_config_like,
+    shift_left,
+)
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
@@ -136,9 +142,7 @@ class EagleDrafter(EagleHead):
         if bool(config.get("bias", True)) != ("fc.bias" in tensors):  # EaModel builds fc as the config says
             raise DrafttrainError(f"the config says bias {config.get('bias', True)} but the weights "
                                   f"{'hold' if 'fc.bias' in tensors else 'lack'} fc.bias: EAGLE would load it otherwise")
-        if config["vocab_size"] != target.vocab_size:
-            raise DrafttrainError(f"the head's vocab_size is {config['vocab_size']}, the target {target.name!r} has "
-                                  f"{target.vocab_size}: it was trained for another target")
+        check_target_sizes(config, target, "the head's")
         _check_same_embedding(tensors.get("embed_tokens.weight"), target)
         tensors, notes = foreign_tensors(tensors), []
         if "fc.bias" not in tensors:

@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from drafttrain import DrafttrainError
 from drafttrain.drafts.base import Drafter, read_draft_config
-from drafttrain.drafts.layers import LayerCache, copy_target_layer
+from drafttrain.drafts.layers import LayerCache, check_target_sizes, copy_target_layer
 from drafttrain.targets.hidden import decoder_layers
 
 
@@ -57,11 +56,7 @@ class EagleHead(Drafter):
     def read_checked_config(directory, target) -> dict[str, Any]:
         """The checkpoint's config, refused when the head was trained for a target of another shape."""
         config = read_draft_config(directory)
-        if config["vocab_size"] != target.vocab_size or config["hidden_size"] != target.hidden_size:
-            raise DrafttrainError(
-                f"draft at {directory} was trained for a target with vocab {config['vocab_size']} and hidden "
-                f"{config['hidden_size']}; this target has {target.vocab_size} and {target.hidden_size}"
-            )
+        check_target_sizes(config, target, f"the draft at {directory}: its")
         return config
 
     def llama_fields(self) -> dict[str, Any]:

@@ -291,13 +291,21 @@ def foreign_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
 
 
+def check_target_sizes(config: dict, target, whose: str = "the draft's") -> None:
+    """A draft's hidden and vocabulary sizes (as its config.json gives them) against the target's: a draft of
+    another size was trained for another target."""
+    for what, mine in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if config[what] != mine:
+            raise DrafttrainError(f"{whose} {what} is {config[what]}, the target {target.name!r} has {mine}: it was "
+                                  "trained for another target")
+
+
 def check_foreign_layers(config: dict, target) -> None:
     """Our draft layers take the target's shape, norm epsilon, activation and RoPE (``llama_config_like``): a
     foreign draft whose layers differ in any of them would load and compute something else, so it is refused."""
     layer, ours = config["transformer_layer_config"], llama_config_like(target.config)
-    checks = [("hidden_size", layer["hidden_size"], target.hidden_size),
-              ("target_hidden_size", config.get("target_hidden_size") or target.hidden_size, target.hidden_size),
-              ("vocab_size", layer["vocab_size"], target.vocab_size),
+    check_target_sizes(layer, target)
+    checks = [("target_hidden_size", config.get("target_hidden_size") or target.hidden_size, target.hidden_size),
               ("num_attention_heads", layer["num_attention_heads"], ours.num_attention_heads),
               ("num_key_value_heads", layer["num_key_value_heads"], ours.num_key_value_heads),
               ("head_dim", layer.get("head_dim"), ours.head_dim),

@@ -31,7 +31,7 @@ from drafttrain.config import MedusaConfig
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits, with_lora
-from drafttrain.drafts.layers import foreign_tensors, shift_left
+from drafttrain.drafts.layers import check_target_sizes, foreign_tensors, shift_left
 from drafttrain.runfolder import RunFolder, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
@@ -99,7 +99,7 @@ class MedusaDrafter(Drafter):
         directory = Path(directory)
         config = read_draft_config(directory)
         cfg = MedusaConfig.model_validate(config["drafttrain"]["draft"])
-        check_heads_fit(config, target)
+        check_target_sizes(config, target, "the heads'")
         n = config.get("truncated_vocab_size") or target.vocab_size
         drafter = cls(cfg, target.hidden_size, torch.zeros(n, dtype=torch.long),
                       torch.zeros(target.vocab_size, dtype=torch.bool))
@@ -194,7 +194,7 @@ class MedusaDrafter(Drafter):
         without ``medusa_heads.`` and in FasterDecoding's numbered layout, block biases only with ``medusa_fc_bias``
         (vLLM's default: none), one shared lm_head with ``original_lm_head``, and a ``token_map`` for a
         ``truncated_vocab_size`` below the vocabulary."""
-        check_heads_fit(config, target)
+        check_target_sizes(config, target, "the heads'")
         if config.get("logit_scale", 1.0) != 1.0:
             raise DrafttrainError(f"the heads set logit_scale {config['logit_scale']}, which drafttrain's heads do not "
                                   "apply")
@@ -270,14 +270,6 @@ class MedusaDrafter(Drafter):
             original = self.target.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                                          use_cache=False).logits
         return losses.forward_kl(adapted_logits, original, shift_left(loss_mask, 1))
-
-
-def check_heads_fit(config: dict, target) -> None:
-    for what, theirs, mine in (("hidden_size", config["hidden_size"], target.hidden_size),
-                               ("vocab_size", config["vocab_size"], target.vocab_size)):
-        if theirs != mine:
-            raise DrafttrainError(f"the heads' {what} is {theirs}, the target {target.name!r} has {mine}: they were "
-                                  "trained for another target")
 
 
 def vllm_medusa_counts(config: dict) -> tuple[int, int]:

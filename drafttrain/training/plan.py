@@ -234,11 +234,11 @@ def _draft_section(recipe: Recipe, vocab_size: int):
     written yet, or that a continued draft brings, is stood in for by one of its size (only its size matters)."""
     draft, run = resolved_section(recipe.draft), RunFolder.of(recipe.output_dir)
     size = None
-    if "draft_vocab" in type(draft).model_fields and draft.init_from:
-        size = saved_draft_vocab_size(draft.init_from)
-    elif "draft_vocab" in type(draft).model_fields and recipe.draft_vocab.enabled and not draft.draft_vocab \
-            and not run.draft_vocab.is_file():
-        size = recipe.draft_vocab.size
+    if "draft_vocab" in type(draft).model_fields:
+        if draft.init_from:
+            size = saved_draft_vocab_size(draft.init_from)
+        elif recipe.draft_vocab.enabled and not draft.draft_vocab and not run.draft_vocab.is_file():
+            size = recipe.draft_vocab.size
     if size is None:
         yield draft, run
         return

@@ -50,6 +50,16 @@ class SourceConfig(Section):
     # None: follow regenerate.enabled. False: keep this source's own answers, so a large written corpus can be mixed
     # with a smaller share the target re-answers (regeneration is the slow stage on small machines).
     regenerate: bool | None = None
+    # A request log written by `drafttrain eval --feedback` (the closed loop): the loss weight of each answer token
+    # the target put in place of draft tokens it refused, where the draft most needs to learn (1: no weighting)
+    rejected_weight: int = Field(1, ge=1, le=100)
+
+    @model_validator(mode="after")
+    def _weights_from_a_log(self) -> "SourceConfig":
+        if self.rejected_weight != 1 and self.format != "request_log":
+            raise ValueError(f"rejected_weight is for a request log written by `drafttrain eval --feedback` "
+                             f"(format: request_log), not format {self.format!r}")
+        return self
 
 
 class ReplayConfig(Section):

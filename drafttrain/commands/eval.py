@@ -35,6 +35,7 @@ from drafttrain.targets import BUILTIN_TARGETS, load_target
 
 log = logging.getLogger(__name__)
 
+FEEDBACK_FILE = "feedback.jsonl"
 _DEFAULTS = EvalConfig()  # one source of truth for defaults shared with recipes' eval section
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -91,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "draft_vocab.safetensors "
                              "from `drafttrain prepare`; its lm_head rows alone are computed), or 'none' for the whole "
                              "vocabulary (default: a drafttrain draft model's own, else the whole)")
+    parser.add_argument("--feedback", action="store_true",
+                        help="also write OUT/feedback.jsonl: the method's prompts and answers with the positions where "
+                             "the target refused its draft, a request log for `prepare` (format request_log; "
+                             "rejected_weight weighs those positions up): the closed loop. Feed back your own "
+                             "traffic's prompts (--questions), not the prompts you measure on")
     parser.add_argument("--strict", action="store_true", help="exit 1 if greedy output differs from the baseline")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is far steadier on a busy shared CPU)")
@@ -142,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
         method_kwargs["vocab"] = False if args.draft_vocab == "none" else args.draft_vocab
     report = evaluate(target, method, suite, settings.decode_settings(), calibration=calibration,
                       hf_reference=args.hf_reference, progress=not args.no_progress, proposer_kwargs=method_kwargs,
-                      compare=[_load_compared(side, target) for side in args.compared], cpu_linear=args.cpu_linear)
+                      compare=[_load_compared(side, target) for side in args.compared], cpu_linear=args.cpu_linear,
+                      feedback=Path(args.out) / FEEDBACK_FILE if args.feedback else None)
     paths = write_report(report, args.out)
     print_report(report)
     log.info("wrote %s", ", ".join(str(p) for p in paths.values()))

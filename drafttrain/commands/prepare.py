@@ -38,6 +38,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DataConfig, Recipe, load_recipe
 from drafttrain.data.regenerate import regenerate_conversations
 from drafttrain.data.sources import load_mixture
+from drafttrain.data.traffic import ANSWER_WEIGHTS
 from drafttrain.data.replay import with_replay
 from drafttrain.data.tokenize import (
     build_tokenized_dataset,
@@ -271,6 +272,7 @@ def build_summary(
             "tokens": int(stats.get("tokens", 0)),
             "trainable_tokens": int(stats.get("trainable_tokens", 0)),
             "cache_hit": stats.get("cache_hit"),
+            "feedback": stats.get("feedback"),  # what evaluation feedback weighted (drafttrain.data.tokenize)
         }
 
     return {
@@ -323,6 +325,12 @@ def print_summary(summary: dict[str, Any]) -> None:
         totals.add_row("answers cut at max_new_tokens", str(regen["finish_reason"].get("length", 0)))
         speed = f"{regen['tokens_per_second']:.1f} tokens/s ({regen['generated_tokens']} tokens)"
         totals.add_row("generation speed", speed)
+    feedback = summary["datasets"]["train"].get("feedback")
+    if feedback:
+        totals.add_row("feedback: answers weighted (rejected positions)",
+                       f"{feedback.get('answers weighted', 0)} ({feedback.get('rejected positions weighted', 0)})")
+        unweighted = sum(n for reason, n in feedback.items() if "unweighted" in reason)
+        totals.add_row("feedback: answers left unweighted (ids differ)", str(unweighted))
     replay = summary.get("replay")
     if replay:
         totals.add_row(f"replayed rows of {replay['run']}", f"{replay['rows']} of {replay['asked']} asked "
@@ -436,6 +444,8 @@ def _write_splits(recipe: Recipe, data: DataConfig, conversations: tuple, tokeni
     (train, validation), (tokenizer, tokenizer_id) = conversations, tokenizer
     cache_dir = run.data_cache(data.cache_dir)
     train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, cache_dir, required=True)
+    # held-out rows stay unweighted: their loss and accuracy measure the draft, not the feedback's emphasis
+    validation = [{k: v for k, v in c.items() if k != ANSWER_WEIGHTS} for c in validation]
     val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, cache_dir, required=False)
     if data.replay is not None:  # an earlier run's rows, so a continued draft keeps what it learnt there
         train_ds, train_stats["replay"] = with_replay(train_ds, data.replay, tokenizer_id, data.max_length,

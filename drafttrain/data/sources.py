@@ -80,7 +80,7 @@ def _load_source(src, name: str) -> tuple[LoadedSource, dict[str, int]]:
     could not use are named in the log (the first few) and counted."""
     if src.format not in TRAFFIC_FORMATS:
         return load_conversations(src.path, src.format, name=name, split=src.split, subset=src.subset), {}
-    loaded, read = traffic_source(src.path, src.format, name)
+    loaded, read = traffic_source(src.path, src.format, name, src.rejected_weight)
     for line in read.skipped[:5]:
         log.warning("%s: skipped %s", src.path, line)
     if len(read.skipped) > 5:

@@ -17,6 +17,12 @@ blocks) fall back to locating the message content inside the full text.
 Tool calls, tool results and system turns are adapted to what the template can render by
 :mod:`drafttrain.data.chat`, the same way for regeneration and evaluation.
 
+Evaluation feedback (the closed loop, drafttrain.data.traffic): a conversation whose last answer carries the token
+ids the target emitted checks that its re-tokenised answer is exactly those ids, then gives the positions where the
+target replaced refused draft tokens the source's ``rejected_weight``: ``loss_mask`` is then a small integer loss
+weight (0 = not trained), which every kind's loss takes as the weight of predicting that token. An answer whose ids
+differ trains unweighted (counted); an answer cut at the evaluation's token limit does not train its end-of-turn.
+
 Dataset columns (``build_tokenized_dataset``): ``input_ids``, ``loss_mask``, ``num_tokens``, ``num_trainable`` and
 ``conversation_id`` (str); packed rows instead carry ``conversation_ids`` (list[str]) and ``position_ids`` restarting
 at 0 for each document.
@@ -51,6 +57,7 @@ from drafttrain.data.chat import (
     render_text,
     template_support,
 )
+from drafttrain.data.traffic import ANSWER_WEIGHTS
 from drafttrain.progress import progress_bar
 from drafttrain.runfolder import DataManifest, RunFolder, cache_root, damaged, file_sha256, open_dataset, read_json
 
@@ -156,11 +163,45 @@ def _encode_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tup
     return ids, mask
 
 
-def _tokenize(tokenizer, conversation: dict, max_length: int, overlength: str) -> dict:
+def _last_answer(mask: list[int]) -> tuple[int, int]:
+    """[start, end) of the last run of trainable tokens: the last assistant turn (a user turn's header always lies
+    between two turns)."""
+    end = len(mask)
+    while end and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start and mask[start - 1]:
+        start -= 1
+    return start, end
+
+
+def _weighted(ids: list[int], mask: list[int], feedback: dict, notes: Counter) -> list[int]:
+    """``mask`` with the last answer's refused-draft positions weighted (see the module docstring)."""
+    start, end = _last_answer(mask)
+    logged = feedback["answer_ids"]
+    if ids[start: start + len(logged)] != logged:
+        if not feedback["complete"]:
+            raise SkipConversation("answer cut at the evaluation's token limit whose re-tokenised text differs from "
+                                   "the logged token ids (its end cannot be found)")
+        notes["answers whose re-tokenised text differs from the logged ids (trained unweighted)"] += 1
+        return mask
+    out = list(mask)
+    for i in feedback["rejected_at"]:
+        out[start + i] = feedback["rejected_weight"]
+    if not feedback["complete"]:  # the template's end-of-turn after a cut answer is not the target's output
+        out[start + len(logged): end] = [0] * (end - start - len(logged))
+    notes["answers weighted"] += 1
+    notes["rejected positions weighted"] += len(feedback["rejected_at"])
+    return out
+
+
+def _tokenize(tokenizer, conversation: dict, max_length: int, overlength: str, notes: Counter) -> dict:
     text, spans = assistant_spans(tokenizer, conversation)
     ids, mask = _encode_with_mask(tokenizer, text, spans)
     if not any(mask):
         raise SkipConversation("no trainable tokens")
+    if conversation.get(ANSWER_WEIGHTS):
+        mask = _weighted(ids, mask, conversation[ANSWER_WEIGHTS], notes)
     if len(ids) > max_length:
         if overlength == "drop":
             raise SkipConversation("longer than max_length (overlength=drop)")
@@ -176,8 +217,10 @@ def tokenize_conversation(
     max_length: int,
     overlength: str = "truncate",
     skipped: Counter | None = None,
+    weighted: Counter | None = None,
 ) -> dict | None:
     """``{"input_ids", "loss_mask"}`` for one conversation, or None when it is skipped (reason counted in ``skipped``).
+    ``weighted`` counts what evaluation feedback weighted (and the answers it could not).
 
     ``overlength="truncate"`` keeps the first ``max_length`` tokens; ``"drop"`` skips longer conversations.
     A tokenizer without a chat template is a DrafttrainError, not a skip.
@@ -185,7 +228,7 @@ def tokenize_conversation(
     if overlength not in ("truncate", "drop"):
         raise ValueError(f"overlength must be 'truncate' or 'drop', not {overlength!r}")
     try:
-        return _tokenize(tokenizer, conversation, max_length, overlength)
+        return _tokenize(tokenizer, conversation, max_length, overlength, Counter() if weighted is None else weighted)
     except SkipConversation as why:
         if skipped is not None:
             skipped[str(why)] += 1
@@ -228,7 +271,7 @@ def _packed_row(rows: Sequence[dict]) -> dict:
         out["position_ids"] += list(range(len(row["input_ids"])))  # restart per document (varlen attention)
         if "conversation_id" in row:
             out["conversation_ids"].append(row["conversation_id"])
-    return dict(out, num_tokens=len(out["input_ids"]), num_trainable=sum(out["loss_mask"]))
+    return dict(out, num_tokens=len(out["input_ids"]), num_trainable=trainable_count(out["loss_mask"]))
 
 
 def pack(rows: Sequence[dict], max_length: int) -> list[dict]:
@@ -275,15 +318,21 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+def trainable_count(loss_mask: Sequence[int]) -> int:
+    """Trained positions (a loss weight above 0), not the sum of their weights."""
+    return sum(1 for w in loss_mask if w)
+
+
 def iter_token_rows(dataset, batch_size: int = 1024):
-    """(input_ids int64, loss_mask bool) numpy arrays per row of a tokenised split (or any iterable of such dicts)."""
+    """(input_ids int64, loss_mask int8) numpy arrays per row of a tokenised split (or any iterable of such dicts);
+    the mask holds loss weights, 0 = not trained."""
     if hasattr(dataset, "iter"):
         rows = (row for batch in dataset.select_columns(["input_ids", "loss_mask"]).iter(batch_size=batch_size)
                 for row in zip(batch["input_ids"], batch["loss_mask"]))
     else:
         rows = ((row["input_ids"], row["loss_mask"]) for row in dataset)
     for ids, mask in rows:
-        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int8)
         if ids.shape != mask.shape:
             raise DrafttrainError(f"input_ids and loss_mask differ in length ({ids.shape[0]} vs {mask.shape[0]})")
         yield ids, mask
@@ -296,7 +345,9 @@ def split_fingerprint(dataset) -> str:
     for ids, mask in iter_token_rows(dataset):
         digest.update(np.int64(ids.shape[0]).tobytes())
         digest.update(ids.tobytes())
-        digest.update(np.packbits(mask).tobytes())
+        digest.update(np.packbits(mask > 0).tobytes())
+        if mask.max(initial=0) > 1:  # weights from evaluation feedback (a 0/1 split keeps its earlier fingerprint)
+            digest.update(mask.tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -346,18 +397,21 @@ def _features(packed: bool):
 
 def _row_generator(conversations: Sequence[dict], tokenizer, data_cfg: DataConfig, stats: dict):
     def generate():
-        skipped: Counter = Counter()
+        skipped, weighted = Counter(), Counter()
         bar = progress_bar(conversations, desc="tokenising", unit="conv", enabled=len(conversations) >= 1000)
         for conv in bar:
-            row = tokenize_conversation(tokenizer, conv, data_cfg.max_length, data_cfg.overlength, skipped)
+            row = tokenize_conversation(tokenizer, conv, data_cfg.max_length, data_cfg.overlength, skipped, weighted)
             if row is None:
                 continue
+            trainable = trainable_count(row["loss_mask"])
             stats["tokens"] += len(row["input_ids"])
-            stats["trainable_tokens"] += sum(row["loss_mask"])
+            stats["trainable_tokens"] += trainable
             stats["tokenized"] += 1
             yield dict(row, conversation_id=str(conv.get("id", "")), num_tokens=len(row["input_ids"]),
-                       num_trainable=sum(row["loss_mask"]))
+                       num_trainable=trainable)
         stats["skipped"] = dict(skipped)
+        if weighted:
+            stats["feedback"] = dict(weighted)
 
     return generate
 
@@ -483,4 +537,9 @@ def format_tokenize_stats(stats: dict) -> str:
     return (f"tokenised {stats['tokenized']}/{stats['conversations']} conversations into {stats['rows']} rows "
             f"({stats['tokens']} tokens, {stats['trainable_tokens']} trainable; packed={stats['packed']}, "
             f"max_length={stats['max_length']}, overlength={stats['overlength']}); skipped: {skipped}"
-            f"{' [cache hit]' if stats.get('cache_hit') else ''}")
+            f"{_feedback_note(stats)}{' [cache hit]' if stats.get('cache_hit') else ''}")
+
+
+def _feedback_note(stats: dict) -> str:
+    counts = stats.get("feedback")
+    return "; evaluation feedback: " + ", ".join(f"{r}: {n}" for r, n in sorted(counts.items())) if counts else ""

@@ -10,6 +10,12 @@ one, is kept beside it with the model that wrote it, so that ``prepare`` keeps t
 target answer the rest. A line that is not JSON or holds no usable request is skipped and named (line number and
 why), never silently; a request seen twice is kept once.
 
+A line written by ``drafttrain eval --feedback`` (drafttrain.evaluation.feedback) also carries, under
+``drafttrain_feedback``, the token ids the target emitted for the answer, the indices where it replaced draft tokens
+it refused, and whether the answer ended (a stop token) or was cut at the evaluation's token limit; a cut answer is
+kept for such a line (its end-of-turn marker is then not trained, drafttrain.data.tokenize). The source's
+``rejected_weight`` becomes those positions' loss weight.
+
 A prompts file holds one prompt per line (``.txt``), or JSON lines of strings or ``{"prompt": ...}``.
 
 Secrets: every string of a request (messages, tool calls, tool definitions) and of its answer is scanned for what
@@ -32,6 +38,8 @@ from drafttrain.data.conversations import FormatMismatch, LoadedSource, SkipReco
 
 REQUEST_KEYS = ("request", "body")  # where a logged line nests the request, when it does
 REDACTED = "[REDACTED]"
+FEEDBACK_KEY = "drafttrain_feedback"  # what `drafttrain eval --feedback` adds to a request-log line
+ANSWER_WEIGHTS = "answer_weights"  # the conversation key that carries it on to tokenisation
 
 # What credentials look like, by kind. A pattern's group ``s``, where it has one, is the secret (the rest, a key's
 # name or a scheme, is kept); without it the whole match is. An assignment's value counts only when it is quoted or
@@ -88,6 +96,7 @@ class Prompt:
     tools: tuple[dict, ...] | None = None
     answer: dict | None = None
     answered_by: str | None = None
+    feedback: dict | None = None  # the answer's token ids and rejected positions (FEEDBACK_KEY), when logged
 
 
 @dataclasses.dataclass
@@ -154,9 +163,10 @@ def _distinct(prompts: list[Prompt], skipped: list[str], redacted: Counter, empt
     return RequestLog(kept, skipped, len(prompts) - len(kept), +redacted)
 
 
-def traffic_source(path: str, fmt: str, name: str) -> tuple[LoadedSource, RequestLog]:
+def traffic_source(path: str, fmt: str, name: str, rejected_weight: int = 1) -> tuple[LoadedSource, RequestLog]:
     """A request log or prompts file (``fmt``) as a data source: one conversation per distinct prompt, with the
-    logged answer where there is one (``answered_by`` records its model); skipped lines and duplicates counted."""
+    logged answer where there is one (``answered_by`` records its model); skipped lines and duplicates counted.
+    An answer with evaluation feedback carries its token ids and ``rejected_weight`` on to tokenisation."""
     read = read_request_log(path) if fmt == "request_log" else read_prompts_file(path)
     conversations = []
     for i, prompt in enumerate(read.prompts):
@@ -167,6 +177,8 @@ def traffic_source(path: str, fmt: str, name: str) -> tuple[LoadedSource, Reques
             conversation["tools"] = list(prompt.tools)
         if prompt.answered_by:
             conversation["answered_by"] = prompt.answered_by
+        if prompt.feedback and prompt.answer:
+            conversation[ANSWER_WEIGHTS] = dict(prompt.feedback, rejected_weight=rejected_weight)
         conversations.append(conversation)
     skipped = Counter(reason.partition(": ")[2].split(" (")[0] for reason in read.skipped)
     if read.duplicates:
@@ -196,20 +208,41 @@ def _prompt_of(record: Any, where: str) -> Prompt:
     tools = conversation.get("tools")
     # the logged answer replies to the whole request: it is kept only when the prompt is all of it (after a tool
     # result or an assistant prefill it answers turns the prompt leaves out)
-    answer, model = _logged_answer(record) if last_user == len(messages) - 1 else (None, None)
-    return Prompt(tuple(messages[: last_user + 1]), tuple(tools) if tools else None, answer, model)
+    feedback = _feedback_of(record)
+    answer, model = _logged_answer(record, feedback) if last_user == len(messages) - 1 else (None, None)
+    return Prompt(tuple(messages[: last_user + 1]), tuple(tools) if tools else None, answer, model,
+                  feedback if answer is not None else None)
 
 
-def _logged_answer(record: dict) -> tuple[dict | None, str | None]:
+def _feedback_of(record: dict) -> dict | None:
+    """The evaluation feedback of a line (FEEDBACK_KEY), checked; None when the line has none."""
+    payload = record.get(FEEDBACK_KEY)
+    if payload is None:
+        return None
+    ids = payload.get("answer_ids") if isinstance(payload, dict) else None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
+        raise SkipRecord(f"{FEEDBACK_KEY}: answer_ids is not a non-empty list of token ids")
+    rejected = payload.get("rejected_at")
+    if not isinstance(rejected, list) or not all(type(i) is int and 0 < i < len(ids) for i in rejected):
+        raise SkipRecord(f"{FEEDBACK_KEY}: rejected_at is not a list of indices into answer_ids (the first token, "
+                         "the prefill's, is never one)")
+    if not isinstance(payload.get("complete"), bool):
+        raise SkipRecord(f"{FEEDBACK_KEY}: complete is not true or false")
+    return {"answer_ids": ids, "rejected_at": sorted(set(rejected)), "complete": payload["complete"]}
+
+
+def _logged_answer(record: dict, feedback: dict | None = None) -> tuple[dict | None, str | None]:
     """The first choice's assistant message of the logged response (beside the request, or an OpenAI batch
-    output's ``response.body``) and the model that wrote it; (None, None) when the line has none."""
+    output's ``response.body``) and the model that wrote it; (None, None) when the line has none. An answer cut
+    at a token limit is kept only with ``feedback``, whose token ids say where it was cut."""
     response = record.get("response")
     if isinstance(response, dict) and isinstance(response.get("body"), dict):
         response = response["body"]
     choices = response.get("choices") if isinstance(response, dict) else None
     first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     message = first.get("message")
-    if not isinstance(message, dict) or first.get("finish_reason") not in (None, "stop", "tool_calls"):
+    ended = (None, "stop", "tool_calls") + (("length",) if feedback is not None else ())
+    if not isinstance(message, dict) or first.get("finish_reason") not in ended:
         return None, None  # no answer, or one cut short (length, content filter): the target answers instead
     try:
         answer = normalize_record({"messages": [{"role": "user", "content": "."}, {**message, "role": "assistant"}]},

@@ -105,11 +105,11 @@ class DraftVocab:
 
 
 def count_trainable_tokens(dataset, vocab_size: int, data_hash: str | None = None) -> TokenCounts:
-    """Counts of target ids over the trainable (loss_mask = 1) positions, and the split's fingerprint
+    """Counts of target ids over the trainable (loss_mask > 0) positions, and the split's fingerprint
     (``data_hash`` when the caller has it)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids, mask in iter_token_rows(dataset):
-        trainable = ids[mask]
+        trainable = ids[mask > 0]
         if trainable.size and (trainable.max() >= vocab_size or trainable.min() < 0):
             raise DrafttrainError(
                 f"token id {int(trainable.max())} in the data is outside the target vocabulary of {vocab_size}: "

@@ -45,6 +45,9 @@ class DecodeStats:
     wall_time_s: float = 0.0  # the whole generate call, prefill included
     accepted_per_step: list[int] = dataclasses.field(default_factory=list)  # draft tokens accepted (bonus excluded)
     drafted_per_step: list[int] = dataclasses.field(default_factory=list)  # chain length / deepest tree path
+    # per step: the token after the accepted draft tokens replaced draft tokens the target refused (the accepted
+    # path's last node, or the root, had children), rather than extending a draft accepted to its end
+    rejected_per_step: list[bool] = dataclasses.field(default_factory=list)
     position_drafted: list[int] = dataclasses.field(default_factory=list)  # [i]: steps with a depth-(i+1) token
     position_accepted: list[int] = dataclasses.field(default_factory=list)  # [i]: steps accepting depth i+1
     proposer_time_s: float = 0.0  # proposer prefill + propose + accept
@@ -181,7 +184,7 @@ class SpeculativeDecoder:
         path, nxt = self._accept(draft, logits[0], generator)
         keep = [0] + [1 + node for node in path]
         compact_cache(self.cache, prefix, keep)
-        self._record(stats, draft, len(path))
+        self._record(stats, draft, path)
         emitted = draft.tokens[0, path].tolist() + [nxt]
         return emitted, None if hidden is None else hidden[:, keep]
 
@@ -211,10 +214,12 @@ class SpeculativeDecoder:
         return logits, hidden
 
     @staticmethod
-    def _record(stats: DecodeStats, draft: Draft, accepted: int) -> None:
+    def _record(stats: DecodeStats, draft: Draft, path: list[int]) -> None:
+        accepted = len(path)
         stats.target_forwards += 1
         stats.accepted_per_step.append(accepted)
         stats.drafted_per_step.append(draft.depth)
+        stats.rejected_per_step.append((path[-1] if path else -1) in draft.parents)
         for counts, upto in ((stats.position_drafted, draft.depth), (stats.position_accepted, accepted)):
             counts.extend([0] * (upto - len(counts)))
             for i in range(upto):

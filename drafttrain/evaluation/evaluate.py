@@ -9,7 +9,9 @@ with the same clock for every side (prefill included; prompt rendering excluded)
 Multi-turn questions (MT-Bench) follow EAGLE's eval: turn t is asked after the side's *own* answers to turns
 < t. At T=0 a lossless engine produces the baseline's text, so both sides see the same history.
 
-No generated text is logged or stored: records hold token counts, timings and acceptance counts only.
+No generated text is logged or stored: records hold token counts, timings and acceptance counts only. Only on
+request (``feedback=``) are the method side's prompts and answers written, as training data for the next round
+(drafttrain.evaluation.feedback).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
@@ -25,6 +28,7 @@ from drafttrain.config import DecodeSettings
 from drafttrain.cpu_linear import PackedLinears
 from drafttrain.data.chat import stop_token_ids
 from drafttrain.evaluation import metrics
+from drafttrain.evaluation.feedback import FeedbackLog
 from drafttrain.evaluation.records import (
     SideRun,
     comparison_line,
@@ -74,7 +78,8 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
              settings: DecodeSettings | None = None, *, calibration: Sequence[Question] = (),
              compare: Sequence[str | Compared] = (), baseline: bool = True, hf_reference: bool = False,
              proposer_kwargs: dict[str, Any] | None = None, progress: bool = True, warmup: bool = True,
-             cpu_linear: str | None = None, time_budget_s: float | None = None, **decode: Any) -> EvalReport:
+             cpu_linear: str | None = None, time_budget_s: float | None = None, feedback: str | Path | None = None,
+             **decode: Any) -> EvalReport:
     """Run ``method`` (a registered proposer name, a Proposer, or a trained Drafter) through the speculative
     decoder on every prompt, with plain decoding as the baseline, and return the metrics (drafttrain.evaluation.
     metrics defines them). ``settings`` (or ``decode`` keywords: depth=3, tree="dynamic", ...) say how to decode.
@@ -86,7 +91,8 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
     reported ones (drafttrain.decoding.autodepth.choose_shape). ``cpu_linear``: on a CPU every side runs its linear
     layers through oneDNN with pre-packed weights ("packed", the default) or PyTorch's own ("default").
     ``time_budget_s``: no new prompt is started once the run (calibration included) has taken this long; at least
-    one prompt is measured, and the report says how many were left out.
+    one prompt is measured, and the report says how many were left out. ``feedback``: a JSONL file for the method
+    side's answers with the target's accept/reject decisions (drafttrain.evaluation.feedback), for ``prepare``.
     """
     settings, started_at, load = DecodeSettings.of(settings, **decode), now(), LoadWatch()
     budget = Budget(time_budget_s)
@@ -106,24 +112,34 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
         if warmup:
             _warm_up(target, questions[0], sides, min(WARMUP_NEW_TOKENS, settings.max_new_tokens))
         runs, planned = [], len(questions)
+        answers = None if feedback is None else FeedbackLog(target.tokenizer, target.name, stop_ids)
         for index, question in enumerate(progress_bar(questions, "eval", "prompt", enabled=progress)):
             if runs and budget.spent():
                 break
             runs.append(_run_interleaved(target, question, sides, settings.max_new_tokens, index))
+            if answers is not None:
+                answers.add(question, runs[-1][0])
         questions = questions[: len(runs)]
         report = _summary(sides, questions, runs, settings.temperature)
         described = _described(sides, baseline, hf_reference)
         report.config = run_config(target, sides[0].choice.settings, suite=suite_name, questions=questions,
                                    described=described, stop_ids=stop_ids, started_at=started_at)
         report.config["cpu_linear"] = {"mode": kernels.mode, "packed_layers": kernels.count}
-        report.config["machine_load"] = load.summary()
-        if report.config["machine_load"]["contended"]:
-            log.warning("%s", report.config["machine_load"]["note"])
-        if budget.limit_s is not None:
-            report.config["time_budget"] = budget.summary(len(runs), planned)
-            if report.config["time_budget"]["over"]:
-                log.warning("%s", report.config["time_budget"]["note"])
+        _note_conditions(report, load, budget, len(runs), planned)
+        if answers is not None:
+            report.config["feedback"] = answers.write(feedback)
         return report
+
+
+def _note_conditions(report: EvalReport, load: LoadWatch, budget: Budget, measured: int, planned: int) -> None:
+    """The machine's load during the run and the time budget, in the report and, when they matter, the log."""
+    report.config["machine_load"] = load.summary()
+    if report.config["machine_load"]["contended"]:
+        log.warning("%s", report.config["machine_load"]["note"])
+    if budget.limit_s is not None:
+        report.config["time_budget"] = budget.summary(measured, planned)
+        if report.config["time_budget"]["over"]:
+            log.warning("%s", report.config["time_budget"]["note"])
 
 
 def _check_labels(sides: list[Side]) -> None:

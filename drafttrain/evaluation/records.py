@@ -33,7 +33,7 @@ class SideRun:
         return sum(len(t) for t in self.turn_tokens)
 
 
-def _answer_text(tokenizer, tokens: list[int]) -> str:
+def answer_text(tokenizer, tokens: list[int]) -> str:
     """The answer as the next turn's history sees it (stop and other special tokens dropped, as EAGLE's eval does)."""
     return tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
@@ -58,7 +58,7 @@ def run_turns(tokenizer, question: Question, generate: GenerateFn, device: torch
         turn_tokens.append(tokens)
         stats.append(turn_stats)
         prompt_tokens.append(int(ids.shape[-1]))
-        history = messages + [{"role": "assistant", "content": _answer_text(tokenizer, tokens)}]
+        history = messages + [{"role": "assistant", "content": answer_text(tokenizer, tokens)}]
     return SideRun(turn_tokens=turn_tokens, seconds=seconds, stats=stats, prompt_tokens=prompt_tokens)
 
 

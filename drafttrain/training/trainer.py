@@ -280,7 +280,7 @@ class Trainer:
             total += float(out.loss.detach())
             attention = batch["attention_mask"]
             self.meter.add_micro_batch(
-                out.metrics, out.correct, out.counted, int(attention.sum()), int((batch["loss_mask"] * attention).sum())
+                out.metrics, out.correct, out.counted, int(attention.sum()), int(((batch["loss_mask"] > 0) * attention).sum())
             )
         loss, seconds = total / len(group), time.perf_counter() - started
         if acc.num_processes > 1:  # one value on every rank: the loss logged, and the clock the schedule reads

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from drafttrain.data.regenerate.resume import RegenerationSettings, prompt_hash
+from drafttrain.data.traffic import ANSWER_WEIGHTS
 
 TOOL_CALL_KEYS = ("tool_calls", "function_call")
 
@@ -98,6 +99,7 @@ class ConversationJob:
 def answered_row(conversation: dict, answer: dict, settings: RegenerationSettings) -> dict:
     """The output row of a conversation with the target's answers (``answer``: messages, finish_reason, ...)."""
     row = {**conversation, **answer}
+    row.pop(ANSWER_WEIGHTS, None)  # evaluation feedback describes the logged answer, not this one
     row["needs_response"] = False  # every user turn has its answer now
     row["regenerated_by"] = settings.target
     row["prompt_hash"] = prompt_hash(conversation)

@@ -15,6 +15,7 @@ import torch
 from datasets import load_from_disk
 
 from drafttrain import DrafttrainError
+from drafttrain.commands.prepare import _warn_lost_feedback as warn_lost_feedback
 from drafttrain.commands.prepare import prepare
 from drafttrain.config import DataConfig, SourceConfig, parse_recipe
 from drafttrain.data.chat import prompt_ids, stop_token_ids
@@ -23,6 +24,8 @@ from drafttrain.data.traffic import ANSWER_WEIGHTS, FEEDBACK_KEY, read_request_l
 from drafttrain.decoding.engine import SpeculativeDecoder, plain_decode
 from drafttrain.decoding.proposers import Proposer
 from drafttrain.decoding.trees import Draft
+from drafttrain.drafts.base import top1_hits
+from drafttrain.drafts.dflash import dpace_weights
 from drafttrain.evaluation import evaluate
 from drafttrain.evaluation.feedback import rejected_positions
 from drafttrain.targets import load_tokenizer
@@ -192,3 +195,20 @@ def test_rejected_weight_is_for_request_logs_only(tmp_path):
         parse_recipe({"output_dir": str(tmp_path), "target": {"model": "smollm2-135m-instruct"},
                       "data": {"sources": [{"path": "x.jsonl", "format": "sharegpt", "rejected_weight": 4}]}})
     assert DataConfig(sources=[SourceConfig(path="x.jsonl", format="request_log", rejected_weight=4)])
+
+
+def test_weights_scale_the_loss_not_the_metrics_and_dpace_keeps_a_weight_on_its_own_slot():
+    ids, wanted = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[3, 0, 5, 0]])
+    assert top1_hits(ids, wanted, torch.tensor([[1, 4, 0, 1]])) == (1.0, 3.0)  # positions, not their weights
+    sure, plain, weighted = torch.ones(3), torch.tensor([1.0, 1.0, 1.0]), torch.tensor([1.0, 4.0, 1.0])
+    assert dpace_weights(sure, weighted, 0.5).tolist() == [3.0, 8.0, 1.0]
+    assert dpace_weights(sure, plain, 0.5).tolist() == [3.0, 2.0, 1.0]
+
+
+def test_feedback_that_the_target_must_answer_again_is_named_not_dropped_silently(caplog):
+    rows = [{"id": "a", "answered_by": "HuggingFaceTB/SmolLM2-135M-Instruct", ANSWER_WEIGHTS: {"rejected_at": [1]}},
+            {"id": "b", "answered_by": "other"}]
+    with caplog.at_level("WARNING", logger="drafttrain.commands.prepare"):
+        warn_lost_feedback(rows, {"smollm2-135m-instruct"})
+    (record,) = caplog.records
+    assert "1 answers with evaluation feedback" in record.getMessage() and "HuggingFaceTB" in record.getMessage()

@@ -141,6 +141,7 @@ def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool)
     kept = {str(c["id"]) for c in mixture.train + mixture.validation
             if c["source"] in kept_sources or c.get("answered_by") in own}
     todo = [c for c in mixture.train + mixture.validation if str(c["id"]) not in kept]
+    _warn_lost_feedback(todo, own)
     result = regenerate_conversations(
         todo,
         recipe.regenerate,
@@ -160,6 +161,16 @@ def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool)
             "check regenerate.max_new_tokens and the target's chat template, or set regenerate.keep_original_on_empty"
         )
     return train, validation, result
+
+
+def _warn_lost_feedback(todo: list[dict], own: set[str]) -> None:
+    """Evaluation feedback is about the answer it logged: re-answered, it is dropped. Say so (a target named
+    otherwise in the evaluation than in the recipe is the usual cause), rather than train unweighted unnoticed."""
+    lost = Counter(str(c.get("answered_by")) for c in todo if c.get(ANSWER_WEIGHTS))
+    for model, n in lost.items():
+        log.warning("%d answers with evaluation feedback were logged by %r, not by this recipe's target (%s): the "
+                    "target answers them again and their feedback is dropped; name the target as the evaluation did",
+                    n, model, " or ".join(sorted(own)))
 
 
 def _tokenize_split(name: str, conversations: list[dict], tokenizer, data: DataConfig, cache_dir: Path, required: bool):
@@ -444,8 +455,10 @@ def _write_splits(recipe: Recipe, data: DataConfig, conversations: tuple, tokeni
     (train, validation), (tokenizer, tokenizer_id) = conversations, tokenizer
     cache_dir = run.data_cache(data.cache_dir)
     train_ds, train_stats = _tokenize_split("train", train, tokenizer, data, cache_dir, required=True)
-    # held-out rows stay unweighted: their loss and accuracy measure the draft, not the feedback's emphasis
-    validation = [{k: v for k, v in c.items() if k != ANSWER_WEIGHTS} for c in validation]
+    # held-out rows stay unweighted (weight 1): their loss and accuracy measure the draft, not the feedback's
+    # emphasis; the feedback's token ids still say where a cut answer ends
+    validation = [dict(c, **{ANSWER_WEIGHTS: dict(c[ANSWER_WEIGHTS], rejected_weight=1)}) if c.get(ANSWER_WEIGHTS)
+                  else c for c in validation]
     val_ds, val_stats = _tokenize_split("validation", validation, tokenizer, data, cache_dir, required=False)
     if data.replay is not None:  # an earlier run's rows, so a continued draft keeps what it learnt there
         train_ds, train_stats["replay"] = with_replay(train_ds, data.replay, tokenizer_id, data.max_length,

@@ -89,8 +89,9 @@ def add_positions(total: list[float], values: list[float]) -> list[float]:
 
 
 def top1_hits(draft_ids: torch.Tensor, target_ids: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
-    """(weighted number of positions where the draft's top-1 equals the target's, total weight)."""
-    weight = weight.float()
+    """(number of positions where the draft's top-1 equals the target's, number of positions counted): a position
+    counts when its weight is above 0, whatever the weight (evaluation feedback weighs the loss, not the metric)."""
+    weight = (weight > 0).float()
     return float(((draft_ids == target_ids).float() * weight).sum()), float(weight.sum())
 
 

@@ -157,10 +157,12 @@ def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generat
 def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """D-PACE: per slot k, the sum over j >= k of the prefix products of s_i = (1 - alpha) q_i + alpha (q_i the draft's
     detached probability of the target's token; s = 1 where a slot has no label), weighted by the labels: d E[accepted
-    length] / d log s_k. Shapes (..., K) -> (..., K)."""
-    s = torch.where(mask > 0, (1 - alpha) * confidence + alpha, torch.ones_like(confidence))
-    prefix = torch.cumprod(s, dim=-1) * mask
-    return prefix.flip(-1).cumsum(-1).flip(-1)
+    length] / d log s_k. Shapes (..., K) -> (..., K). A loss weight above 1 (evaluation feedback) scales its own
+    slot only: the earlier slots' continuation value counts the slot as one label."""
+    labelled = mask > 0
+    s = torch.where(labelled, (1 - alpha) * confidence + alpha, torch.ones_like(confidence))
+    prefix = torch.cumprod(s, dim=-1) * labelled
+    return prefix.flip(-1).cumsum(-1).flip(-1) * torch.where(labelled, mask, torch.ones_like(mask))
 
 
 # what speculators' DFlash checkpoints may hold beside the draft: copies of the target's own weights

@@ -469,7 +469,7 @@ class Eagle3Drafter(EagleHead):
             with torch.no_grad():
                 hits = (self.draft_to_target[logits.argmax(-1)] == shift_left(target_ids[row: row + 1], 1)[0][positions])
                 for d in range(k):
-                    at = (depths == d).float() * mask
+                    at = (depths == d).float() * (mask > 0)
                     correct[d] += float((hits.float() * at).sum())
                     counted[d] += float(at.sum())
         loss = total / weight.clamp(min=1.0) if isinstance(weight, torch.Tensor) else total

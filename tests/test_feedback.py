@@ -181,7 +181,16 @@ def test_an_answer_whose_tokens_differ_from_the_log_trains_unweighted_and_a_cut_
     row = tokenize_conversation(tok, wrong, 256, weighted=notes)
     assert row["loss_mask"] == plain["loss_mask"]
     assert notes == {"answers weighted": 1, "rejected positions weighted": 1,
-                     "answers whose re-tokenised text differs from the logged ids (trained unweighted)": 1}
+                     "answers whose text differs from the logged ids' (trained unweighted)": 1}
+    # the target may emit a tokenisation its tokenizer would not produce: the row holds the ids it emitted
+    letters = [tok.convert_tokens_to_ids(c) for c in "Paris"] + answer[-2:]  # P a r i s . <|im_end|>
+    assert tok.decode(letters) == tok.decode(answer) and letters != answer
+    spelt = dict(conversation, **{ANSWER_WEIGHTS: dict(good[ANSWER_WEIGHTS], answer_ids=letters, rejected_at=[4])})
+    row = tokenize_conversation(tok, spelt, 256, weighted=notes)
+    start = row["loss_mask"].index(1)
+    assert row["input_ids"][start: start + len(letters)] == letters and row["input_ids"][:start] == plain["input_ids"][:start]
+    assert row["loss_mask"][start: start + len(letters)] == [1, 1, 1, 1, 7, 1, 1]
+    assert notes["answers the target tokenised otherwise (its ids kept)"] == 1
     cut = dict(conversation, **{ANSWER_WEIGHTS: dict(wrong[ANSWER_WEIGHTS], complete=False)})
     skipped = Counter()
     assert tokenize_conversation(tok, cut, 256, skipped=skipped) is None and "cut at" in next(iter(skipped))

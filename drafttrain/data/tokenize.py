@@ -18,10 +18,11 @@ Tool calls, tool results and system turns are adapted to what the template can r
 :mod:`drafttrain.data.chat`, the same way for regeneration and evaluation.
 
 Evaluation feedback (the closed loop, drafttrain.data.traffic): a conversation whose last answer carries the token
-ids the target emitted checks that its re-tokenised answer is exactly those ids, then gives the positions where the
-target replaced refused draft tokens the source's ``rejected_weight``: ``loss_mask`` is then a small integer loss
-weight (0 = not trained), which every kind's loss takes as the weight of predicting that token. An answer whose ids
-differ trains unweighted (counted); an answer cut at the evaluation's token limit does not train its end-of-turn.
+ids the target emitted is trained on those ids (the re-tokenised answer must spell the same text: a target may
+emit a tokenisation its tokenizer would not produce), and the positions where the target replaced refused draft
+tokens get the source's ``rejected_weight``: ``loss_mask`` is then a small integer loss weight (0 = not trained),
+which every kind's loss takes as the weight of predicting that token. An answer whose text differs trains
+unweighted as re-tokenised (counted); an answer cut at the evaluation's token limit does not train its end-of-turn.
 
 Dataset columns (``build_tokenized_dataset``): ``input_ids``, ``loss_mask``, ``num_tokens``, ``num_trainable`` and
 ``conversation_id`` (str); packed rows instead carry ``conversation_ids`` (list[str]) and ``position_ids`` restarting
@@ -175,24 +176,43 @@ def _last_answer(mask: list[int]) -> tuple[int, int]:
     return start, end
 
 
-def _weighted(ids: list[int], mask: list[int], feedback: dict, notes: Counter) -> list[int]:
-    """``mask`` with the last answer's refused-draft positions weighted (see the module docstring)."""
+def _logged_length(tokenizer, ids: list[int], start: int, end: int, logged: list[int]) -> int | None:
+    """How many re-tokenised tokens from ``start`` spell the logged ids' text (the target may have emitted a
+    tokenisation the tokenizer would not produce: "\n\n" as two tokens); None when no prefix of the turn does."""
+    if ids[start: start + len(logged)] == logged:
+        return len(logged)
+    text = tokenizer.decode(logged)
+    for m in range(1, end - start + 1):
+        piece = tokenizer.decode(ids[start: start + m])
+        if piece == text:
+            return m
+        if len(piece) > len(text):
+            break
+    return None
+
+
+def _weighted(tokenizer, ids: list[int], mask: list[int], feedback: dict, notes: Counter) -> tuple[list, list]:
+    """The row with the last answer as the logged token ids (what the target computed), its refused-draft
+    positions weighted (see the module docstring)."""
     start, end = _last_answer(mask)
     logged = feedback["answer_ids"]
-    if ids[start: start + len(logged)] != logged:
+    m = _logged_length(tokenizer, ids, start, end, logged)
+    if m is None:
         if not feedback["complete"]:
-            raise SkipConversation("answer cut at the evaluation's token limit whose re-tokenised text differs from "
-                                   "the logged token ids (its end cannot be found)")
-        notes["answers whose re-tokenised text differs from the logged ids (trained unweighted)"] += 1
-        return mask
-    out = list(mask)
+            raise SkipConversation("answer cut at the evaluation's token limit whose text differs from the logged "
+                                   "token ids' (its end cannot be found)")
+        notes["answers whose text differs from the logged ids' (trained unweighted)"] += 1
+        return ids, mask
+    if m != len(logged):
+        notes["answers the target tokenised otherwise (its ids kept)"] += 1
+    weights = [1] * len(logged)
     for i in feedback["rejected_at"]:
-        out[start + i] = feedback["rejected_weight"]
-    if not feedback["complete"]:  # the template's end-of-turn after a cut answer is not the target's output
-        out[start + len(logged): end] = [0] * (end - start - len(logged))
+        weights[i] = feedback["rejected_weight"]
+    # the template's end-of-turn after a cut answer is not the target's output
+    tail = mask[start + m:] if feedback["complete"] else [0] * (end - start - m) + mask[end:]
     notes["answers weighted"] += 1
     notes["rejected positions weighted"] += len(feedback["rejected_at"])
-    return out
+    return ids[:start] + logged + ids[start + m:], mask[:start] + weights + tail
 
 
 def _tokenize(tokenizer, conversation: dict, max_length: int, overlength: str, notes: Counter) -> dict:
@@ -201,7 +221,7 @@ def _tokenize(tokenizer, conversation: dict, max_length: int, overlength: str, n
     if not any(mask):
         raise SkipConversation("no trainable tokens")
     if conversation.get(ANSWER_WEIGHTS):
-        mask = _weighted(ids, mask, conversation[ANSWER_WEIGHTS], notes)
+        ids, mask = _weighted(tokenizer, ids, mask, conversation[ANSWER_WEIGHTS], notes)
     if len(ids) > max_length:
         if overlength == "drop":
             raise SkipConversation("longer than max_length (overlength=drop)")

@@ -50,13 +50,13 @@ class FeedbackLog:
         history: list[dict[str, str]] = []
         for turn, tokens, stats in zip(question.turns, run.turn_tokens, run.stats, strict=True):
             messages = history + [{"role": "user", "content": turn}]
-            text = answer_text(self.tokenizer, tokens)
             complete = bool(tokens) and tokens[-1] in self.stop_ids
-            if tokens:
+            if tokens:  # the answer's text as emitted (a trailing space of a cut answer is part of its ids)
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 self.lines.append(self._line(messages, text, tokens, complete,
                                              rejected_positions(stats.accepted_per_step, stats.rejected_per_step,
                                                                 len(tokens))))
-            history = messages + [{"role": "assistant", "content": text}]
+            history = messages + [{"role": "assistant", "content": answer_text(self.tokenizer, tokens)}]
 
     def _line(self, messages: list[dict], text: str, tokens: list[int], complete: bool,
               rejected: list[int]) -> dict[str, Any]:

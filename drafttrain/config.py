@@ -109,6 +109,8 @@ class RegenerateConfig(Section):
 
 
 class DraftVocabConfig(Section):
+    # With draft.init_from (kinds that can adopt one): the continued draft's own tokens and every token the new data
+    # trains on that it lacks, whatever size and coverage say (their output rows start as the target's)
     enabled: bool = False
     size: int = Field(32000, gt=0)  # the number of draft tokens (with coverage: the most)
     # Size it by measurement instead: the fewest most-frequent tokens that cover this share of the trainable
@@ -639,13 +641,6 @@ class Recipe(Section):
         if self.draft is not None and self.draft.trains_target and self.training.hidden_states == "offline":
             raise ValueError("training.hidden_states offline: this draft trains the target (draft.lora), so the "
                              "target's outputs change every step and cannot be cached; use online")
-        return self
-
-    @model_validator(mode="after")
-    def _continued_draft_vocab(self) -> "Recipe":
-        if self.draft is not None and self.draft.init_from is not None and self.draft_vocab.enabled:
-            raise ValueError("draft.init_from continues a draft with its own draft vocabulary: set "
-                             "draft_vocab.enabled: false (a new one would map its outputs to other tokens)")
         return self
 
     @model_validator(mode="after")

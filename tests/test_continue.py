@@ -19,11 +19,13 @@ from drafttrain.config import DraftModelConfig, LoraConfig as TargetLoraConfig, 
 from drafttrain.data.replay import with_replay
 from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.drafts import load_drafter, start_drafter
-from drafttrain.drafts.registry import continued_config
+from drafttrain.data.vocab import DraftVocab, DraftVocabKey, build_mapping, save_draft_vocab
+from drafttrain.drafts.registry import check_vocabulary_choice, continued_config
 from drafttrain.evaluation.report import _config_line
 from drafttrain.targets import load_target
 from drafttrain.runfolder import WEIGHTS_NAME, DataManifest, RunFolder, read_safetensors
 from trainer_helpers import (  # noqa: F401 (fresh_accelerate: a fixture)
+    VOCAB,
     Interrupted,
     fresh_accelerate,
     prepared_run,
@@ -100,9 +102,38 @@ def test_a_continued_draft_refuses_another_architecture_kind_or_vocabulary(tmp_p
                          DraftModelConfig(cut="first:2"), "runs/d")
     with pytest.raises(DrafttrainError, match="draft_lora adapts a trained draft"):
         parse_recipe({"draft": {**HEAD, "draft_lora": {"rank": 4}}})
-    with pytest.raises(DrafttrainError, match="draft_vocab.enabled: false"):
-        parse_recipe({"draft": {**HEAD, "init_from": where}, "draft_vocab": {"enabled": True},
-                      "data": {"sources": [{"path": "x.jsonl"}]}})
+    with pytest.raises(DrafttrainError, match="a eagle draft keeps the draft vocabulary .* draft_vocab.enabled: false"):
+        check_vocabulary_choice(parse_recipe({"draft": {"kind": "eagle", "init_from": where}}).draft, True)
+
+
+def _vocab_file(run: Path, ids: list[int]) -> None:
+    """The run's draft vocabulary over target ids ``ids``, as prepare writes it."""
+    d2t, t2d = build_mapping(torch.tensor(sorted(ids)), VOCAB)
+    save_draft_vocab(DraftVocab(d2t, t2d, DraftVocabKey("data", "tok"), 1.0, 1, len(ids)), RunFolder.of(run).draft_vocab)
+
+
+def test_a_continued_head_drafts_over_a_vocabulary_chosen_on_the_new_data(tmp_path):
+    """The rows of the tokens both vocabularies hold carry over as trained; a new token's row starts as the target's
+    own output row; without the recipe asking, the saved vocabulary is kept."""
+    general = tmp_path / "general"
+    _vocab_file(general, list(range(0, 64)))
+    result = train_command.train(recipe_for(prepared_run(general, tiny_dataset(16)), {**HEAD}, max_steps=2),
+                                 target=tiny_target())
+    reset_accelerate()
+    old = load_drafter(result.last_checkpoint, tiny_target())
+    assert old.d2t.numel() == 64
+    new_ids = list(range(32, 112))  # 32 kept (32..63), 48 new, 32 dropped
+    _vocab_file(prepared_run(tmp_path / "new", tiny_dataset(16, seed=1)), new_ids)
+    section = recipe_for(tmp_path / "new", {"kind": "eagle3", "init_from": str(general)}).draft
+    target = tiny_target()
+    drafter = start_drafter(section, target, RunFolder.of(tmp_path / "new"), new_vocabulary=True)
+    assert drafter.draft_to_target.tolist() == new_ids and drafter.t2d.sum() == len(new_ids)
+    rows, old_rows = drafter.lm_head.weight, old.lm_head.weight
+    assert torch.equal(rows[:32], old_rows[32:64])  # the kept tokens' trained rows
+    assert torch.equal(rows[32:], target.model.get_output_embeddings().weight[64:112])  # the new ones: the target's
+    assert not torch.equal(old_rows[32:64], target.model.get_output_embeddings().weight[32:64])  # (they trained)
+    kept = start_drafter(section, target, RunFolder.of(tmp_path / "new"))
+    assert kept.draft_to_target.tolist() == list(range(64))
 
 
 @pytest.mark.parametrize("lora", [None, {"rank": 4}], ids=["whole", "lora"])

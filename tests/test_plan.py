@@ -56,7 +56,7 @@ def test_the_plan_matches_a_measured_cpu_run_within_20_percent(tmp_path, capsys)
     drafttrain(capsys, "prepare", str(recipe), "--no-progress")
     planned = json.loads(alone("plan", str(recipe), "--json"))
     assert planned["tokens_measured"] and planned["fits"]
-    alone("train", str(recipe), "--max-steps", "4")
+    alone("train", str(recipe), "--max-steps", "2")  # step 2 holds the optimizer state beside the activations
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     peak = max(r["peak_memory_mib"] for r in logged if "peak_memory_mib" in r) * 2**20
     assert planned["memory"]["activations saved for backward"] > 0.25 * planned["total"]  # not just weights

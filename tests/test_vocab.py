@@ -146,3 +146,9 @@ def test_a_draft_vocab_sized_by_coverage_is_the_fewest_tokens_reaching_it():
     assert vocab.size == 12  # 2 ids reach 7/9, rounded up to 64, at most the vocabulary
     vocab = build_draft_vocab(SYNTHETIC, FakeTokenizer(200), vocab_size=200, size=150, coverage=7 / 9)
     assert vocab.size == 64 and vocab.coverage >= 7 / 9
+
+
+def test_a_continued_drafts_vocabulary_keeps_its_tokens_and_gains_the_new_datas():
+    # the saved draft's tokens 2, 3, 10; the data trains on 1, 3, 7, 9: every one of them, size notwithstanding
+    vocab = build_draft_vocab(SYNTHETIC, FakeTokenizer(12), vocab_size=12, size=2, keep=torch.tensor([2, 3, 10]))
+    assert vocab.target_ids().tolist() == [1, 2, 3, 7, 9, 10] and vocab.coverage == 1.0

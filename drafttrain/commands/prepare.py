@@ -48,7 +48,7 @@ from drafttrain.data.tokenize import (
 )
 from drafttrain.data.vocab import DraftVocabKey, build_draft_vocab, dataset_coverage, save_draft_vocab
 from drafttrain.drafts import drafter_class
-from drafttrain.drafts.registry import resolved_section
+from drafttrain.drafts.registry import check_vocabulary_choice, resolved_section, saved_draft_ids
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset, write_text_atomic
 from drafttrain.targets import load_target, load_tokenizer
 from drafttrain.targets.loading import resolve_model_dir, target_name
@@ -207,8 +207,10 @@ def _build_vocab(recipe: Recipe, train: tuple, validation_ds, tokenizer: tuple, 
                  run: RunFolder) -> dict:
     """``train``: (the split, its fingerprint); ``tokenizer``: (the tokenizer, its fingerprint)."""
     (train_ds, fingerprint), (tokenizer, tokenizer_id) = train, tokenizer
+    # a continued draft keeps its own tokens and gains those of the new data it lacks
+    keep = saved_draft_ids(recipe.draft.init_from) if recipe.draft is not None and recipe.draft.init_from else None
     vocab = build_draft_vocab(train_ds, tokenizer, vocab_size, recipe.draft_vocab.size, recipe.draft_vocab.coverage,
-                              key=DraftVocabKey(fingerprint, tokenizer_id))
+                              key=DraftVocabKey(fingerprint, tokenizer_id), keep=keep)
     save_draft_vocab(vocab, run.draft_vocab)
     info = vocab.summary()
     info["path"] = str(run.draft_vocab)
@@ -389,6 +391,8 @@ def prepare(
     data = _with_limit(recipe.data, limit)
     run = RunFolder.of(recipe.output_dir)
     check_data_files(data)
+    if recipe.draft is not None:
+        check_vocabulary_choice(recipe.draft, recipe.draft_vocab.enabled)
     needs_model = recipe.regenerate.enabled and recipe.regenerate.backend == "hf"
     vocab_size = None
     if recipe.draft_vocab.enabled:

@@ -17,7 +17,7 @@ from drafttrain.config import Recipe, load_recipe
 from drafttrain.data.tokenize import describe_run_data, split_fingerprint
 from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
 from drafttrain.drafts import drafter_class, start_drafter
-from drafttrain.drafts.registry import resolved_section
+from drafttrain.drafts.registry import check_vocabulary_choice, resolved_section
 from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator, check_eval_shape
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset
 from drafttrain.targets.hidden import decoder_layers, final_norm
@@ -50,6 +50,7 @@ def check_trainable(recipe: Recipe) -> None:
     """What `train` needs beyond a valid schema; checked before anything heavy loads."""
     if recipe.draft is None:
         raise DrafttrainError("the recipe has no draft section: set draft.kind (e.g. eagle3)")
+    check_vocabulary_choice(recipe.draft, recipe.draft_vocab.enabled)
     # a continued draft (draft.init_from) exists, is of the kind and agrees with the recipe; what follows checks the
     # section it trains with (a saved head count, say), not the recipe's defaults
     recipe = recipe.model_copy(update={"draft": resolved_section(recipe.draft)})
@@ -102,7 +103,7 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     set_seed(recipe.seed)  # the draft's initial weights
     layers = drafter_class(recipe.draft.kind).start_layers(recipe.draft) if recipe.draft.init_from is None else 0
     with gathered(start_weights(target, layers), zero3):  # what a draft may start from, whole while it is built
-        drafter = start_drafter(recipe.draft, target, run)
+        drafter = start_drafter(recipe.draft, target, run, new_vocabulary=recipe.draft_vocab.enabled)
     if recipe.training.hidden_states == "offline":
 
         outputs = FeatureCache(run.features, target, drafter.needs(), fingerprint).outputs

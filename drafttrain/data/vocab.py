@@ -158,15 +158,19 @@ def size_for_coverage(counts: torch.Tensor, coverage: float, multiple: int = 64)
 
 
 def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int, coverage: float | None = None,
-                      key: DraftVocabKey | None = None) -> DraftVocab:
+                      key: DraftVocabKey | None = None, keep: torch.Tensor | None = None) -> DraftVocab:
     """Count the trainable tokens of ``dataset`` and keep the ``size`` most frequent as the draft vocabulary (with
     ``coverage``: as few as reach that share of the tokens, at most ``size``). ``key``: the split's and the
-    tokenizer's fingerprints when the caller has them (else computed here)."""
+    tokenizer's fingerprints when the caller has them (else computed here). ``keep``: target ids that stay (a
+    continued draft's own vocabulary): the vocabulary is those and every trainable token of the data they lack,
+    whatever ``size`` and ``coverage`` say."""
     if size > vocab_size:
         select_draft_ids(torch.zeros(vocab_size, dtype=torch.int64), size)  # raises with both sizes
     counts = count_trainable_tokens(dataset, vocab_size, key.data if key is not None else None)
     if counts.total == 0:
         raise DrafttrainError("the data has no trainable tokens (loss_mask is all zero): cannot build a draft vocab")
+    if keep is not None:
+        return _vocab(_extended(keep, counts), counts, tokenizer, key)
     if coverage is not None:
         size = min(size, size_for_coverage(counts.counts, coverage))
         log.info("draft vocab: %d tokens cover %.1f%% of the trainable tokens", size, 100 * coverage)
@@ -176,7 +180,21 @@ def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int, coverage: 
             "filled in id order (more data, or a smaller draft_vocab.size, gives a better-founded vocabulary)",
             counts.distinct, size, size - counts.distinct,
         )
-    d2t, t2d = build_mapping(select_draft_ids(counts.counts, size), vocab_size)
+    return _vocab(select_draft_ids(counts.counts, size), counts, tokenizer, key)
+
+
+def _extended(keep: torch.Tensor, counts: TokenCounts) -> torch.Tensor:
+    """The ids ``keep`` and the counted ones they lack, ascending."""
+    kept = torch.zeros_like(counts.counts, dtype=torch.bool)
+    kept[keep] = True
+    added = int(((counts.counts > 0) & ~kept).sum())
+    log.info("draft vocab: the continued draft's %d tokens and %d more the data trains on (%.1f%% of its tokens)",
+             keep.numel(), added, 100 * float(counts.counts[~kept].sum()) / counts.total)
+    return torch.nonzero(kept | (counts.counts > 0)).flatten()
+
+
+def _vocab(selected: torch.Tensor, counts: TokenCounts, tokenizer, key: DraftVocabKey | None) -> DraftVocab:
+    d2t, t2d = build_mapping(selected, counts.counts.numel())
     return DraftVocab(
         d2t=d2t,
         t2d=t2d,

@@ -103,6 +103,8 @@ class Drafter(nn.Module):
     description: ClassVar[str] = ""  # what it is, in a phrase (the model card's first line)
     # How each serving engine names its method: {"vllm": the speculative_config method, "sglang": the algorithm}
     engine_methods: ClassVar[dict[str, str]] = {}
+    # A continued draft (draft.init_from) may draft over a vocabulary chosen on the new data (adopt_vocabulary)
+    adopts_vocabulary: ClassVar[bool] = False
 
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -158,6 +160,11 @@ class Drafter(nn.Module):
 
     def needs(self) -> TargetNeeds:
         return self.target_needs(self.config, self.target)
+
+    def adopt_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Draft over another draft vocabulary (``d2t``/``t2d``, drafttrain.data.vocab): a continued draft adapting
+        to data its own vocabulary covers poorly. Kinds that can set ``adopts_vocabulary``."""
+        raise DrafttrainError(f"a {self.kind} draft keeps the draft vocabulary it was trained with")
 
     def held_out_needs(self) -> TargetNeeds:
         """What held-out evaluation runs the target for: what training needs, unless a measure needs more."""

@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import Eagle3Config
-from drafttrain.data.vocab import draft_ids, draft_vocab_for, to_target_vocab
+from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
@@ -84,6 +84,7 @@ class Eagle3Drafter(EagleHead):
     description = "an EAGLE-3 head on three of the target's hidden layers"
     engine_methods = {"vllm": "eagle3", "sglang": "EAGLE3"}
     config_class = Eagle3Config
+    adopts_vocabulary = True
 
     def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d,
                  mask_token_id: int | None = None):
@@ -160,6 +161,21 @@ class Eagle3Drafter(EagleHead):
             self.lm_head.weight.copy_(self.target.model.get_output_embeddings().weight[self.draft_to_target])
             self.norm.weight.copy_(final_norm(self.target.model).weight)
         return self
+
+    def adopt_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """The output rows of the tokens both vocabularies hold carry over as trained; the new tokens' rows start
+        as the target's own (what init_from_target gives a fresh head)."""
+        new_ids = draft_ids(d2t.to(self.d2t.device))
+        old_rows = target_to_draft(new_ids, self.t2d)
+        kept = old_rows >= 0
+        weight = self.lm_head.weight
+        with torch.no_grad():
+            rows = self.target.model.get_output_embeddings().weight[new_ids].to(weight.device, weight.dtype).clone()
+            rows[kept] = weight[old_rows[kept]]
+        self.lm_head = nn.Linear(weight.shape[1], new_ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(rows)
+        self.d2t, self.t2d = d2t.to(self.d2t.device).clone(), t2d.to(self.t2d.device).clone()
 
     def first_layer(self):
         return self.midlayer

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftConfig, register_draft_section
+from drafttrain.data.vocab import draft_ids, draft_vocab_for
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config
 from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.draft_model import DraftModelDrafter
@@ -82,10 +83,16 @@ def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> 
     return cls.build(config, target, run)
 
 
-def start_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> Drafter:
+def start_drafter(config: DraftConfig, target, run: RunFolder | None = None, new_vocabulary: bool = False) -> Drafter:
     """The draft a training run starts from: a fresh one of the recipe's kind, or the saved one ``init_from``
-    names, continued; with ``draft_lora``, wrapped in LoRA adapters that alone train."""
-    drafter = build_drafter(config, target, run) if config.init_from is None else continued_drafter(config, target)
+    names, continued (over the run's own draft vocabulary when ``new_vocabulary``: draft_vocab.enabled); with
+    ``draft_lora``, wrapped in LoRA adapters that alone train."""
+    if config.init_from is None:
+        drafter = build_drafter(config, target, run)
+    else:
+        drafter = continued_drafter(config, target)
+        if new_vocabulary:
+            drafter.adopt_vocabulary(*draft_vocab_for(None, run, target.vocab_size))
     if config.draft_lora is not None:
         add_draft_lora(drafter, config.draft_lora)
     return drafter
@@ -119,6 +126,20 @@ def resolved_section(config: DraftConfig) -> DraftConfig:
     except (KeyError, ValidationError) as err:
         raise damaged(directory / CONFIG_NAME, f"holds no valid {kind.kind} section ({err})") from None
     return continued_config(saved, config, config.init_from)
+
+
+def check_vocabulary_choice(config: DraftConfig, new_vocabulary: bool) -> None:
+    """A continued draft drafts over a vocabulary chosen on the new data only when its kind can adopt one."""
+    if config.init_from is not None and new_vocabulary and not drafter_class(config.kind).adopts_vocabulary:
+        raise DrafttrainError(f"draft.init_from: a {config.kind} draft keeps the draft vocabulary it was trained "
+                              "with; set draft_vocab.enabled: false")
+
+
+def saved_draft_ids(path: str | Path) -> torch.Tensor | None:
+    """The target ids the saved draft at ``path`` drafts over (from its d2t), None when it has no draft vocabulary."""
+    weights = find_draft(path) / WEIGHTS_NAME
+    with safe_open(str(weights), "pt") as tensors:
+        return draft_ids(tensors.get_tensor("d2t")) if "d2t" in tensors.keys() else None
 
 
 def saved_draft_vocab_size(path: str | Path) -> int | None:

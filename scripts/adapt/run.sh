@@ -7,10 +7,12 @@
 #   lora      continued through draft LoRA adapters (rank 16) instead of all its weights (draft.draft_lora)
 #   scratch   a fresh head (the general recipe's start) trained on the maths rows for the same MINUTES
 #   adapt-fast  as adapt, at the general head's own learning rate (8e-4 instead of the maths recipe's 3e-4)
+#   adapt-vocab as adapt-fast, its draft vocabulary extended by the maths tokens it lacks (draft_vocab.enabled)
 # and prompt lookup, against plain decoding.
 #
 #   bash scripts/adapt/run.sh [OUT=runs/adapt] [MINUTES=8]
 #   ARMS="adapt adapt-fast scratch" bash scripts/adapt/run.sh OUT 10    # some arms only (default: the first four)
+#   QUESTIONS=OUT/loop/heldout.jsonl ...    # held-out maths prompts (default: the first arm's 12 validation prompts)
 #
 # OUT/general may be a link to an earlier OUT's general head: it is trained only when absent.
 #
@@ -43,6 +45,8 @@ run_arm() {
     case $1 in
         adapt) arm adapt draft.init_from="$general" ;;
         adapt-fast) arm adapt-fast draft.init_from="$general" training.learning_rate=8.0e-4 ;;
+        # adapt-fast whose draft vocabulary gains the maths tokens the general one lacks (8% of the answers' tokens)
+        adapt-vocab) arm adapt-vocab draft.init_from="$general" training.learning_rate=8.0e-4 draft_vocab.enabled=true ;;
         replay) arm replay draft.init_from="$general" "data.replay={run: $general, fraction: 0.3}" ;;
         lora) arm lora draft.init_from="$general" "draft.draft_lora={rank: 16, alpha: 32}" training.learning_rate=1.0e-3 ;;
         # the general head's draft vocabulary size (the schema's default, 32,000, made a head twice as slow to train)
@@ -59,7 +63,7 @@ for name in "${arms[@]}"; do
 done
 sides+=(--compare prompt_lookup)
 drafttrain eval --target smollm2-135m-instruct --draft "$general" "${sides[@]}" \
-    --questions "$out/${arms[0]}/data/validation_prompts.jsonl" --num-prompts all --max-new-tokens "$tokens" --depth 2 \
+    --questions "${QUESTIONS:-$out/${arms[0]}/data/validation_prompts.jsonl}" --num-prompts all --max-new-tokens "$tokens" --depth 2 \
     --threads 2 --no-progress --out "$out/eval-math" >"$out/eval-math.log" 2>&1
 drafttrain eval --target smollm2-135m-instruct --draft "$general" "${sides[@]}" \
     --suite mt_bench --num-prompts 8 --turns 1 --max-new-tokens "$tokens" --depth 2 \

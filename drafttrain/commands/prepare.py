@@ -338,12 +338,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         totals.add_row("answers cut at max_new_tokens", str(regen["finish_reason"].get("length", 0)))
         speed = f"{regen['tokens_per_second']:.1f} tokens/s ({regen['generated_tokens']} tokens)"
         totals.add_row("generation speed", speed)
-    feedback = summary["datasets"]["train"].get("feedback")
-    if feedback:
-        totals.add_row("feedback: answers weighted (rejected positions)",
-                       f"{feedback.get('answers weighted', 0)} ({feedback.get('rejected positions weighted', 0)})")
-        unweighted = sum(n for reason, n in feedback.items() if "unweighted" in reason)
-        totals.add_row("feedback: answers left unweighted (ids differ)", str(unweighted))
+    for what, n in sorted((summary["datasets"]["train"].get("feedback") or {}).items()):
+        totals.add_row(f"feedback: {what}", str(n))
     replay = summary.get("replay")
     if replay:
         totals.add_row(f"replayed rows of {replay['run']}", f"{replay['rows']} of {replay['asked']} asked "

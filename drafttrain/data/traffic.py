@@ -177,7 +177,7 @@ def traffic_source(path: str, fmt: str, name: str, rejected_weight: int = 1) -> 
             conversation["tools"] = list(prompt.tools)
         if prompt.answered_by:
             conversation["answered_by"] = prompt.answered_by
-        if prompt.feedback and prompt.answer:
+        if prompt.feedback:  # only an answer's (_prompt_of)
             conversation[ANSWER_WEIGHTS] = dict(prompt.feedback, rejected_weight=rejected_weight)
         conversations.append(conversation)
     skipped = Counter(reason.partition(": ")[2].split(" (")[0] for reason in read.skipped)

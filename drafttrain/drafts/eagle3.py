@@ -169,12 +169,10 @@ class Eagle3Drafter(EagleHead):
         old_rows = target_to_draft(new_ids, self.t2d)
         kept = old_rows >= 0
         weight = self.lm_head.weight
-        with torch.no_grad():
-            rows = self.target.model.get_output_embeddings().weight[new_ids].to(weight.device, weight.dtype).clone()
-            rows[kept] = weight[old_rows[kept]]
         self.lm_head = nn.Linear(weight.shape[1], new_ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
-            self.lm_head.weight.copy_(rows)
+            self.lm_head.weight.copy_(self.target.model.get_output_embeddings().weight[new_ids])
+            self.lm_head.weight[kept] = weight[old_rows[kept]]
         self.d2t, self.t2d = d2t.to(self.d2t.device).clone(), t2d.to(self.t2d.device).clone()
 
     def first_layer(self):

@@ -144,9 +144,8 @@ def saved_draft_ids(path: str | Path) -> torch.Tensor | None:
 
 def saved_draft_vocab_size(path: str | Path) -> int | None:
     """How many tokens the saved draft at ``path`` drafts over (its d2t), None when it has no draft vocabulary."""
-    weights = find_draft(path) / WEIGHTS_NAME
-    with safe_open(str(weights), "pt") as tensors:
-        return tensors.get_slice("d2t").get_shape()[0] if "d2t" in tensors.keys() else None
+    ids = saved_draft_ids(path)
+    return None if ids is None else ids.numel()
 
 
 def continued_config(saved: DraftConfig, recipe: DraftConfig, where: str) -> DraftConfig:

@@ -23,6 +23,7 @@ from drafttrain.data.vocab import DraftVocab, DraftVocabKey, build_mapping, save
 from drafttrain.drafts.registry import check_vocabulary_choice, continued_config
 from drafttrain.evaluation.report import _config_line
 from drafttrain.targets import load_target
+from drafttrain.training.plan import _draft_section as draft_section
 from drafttrain.runfolder import WEIGHTS_NAME, DataManifest, RunFolder, read_safetensors
 from trainer_helpers import (  # noqa: F401 (fresh_accelerate: a fixture)
     VOCAB,
@@ -109,7 +110,8 @@ def test_a_continued_draft_refuses_another_architecture_kind_or_vocabulary(tmp_p
 def _vocab_file(run: Path, ids: list[int]) -> None:
     """The run's draft vocabulary over target ids ``ids``, as prepare writes it."""
     d2t, t2d = build_mapping(torch.tensor(sorted(ids)), VOCAB)
-    save_draft_vocab(DraftVocab(d2t, t2d, DraftVocabKey("data", "tok"), 1.0, 1, len(ids)), RunFolder.of(run).draft_vocab)
+    vocab = DraftVocab(d2t, t2d, DraftVocabKey("data", "tok"), 1.0, 1, len(ids))
+    save_draft_vocab(vocab, RunFolder.of(run).draft_vocab)
 
 
 def test_a_continued_head_drafts_over_a_vocabulary_chosen_on_the_new_data(tmp_path):
@@ -298,3 +300,17 @@ def test_a_continued_run_killed_mid_training_resumes_to_the_uninterrupted_runs_l
     assert sorted(losses["killed"]) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):
         assert losses["killed"][step] == pytest.approx(losses["straight"][step], rel=0, abs=1e-5)
+
+
+def test_the_plan_stands_in_for_a_continued_heads_vocabulary_by_its_saved_size(tmp_path):
+    general = tmp_path / "general"
+    _vocab_file(general, list(range(0, 64)))
+    train_command.train(recipe_for(prepared_run(general, tiny_dataset(16)), {**HEAD}, max_steps=1),
+                        target=tiny_target())
+    reset_accelerate()
+    for enabled in (False, True):  # kept, or to be extended by a prepare not yet run: at least its own 64 tokens
+        recipe = parse_recipe({"output_dir": str(tmp_path / "new"),
+                               "draft": {"kind": "eagle3", "init_from": str(general)},
+                               "draft_vocab": {"enabled": enabled}, "data": {"sources": [{"path": "x.jsonl"}]}})
+        with draft_section(recipe, VOCAB) as (draft, _):
+            assert read_safetensors(Path(draft.draft_vocab))[0]["d2t"].numel() == 64

@@ -188,7 +188,8 @@ def test_an_answer_whose_tokens_differ_from_the_log_trains_unweighted_and_a_cut_
     spelt = dict(conversation, **{ANSWER_WEIGHTS: dict(good[ANSWER_WEIGHTS], answer_ids=letters, rejected_at=[4])})
     row = tokenize_conversation(tok, spelt, 256, weighted=notes)
     start = row["loss_mask"].index(1)
-    assert row["input_ids"][start: start + len(letters)] == letters and row["input_ids"][:start] == plain["input_ids"][:start]
+    assert row["input_ids"][start: start + len(letters)] == letters
+    assert row["input_ids"][:start] == plain["input_ids"][:start]
     assert row["loss_mask"][start: start + len(letters)] == [1, 1, 1, 1, 7, 1, 1]
     assert notes["answers the target tokenised otherwise (its ids kept)"] == 1
     cut = dict(conversation, **{ANSWER_WEIGHTS: dict(wrong[ANSWER_WEIGHTS], complete=False)})

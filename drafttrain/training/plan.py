@@ -235,7 +235,8 @@ def _draft_section(recipe: Recipe, vocab_size: int):
     draft, run = resolved_section(recipe.draft), RunFolder.of(recipe.output_dir)
     size = None
     if "draft_vocab" in type(draft).model_fields:
-        if draft.init_from and not recipe.draft_vocab.enabled:  # it keeps its own
+        if draft.init_from and not (recipe.draft_vocab.enabled and run.draft_vocab.is_file()):
+            # it keeps its own, or extends it by tokens prepare has not counted yet (at least its size)
             size = saved_draft_vocab_size(draft.init_from)
         elif recipe.draft_vocab.enabled and not draft.draft_vocab and not run.draft_vocab.is_file():
             size = recipe.draft_vocab.size

@@ -15,8 +15,12 @@ same hooks here. Written:
   OUT_DIR/specforge/dflash/    SpecForge's offline DFlash files: data_{i}.ckpt = {input_ids, loss_mask,
                                hidden_states [T, k*H]} with the same tapped tensors, train rows only (it trains
                                on every file of the folder); the validation rows in specforge/dflash_validation/
-  OUT_DIR/vocab/               the run's draft vocabulary as speculators reads it (d2t.npy, t2d.npy); SpecForge's
-                               DFlash has no draft vocabulary
+  OUT_DIR/specforge/eagle3/    SpecForge's offline EAGLE-3 files: data_{i}.ckpt = {input_ids, loss_mask,
+                               hidden_state [1, T, H]: the last layer's output after the final norm, in bf16 (its
+                               TargetHead is bf16 and refuses another dtype), aux_hidden_state [1, T, k*H]}; the
+                               validation rows in specforge/eagle3_validation/
+  OUT_DIR/vocab/               the run's draft vocabulary as speculators reads it (d2t.npy, t2d.npy) and as SpecForge
+                               does (vocab_mapping.pt = {d2t, t2d}); SpecForge's DFlash has no draft vocabulary
   OUT_DIR/rows.json            the split sizes and the sha256 of every row's ids and mask, in order: the record every
                                side of a comparison is checked against
 
@@ -91,12 +95,17 @@ def computed_rows(target, rows: list[dict], layers: list[int], final: int):
             yield [h[0].float() for h in tap.get()]
 
 
+SPECFORGE_KINDS = ("dflash", "eagle3")  # SpecForge trains on every file of a folder: each kind, train and validation
+
+
 def write_row(i: int, row: dict, hidden: list[torch.Tensor], norm_weight: torch.Tensor, out: Path,
-              forge: str = "dflash") -> None:
+              split: str = "") -> None:
     """One row in both references' layouts. speculators wants the last layer's output before the final norm and
     applies the norm itself; our cache holds it after the norm (y = x / rms(x) * w). y / w has unit RMS, so the
-    norm maps it back to y (to a factor 1/sqrt(1 + eps) of 1 - 5e-6): the draft sees the target's own tensor."""
+    norm maps it back to y (to a factor 1/sqrt(1 + eps) of 1 - 5e-6): the draft sees the target's own tensor.
+    SpecForge's EAGLE-3 wants it after the norm, as the cache holds it."""
     ids = torch.tensor(row["input_ids"], dtype=torch.long)
+    mask = torch.tensor(row["loss_mask"], dtype=torch.long)
     *tapped, final = hidden
     tapped = torch.stack(tapped, dim=1)  # [T, k, H]
     if tapped.shape[0] != ids.numel():
@@ -104,21 +113,25 @@ def write_row(i: int, row: dict, hidden: list[torch.Tensor], norm_weight: torch.
     last = final / norm_weight
     save_file({"token_ids": ids, "hidden_states": torch.cat([tapped, last[:, None]], dim=1).contiguous()},
               str(out / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))
-    torch.save({"input_ids": ids, "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.long),
-                "hidden_states": tapped.flatten(1).contiguous()}, out / "specforge" / forge / f"data_{i}.ckpt")
+    torch.save({"input_ids": ids, "loss_mask": mask, "hidden_states": tapped.flatten(1).contiguous()},
+               out / "specforge" / f"dflash{split}" / f"data_{i}.ckpt")
+    torch.save({"input_ids": ids, "loss_mask": mask, "hidden_state": final[None].to(torch.bfloat16).contiguous(),
+                "aux_hidden_state": tapped.flatten(1)[None].contiguous()},
+               out / "specforge" / f"eagle3{split}" / f"data_{i}.ckpt")
 
 
 def write_features(run: Path, target, rows: list[dict], n_train: int, out: Path, layers: list[int]) -> None:
     (out / "speculators" / "hidden_states").mkdir(parents=True, exist_ok=True)
-    for forge in ("dflash", "dflash_validation"):  # SpecForge trains on every file of its folder
-        (out / "specforge" / forge).mkdir(parents=True, exist_ok=True)
+    for kind in SPECFORGE_KINDS:
+        for split in ("", "_validation"):
+            (out / "specforge" / f"{kind}{split}").mkdir(parents=True, exist_ok=True)
     final, weight = target.num_layers, final_norm(target.model).weight.detach().float()
     bar = progress_bar(total=len(rows), desc="reference features", unit="row")
     for i, hidden in cached_rows(run, layers, final):
         write_row(i, rows[i], hidden, weight, out)
         bar.update(1)
     for i, hidden in enumerate(computed_rows(target, rows[n_train:], layers, final), start=n_train):
-        write_row(i, rows[i], hidden, weight, out, forge="dflash_validation")
+        write_row(i, rows[i], hidden, weight, out, split="_validation")
         bar.update(1)
     bar.close()
 
@@ -128,6 +141,7 @@ def write_vocab(run: Path, out: Path) -> None:
     (out / "vocab").mkdir(parents=True, exist_ok=True)
     np.save(out / "vocab" / "d2t.npy", vocab["d2t"].numpy())
     np.save(out / "vocab" / "t2d.npy", vocab["t2d"].numpy())
+    torch.save({"d2t": vocab["d2t"], "t2d": vocab["t2d"].bool()}, out / "vocab" / "vocab_mapping.pt")
 
 
 def main(argv: list[str] | None = None) -> int:

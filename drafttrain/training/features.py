@@ -4,7 +4,10 @@ training streams what the draft kind needs from disk instead of running the targ
 Per row the cache keeps each hidden state the kind needs exactly once (its taps, and the final hidden state when
 the kind needs it or the logits), in the target's dtype unless the recipe chooses another
 (``training.feature_dtype``). Logits are not stored (V-wide, ~100x larger): they are recomputed from the final
-hidden state through the target's own output path (drafttrain.targets.outputs.logits_from_final).
+hidden state through the target's own output path (drafttrain.targets.outputs.logits_from_final). A draft that
+trains over a draft vocabulary needs the target's argmax over the whole vocabulary too (positions whose answer
+the draft cannot name are left out); the cache stores it (4 bytes a token), so training computes the logits of the
+draft vocabulary's rows only, not the whole head at every step.
 
 Shards are safetensors written to a temporary name and renamed, each followed by its record (rows, size, sha256);
 ``drafttrain prepare`` under a launcher gives every process its own shards, and a rerun writes only the shards
@@ -70,10 +73,18 @@ def cache_settings(target, dataset, needs: TargetNeeds, *, split_fingerprint: st
     return {"format_version": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
             "layers": needs.stored_layers(target.num_layers), "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size, "logits_top_k": top_k,
-            "logits_temperature": needs.logits_temperature if top_k else None, "num_rows": len(dataset),
+            "logits_temperature": needs.logits_temperature if top_k else None,
+            "argmax": stores_argmax(needs, target.vocab_size), "num_rows": len(dataset),
             "dtype": next(name for name, value in DTYPES.items() if value == dtype),
             "split_fingerprint": split_fingerprint,
             "rows_per_shard": rows_per_shard}
+
+
+def stores_argmax(needs: TargetNeeds, vocab_size: int) -> bool:
+    """The full-vocabulary argmax is kept when the logits are recomputed over a draft vocabulary's rows (fewer than
+    the target's: over all of them, the argmax comes with the logits)."""
+    rows = needs.logits_rows
+    return bool(needs.logits) and needs.logits_top_k is None and rows is not None and rows.numel() < vocab_size
 
 
 def start_cache(out_dir: str | Path, settings: dict) -> Path:
@@ -127,9 +138,13 @@ def write_shards(target, dataset, needs: TargetNeeds, out_dir: str | Path, setti
             with HiddenStateTap(target.model, layers) as tap:
                 logits = target.model(input_ids=ids.to(target.device), use_cache=False,
                                       logits_to_keep=0 if top_k else 1).logits
-                for layer, hidden in zip(layers, tap.get()):
-                    for suffix, tensor in stored(hidden[0], dtype).items():
-                        shard[f"row{row}.layer{layer}{suffix}"] = tensor
+                captured = tap.get()
+            for layer, hidden in zip(layers, captured):
+                for suffix, tensor in stored(hidden[0], dtype).items():
+                    shard[f"row{row}.layer{layer}{suffix}"] = tensor
+            if settings.get("argmax"):  # from the final hidden state (the last layer kept), chunk by chunk
+                _, argmax = target_logits(target, captured[-1], needs.logits_rows)
+                shard[f"row{row}.argmax"] = argmax[0, :, None].to(torch.int32).cpu().contiguous()
             if top_k:  # the teacher's distribution as its top-k (float32 log-probabilities: k values per token)
                 kept = top_k_of(logits[0], top_k, needs.logits_temperature)
                 shard[f"row{row}.topk_ids"] = kept.ids.to(torch.int32).cpu().contiguous()
@@ -237,6 +252,10 @@ class FeatureCache:
         names = [f"layer{layer}" for layer in needs.stored_layers(final_layer)]
         if top_k:
             names += ["topk_ids", "topk_log_probs", "topk_rest"]
+        # caches written before the argmax was kept lack it: the full head gives it then
+        cached_argmax = self.index.get("argmax") and stores_argmax(needs, self.target.vocab_size)
+        if cached_argmax:
+            names.append("argmax")
         per_row = [dict(zip(names, self._row(int(r), names))) for r in batch["row_index"].tolist()]
         seq_len, dtype = batch["input_ids"].shape[1], self.target.model.dtype
 
@@ -251,8 +270,9 @@ class FeatureCache:
         final = padded(f"layer{final_layer}") if f"layer{final_layer}" in names else None
         kept = TopK(ids=padded("topk_ids", torch.long), log_probs=padded("topk_log_probs", torch.float32),
                     rest=padded("topk_rest", torch.float32)) if top_k else None
-        logits, argmax = target_logits(self.target, final, needs.logits_rows) if needs.logits and not top_k \
-            else (None, None)
+        argmax = padded("argmax", torch.long)[..., 0] if cached_argmax else None
+        logits, argmax = target_logits(self.target, final, needs.logits_rows, argmax=argmax) \
+            if needs.logits and not top_k else (None, None)
         return TargetOutputs(
             hidden=torch.cat([padded(f"layer{layer}") for layer in needs.layers], dim=-1) if needs.layers else None,
             final=final if needs.final_hidden else None,

@@ -409,6 +409,9 @@ class TrainingConfig(Section):
     time_budget_minutes: float | None = Field(None, gt=0)
     batch_size: int = Field(1, gt=0)  # per device
     gradient_accumulation: int = Field(1, gt=0)
+    # micro-batches of rows of similar length, in a seeded order that still changes every epoch (HF Trainer's
+    # group_by_length): less padding to compute when rows differ in length and a micro-batch holds several
+    group_by_length: bool = False
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)

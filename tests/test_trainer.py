@@ -171,6 +171,27 @@ def test_data_order_is_seeded_resumable_and_split_across_ranks():
     assert len(rows) == len(set(rows)) == 48  # ranks see disjoint rows; the uneven tail (2 rows) is dropped
 
 
+def test_grouped_data_order_keeps_similar_lengths_together_and_stays_seeded_and_resumable():
+    layout = BatchLayout(num_rows=203, batch_size=2, world_size=2, grad_accum=2)  # 203 // 4 = 50 global batches
+    lengths = [(i * 37) % 500 + 10 for i in range(203)]
+
+    def rank_batches(rank, epoch=0, start=0, seed=7, grouped=lengths):
+        return list(ResumableBatchSampler(layout, seed, epoch, rank, start, grouped))
+
+    full = rank_batches(0)
+    assert full == rank_batches(0) and full != rank_batches(0, seed=8) and full != rank_batches(0, epoch=1)
+    assert rank_batches(0, start=7) == full[7:]
+    rows = [i for rank in (0, 1) for batch in rank_batches(rank) for i in batch]
+    assert len(rows) == len(set(rows)) == 200
+
+    def padding(rank_lists):  # tokens of padding when every global batch is padded to its longest row
+        return sum(max(lengths[i] for i in a + b) * 4 - sum(lengths[i] for i in a + b) for a, b in zip(*rank_lists))
+
+    grouped = padding([rank_batches(0), rank_batches(1)])
+    shuffled = padding([rank_batches(0, grouped=None), rank_batches(1, grouped=None)])
+    assert grouped < 0.1 * shuffled  # both ranks' shares of a global batch have similar lengths
+
+
 def test_pad_collate_pads_right_with_masks():
     batch = pad_collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "row_index": 3},
                          {"input_ids": [8], "loss_mask": [1], "row_index": 9}], pad_id=2)

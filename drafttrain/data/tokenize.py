@@ -304,6 +304,8 @@ def length_grouped_order(lengths: Sequence[int], batch_size: int, seed: int, gro
 
     Rows are shuffled, cut into groups of ``batch_size * groups_of``, sorted by length inside each group and cut into
     batches; the batches are then shuffled, so batch lengths vary from step to step while each batch is homogeneous.
+    A batch short of ``batch_size`` (the rows left over) goes last, so that every batch starts at a multiple of
+    ``batch_size`` and a sampler cutting the order there cuts it at the batches.
     """
     rng = random.Random(seed)
     order = list(range(len(lengths)))
@@ -314,6 +316,7 @@ def length_grouped_order(lengths: Sequence[int], batch_size: int, seed: int, gro
         group = sorted(order[start: start + size], key=lambda i: (-lengths[i], i))
         batches += [group[j: j + batch_size] for j in range(0, len(group), batch_size)]
     rng.shuffle(batches)
+    batches.sort(key=lambda batch: len(batch) < batch_size)  # stable: only a short batch moves, to the end
     return [i for batch in batches for i in batch]
 
 

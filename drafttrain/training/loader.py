@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from drafttrain import DrafttrainError
+from drafttrain.data.tokenize import length_grouped_order
 
 REQUIRED_COLUMNS = ("input_ids", "loss_mask")
 OPTIONAL_COLUMNS = ("position_ids",)  # packed rows carry document-aware positions
@@ -64,20 +65,31 @@ class BatchLayout:
             )
 
 
+def grouped_permutation(lengths: Sequence[int], global_batch: int, seed: int, epoch: int) -> torch.Tensor:
+    """One epoch's order with rows of similar length in each global micro-batch (every rank's share of it alike):
+    like :func:`epoch_permutation`, it depends only on (seed, epoch)."""
+    mixed = int(np.random.SeedSequence([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch]).generate_state(1)[0])
+    return torch.tensor(length_grouped_order(lengths, global_batch, mixed), dtype=torch.long)
+
+
 class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
     """Yields this rank's row indices for each micro-batch of one epoch, starting at ``start`` (a global
-    micro-batch index, i.e. how many micro-batches of the epoch were already consumed)."""
+    micro-batch index, i.e. how many micro-batches of the epoch were already consumed). With ``lengths`` (the rows'
+    token counts), micro-batches hold rows of similar length (training.group_by_length)."""
 
-    def __init__(self, layout: BatchLayout, seed: int, epoch: int, rank: int, start: int = 0):
+    def __init__(self, layout: BatchLayout, seed: int, epoch: int, rank: int, start: int = 0,
+                 lengths: Sequence[int] | None = None):
         if not 0 <= start <= layout.micro_batches_per_epoch:
             raise ValueError(f"start {start} outside the epoch's {layout.micro_batches_per_epoch} micro-batches")
         self.layout, self.seed, self.epoch, self.rank, self.start = layout, seed, epoch, rank, start
+        self.lengths = lengths
 
     def __len__(self) -> int:
         return self.layout.micro_batches_per_epoch - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = epoch_permutation(self.layout.num_rows, self.seed, self.epoch)
+        order = (epoch_permutation(self.layout.num_rows, self.seed, self.epoch) if self.lengths is None
+                 else grouped_permutation(self.lengths, self.layout.global_batch, self.seed, self.epoch))
         size, glob = self.layout.batch_size, self.layout.global_batch
         for micro in range(self.start, self.layout.micro_batches_per_epoch):
             first = micro * glob + self.rank * size
@@ -142,10 +154,11 @@ def pad_collate(rows: list[dict[str, Any]], pad_id: int = 0) -> dict[str, torch.
 
 
 def epoch_loader(
-    dataset, layout: BatchLayout, seed: int, epoch: int, rank: int, start: int, num_workers: int, pad_id: int
+    dataset, layout: BatchLayout, seed: int, epoch: int, rank: int, start: int, num_workers: int, pad_id: int,
+    lengths: Sequence[int] | None = None,
 ) -> DataLoader:
-    """The DataLoader for (the rest of) one epoch on this rank."""
-    sampler = ResumableBatchSampler(layout, seed, epoch, rank, start)
+    """The DataLoader for (the rest of) one epoch on this rank; ``lengths``: micro-batches of similar lengths."""
+    sampler = ResumableBatchSampler(layout, seed, epoch, rank, start, lengths)
     return DataLoader(
         _IndexedRows(dataset, training_columns(dataset)),
         batch_sampler=sampler,

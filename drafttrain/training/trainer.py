@@ -238,7 +238,7 @@ class Trainer:
             epoch = state.epoch
             batches = iter(epoch_loader(
                 self.dataset, self.layout, state.data_seed, epoch, self.accelerator.process_index,
-                state.batch_in_epoch, self.training.num_workers, _pad_id(self.target),
+                state.batch_in_epoch, self.training.num_workers, _pad_id(self.target), self._row_lengths(),
             ))
             while state.epoch == epoch and state.step < state.total_steps and not self._time_is_up(state):
                 group = [next(batches) for _ in range(self.layout.grad_accum)]
@@ -253,6 +253,14 @@ class Trainer:
                     self._checkpoint(state)
                     self.meter.exclude(time.perf_counter() - saving)  # throughput counts training time only
         return losses
+
+    def _row_lengths(self) -> list[int] | None:
+        """The rows' token counts when micro-batches group rows of similar length (training.group_by_length)."""
+        if not self.training.group_by_length:
+            return None
+        if "num_tokens" in self.dataset.column_names:
+            return list(self.dataset["num_tokens"])
+        return [len(ids) for ids in self.dataset["input_ids"]]
 
     def _time_is_up(self, state: TrainerState) -> bool:
         budget = self.training.time_budget_minutes

@@ -365,11 +365,14 @@ def test_an_offline_cache_keeps_the_full_argmax_so_training_computes_only_the_dr
     it (no argmax) still gives the same outputs through the full head."""
     import drafttrain.targets.outputs as target_outputs
 
+    from drafttrain.drafts.eagle3 import Eagle3Drafter
+
     keep = list(range(3, 96, 3))
-    draft = build_drafter(Eagle3Config(ttt_steps=2, draft_vocab=str(draft_vocab_file(tmp_path, keep, 96))), tiny_target)
-    needs, dataset = draft.needs(), offline_rows()
-    cache_dir = write_feature_cache(tiny_target, dataset, needs, tmp_path / "cache", split_fingerprint="s",
-                                    dtype=torch.float32, rows_per_shard=2)
+    config = Eagle3Config(ttt_steps=2, draft_vocab=str(draft_vocab_file(tmp_path, keep, 96)))
+    needs, dataset = build_drafter(config, tiny_target).needs(), offline_rows()
+    # written as prepare writes it: from what the kind needs, before any draft or draft vocabulary exists
+    cache_dir = write_feature_cache(tiny_target, dataset, Eagle3Drafter.target_needs(config, tiny_target),
+                                    tmp_path / "cache", split_fingerprint="s", dtype=torch.float32, rows_per_shard=2)
     assert json.loads((cache_dir / "index.json").read_text())["argmax"] is True
     rows = [dataset[0]["input_ids"], dataset[1]["input_ids"]]  # 10 and 14 tokens: the first is padded
     width = max(map(len, rows))
@@ -436,7 +439,8 @@ def test_a_float8_cache_keeps_4h_bytes_per_token_and_bounded_error(tiny_target, 
     with safe_open(str(cache / index["shards"][0]["file"]), framework="pt") as f:
         stored_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
     tokens = sum(len(r["input_ids"]) for r in dataset)
-    assert stored_bytes == tokens * 4 * (32 + 2)  # four hidden states of H = 32, each 1 byte + a 2-byte scale
+    # four hidden states of H = 32, each 1 byte + a 2-byte scale, and the target's argmax (int32)
+    assert stored_bytes == tokens * (4 * (32 + 2) + 4)
     for row in range(3):
         ids = torch.tensor(dataset[row]["input_ids"]).unsqueeze(0)
         exact = outputs_of(tiny_target, {"input_ids": ids}, needs)

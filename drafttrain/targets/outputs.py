@@ -137,6 +137,12 @@ def target_logits(target, final: torch.Tensor, rows: torch.Tensor | None = None,
     return torch.cat(kept, dim=1), torch.cat(argmax, dim=1) if rows is not None else None
 
 
+def full_argmax(target, final: torch.Tensor, chunk: int = LOGITS_CHUNK) -> torch.Tensor:
+    """The target's argmax over its whole vocabulary, ``chunk`` positions at a time (one chunk's logits exist)."""
+    return torch.cat([logits_from_final(target, final[:, start: start + chunk]).argmax(-1)
+                      for start in range(0, final.shape[1], chunk)], dim=1)
+
+
 def rows_and_argmax(outputs: TargetOutputs, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(full-vocabulary argmax, logits at ``rows``) from outputs that hold either all logits or just those rows."""
     if outputs.argmax is not None:

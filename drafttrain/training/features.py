@@ -4,10 +4,10 @@ training streams what the draft kind needs from disk instead of running the targ
 Per row the cache keeps each hidden state the kind needs exactly once (its taps, and the final hidden state when
 the kind needs it or the logits), in the target's dtype unless the recipe chooses another
 (``training.feature_dtype``). Logits are not stored (V-wide, ~100x larger): they are recomputed from the final
-hidden state through the target's own output path (drafttrain.targets.outputs.logits_from_final). A draft that
-trains over a draft vocabulary needs the target's argmax over the whole vocabulary too (positions whose answer
-the draft cannot name are left out); the cache stores it (4 bytes a token), so training computes the logits of the
-draft vocabulary's rows only, not the whole head at every step.
+hidden state through the target's own output path (drafttrain.targets.outputs.logits_from_final). The cache also
+keeps the target's argmax over the whole vocabulary (4 bytes a token): a draft that trains over a draft vocabulary
+needs it (positions whose answer the draft cannot name are left out), and with it training computes the logits of
+the draft vocabulary's rows only, not the whole head at every step.
 
 Shards are safetensors written to a temporary name and renamed, each followed by its record (rows, size, sha256);
 ``drafttrain prepare`` under a launcher gives every process its own shards, and a rerun writes only the shards
@@ -32,7 +32,7 @@ from drafttrain import DrafttrainError
 from drafttrain.progress import progress_bar
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
 from drafttrain.targets.hidden import HiddenStateTap
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, target_logits, top_k_of
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, full_argmax, target_logits, top_k_of
 
 INDEX = "index.json"
 FORMAT_VERSION = 3
@@ -74,17 +74,23 @@ def cache_settings(target, dataset, needs: TargetNeeds, *, split_fingerprint: st
             "layers": needs.stored_layers(target.num_layers), "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size, "logits_top_k": top_k,
             "logits_temperature": needs.logits_temperature if top_k else None,
-            "argmax": stores_argmax(needs, target.vocab_size), "num_rows": len(dataset),
+            "argmax": keeps_argmax(needs), "num_rows": len(dataset),
             "dtype": next(name for name, value in DTYPES.items() if value == dtype),
             "split_fingerprint": split_fingerprint,
             "rows_per_shard": rows_per_shard}
 
 
-def stores_argmax(needs: TargetNeeds, vocab_size: int) -> bool:
-    """The full-vocabulary argmax is kept when the logits are recomputed over a draft vocabulary's rows (fewer than
-    the target's: over all of them, the argmax comes with the logits)."""
+def keeps_argmax(needs: TargetNeeds) -> bool:
+    """The cache keeps the full-vocabulary argmax whenever the logits are recomputed: prepare knows the kind's needs
+    before any draft (or its draft vocabulary) exists, and 4 bytes a token is cheap beside the hidden states."""
+    return bool(needs.logits) and needs.logits_top_k is None
+
+
+def reads_argmax(needs: TargetNeeds, vocab_size: int) -> bool:
+    """Training reads the cached argmax when its logits cover a draft vocabulary's rows only (fewer than the
+    target's: over all of them, the argmax comes with the logits)."""
     rows = needs.logits_rows
-    return bool(needs.logits) and needs.logits_top_k is None and rows is not None and rows.numel() < vocab_size
+    return keeps_argmax(needs) and rows is not None and rows.numel() < vocab_size
 
 
 def start_cache(out_dir: str | Path, settings: dict) -> Path:
@@ -143,7 +149,7 @@ def write_shards(target, dataset, needs: TargetNeeds, out_dir: str | Path, setti
                 for suffix, tensor in stored(hidden[0], dtype).items():
                     shard[f"row{row}.layer{layer}{suffix}"] = tensor
             if settings.get("argmax"):  # from the final hidden state (the last layer kept), chunk by chunk
-                _, argmax = target_logits(target, captured[-1], needs.logits_rows)
+                argmax = full_argmax(target, captured[-1])
                 shard[f"row{row}.argmax"] = argmax[0, :, None].to(torch.int32).cpu().contiguous()
             if top_k:  # the teacher's distribution as its top-k (float32 log-probabilities: k values per token)
                 kept = top_k_of(logits[0], top_k, needs.logits_temperature)
@@ -253,7 +259,7 @@ class FeatureCache:
         if top_k:
             names += ["topk_ids", "topk_log_probs", "topk_rest"]
         # caches written before the argmax was kept lack it: the full head gives it then
-        cached_argmax = self.index.get("argmax") and stores_argmax(needs, self.target.vocab_size)
+        cached_argmax = self.index.get("argmax") and reads_argmax(needs, self.target.vocab_size)
         if cached_argmax:
             names.append("argmax")
         per_row = [dict(zip(names, self._row(int(r), names))) for r in batch["row_index"].tolist()]

@@ -45,7 +45,7 @@ from drafttrain.runfolder import RunFolder, open_dataset
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
 from drafttrain.targets.outputs import LOGITS_CHUNK, TargetOutputs
-from drafttrain.training.features import cache_dtype
+from drafttrain.training.features import cache_dtype, keeps_argmax
 from drafttrain.training.runtime import configured_zero_stage
 
 log = logging.getLogger(__name__)
@@ -369,6 +369,8 @@ def cache_bytes_per_token(recipe: Recipe, target, needs) -> int:
     per_token = len(needs.stored_layers(target.num_layers)) * (target.hidden_size * width + scale)
     if needs.logits and needs.logits_top_k:  # int32 ids and float32 log-probabilities, plus the rest's
         per_token += needs.logits_top_k * 8 + 4
+    if keeps_argmax(needs):  # the target's int32 argmax over its whole vocabulary
+        per_token += 4
     return per_token
 
 

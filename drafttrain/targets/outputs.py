@@ -110,18 +110,11 @@ def run_target(target, batch: dict[str, torch.Tensor], needs: TargetNeeds, chunk
     )
 
 
-def target_logits(target, final: torch.Tensor, rows: torch.Tensor | None = None, chunk: int = LOGITS_CHUNK,
-                  argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def target_logits(target, final: torch.Tensor, rows: torch.Tensor | None = None,
+                  chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's logits from its final hidden state, ``chunk`` sequence positions at a time. With ``rows``
     (vocabulary ids), only those entries are kept, and the full-vocabulary argmax is returned beside them; only
-    one chunk's full logits ever exist. Returns (logits, argmax or None).
-
-    With the full-vocabulary ``argmax`` already known (an offline cache stores it) and a plain linear head, only the
-    rows' logits are computed: a draft vocabulary of 8k on a 49k-token target costs a sixth of the full head."""
-    if rows is not None and argmax is not None:
-        weight = plain_rows(target.model, rows)
-        if weight is not None:
-            return final @ weight.to(final.dtype).T, argmax
+    one chunk's full logits ever exist. Returns (logits, argmax or None)."""
     if rows is None and final.shape[1] <= chunk:
         return logits_from_final(target, final), None
     kept, argmax = [], []
@@ -177,10 +170,13 @@ def plain_lm_head(model: nn.Module, rows: torch.Tensor) -> nn.Module:
 
 def plain_rows(model: nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
     """The lm_head's weight rows ``rows`` when the logits are ``hidden @ weight.T`` and nothing else; None for a head
-    that scales, softcaps or has a bias (its rows' logits are then taken from the full ones)."""
+    that scales, softcaps or has a bias, or whose weight ZeRO-3 has partitioned (only the model's own forward
+    gathers it): those rows' logits are then taken from the full ones."""
     try:
         weight = plain_lm_head(model, rows).weight.detach()
     except DrafttrainError:
+        return None
+    if hasattr(weight, "ds_numel") or weight.numel() == 0:
         return None
     return weight[rows.to(weight.device)]
 

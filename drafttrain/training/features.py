@@ -32,7 +32,8 @@ from drafttrain import DrafttrainError
 from drafttrain.progress import progress_bar
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
 from drafttrain.targets.hidden import HiddenStateTap
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, full_argmax, target_logits, top_k_of
+from drafttrain.targets.outputs import (TargetNeeds, TargetOutputs, TopK, full_argmax, plain_rows, target_logits,
+                                        top_k_of)
 
 INDEX = "index.json"
 FORMAT_VERSION = 3
@@ -209,6 +210,10 @@ class FeatureCache:
         except (KeyError, TypeError) as err:
             raise damaged(path, f"lacks or garbles its {err} entry") from None
         self._verified: set[str] = set()
+        # With the cached argmax and a plain linear head, training computes the draft vocabulary's rows of the
+        # logits alone (gathered here, once). Caches written before the argmax was kept go through the full head.
+        self._rows_weight = plain_rows(target.model, needs.logits_rows) \
+            if self.index.get("argmax") and reads_argmax(needs, target.vocab_size) else None
 
     def _check(self, split_fingerprint: str) -> None:
         index, where = self.index, f"feature cache {self.directory}"
@@ -258,9 +263,7 @@ class FeatureCache:
         names = [f"layer{layer}" for layer in needs.stored_layers(final_layer)]
         if top_k:
             names += ["topk_ids", "topk_log_probs", "topk_rest"]
-        # caches written before the argmax was kept lack it: the full head gives it then
-        cached_argmax = self.index.get("argmax") and reads_argmax(needs, self.target.vocab_size)
-        if cached_argmax:
+        if self._rows_weight is not None:
             names.append("argmax")
         per_row = [dict(zip(names, self._row(int(r), names))) for r in batch["row_index"].tolist()]
         seq_len, dtype = batch["input_ids"].shape[1], self.target.model.dtype
@@ -276,9 +279,12 @@ class FeatureCache:
         final = padded(f"layer{final_layer}") if f"layer{final_layer}" in names else None
         kept = TopK(ids=padded("topk_ids", torch.long), log_probs=padded("topk_log_probs", torch.float32),
                     rest=padded("topk_rest", torch.float32)) if top_k else None
-        argmax = padded("argmax", torch.long)[..., 0] if cached_argmax else None
-        logits, argmax = target_logits(self.target, final, needs.logits_rows, argmax=argmax) \
-            if needs.logits and not top_k else (None, None)
+        if self._rows_weight is not None:
+            logits, argmax = final @ self._rows_weight.to(final.dtype).T, padded("argmax", torch.long)[..., 0]
+        elif needs.logits and not top_k:
+            logits, argmax = target_logits(self.target, final, needs.logits_rows)
+        else:
+            logits, argmax = None, None
         return TargetOutputs(
             hidden=torch.cat([padded(f"layer{layer}") for layer in needs.layers], dim=-1) if needs.layers else None,
             final=final if needs.final_hidden else None,

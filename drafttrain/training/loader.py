@@ -27,11 +27,16 @@ ID_COLUMNS = ("conversation_id", "conversation_ids", "id")
 ROW_INDEX = "row_index"  # batch key: dataset row of each batch row (offline feature caches look rows up by it)
 
 
+def epoch_entropy(seed: int, epoch: int) -> int:
+    """64 bits that depend only on (seed, epoch), never on global RNG state: one epoch's data order is drawn from
+    them."""
+    entropy = np.random.SeedSequence([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch]).generate_state(2)
+    return int(entropy[0]) << 32 | int(entropy[1])
+
+
 def epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
     """The data order of one epoch: depends only on (seed, epoch), never on global RNG state."""
-    entropy = np.random.SeedSequence([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch]).generate_state(2)
-    generator = torch.Generator().manual_seed(int(entropy[0]) << 32 | int(entropy[1]))
-    return torch.randperm(num_rows, generator=generator)
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(epoch_entropy(seed, epoch)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +73,8 @@ class BatchLayout:
 def grouped_permutation(lengths: Sequence[int], global_batch: int, seed: int, epoch: int) -> torch.Tensor:
     """One epoch's order with rows of similar length in each global micro-batch (every rank's share of it alike):
     like :func:`epoch_permutation`, it depends only on (seed, epoch)."""
-    mixed = int(np.random.SeedSequence([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch]).generate_state(1)[0])
-    return torch.tensor(length_grouped_order(lengths, global_batch, mixed), dtype=torch.long)
+    return torch.tensor(length_grouped_order(lengths, global_batch, epoch_entropy(seed, epoch) >> 32),
+                        dtype=torch.long)
 
 
 class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):

@@ -9,6 +9,7 @@
 set -euo pipefail
 out=${1:?usage: argmax_ab.sh OUT}
 here=$(dirname "$0")
+source "$here/share_run.sh"
 full=$out/features-full
 rm -rf "$full" && mkdir -p "$full"
 for f in "$out"/run/features/*; do ln -s "$(realpath "$f")" "$full/$(basename "$f")"; done
@@ -17,14 +18,7 @@ python -c "import json, sys; d = json.load(open(sys.argv[1])); d.pop('argmax'); 
     "$out/run/features/index.json" "$full/index.json"
 arm() {  # NAME FEATURES
     local dest=$out/ab-$1
-    rm -rf "$dest" && mkdir -p "$dest"
-    for item in "$out"/run/*; do
-        case $(basename "$item") in
-            features) ln -s "$2" "$dest/features" ;;
-            checkpoints|metrics.jsonl) ;;
-            *) cp -a "$item" "$dest/" ;;
-        esac
-    done
+    share_run "$out/run" "$dest" "$2"
     drafttrain train "$here/eagle3.yaml" output_dir="$dest" training.group_by_length=true training.log_every=10 \
         --max-steps 40 >"$dest.log" 2>&1
 }

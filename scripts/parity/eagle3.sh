@@ -21,6 +21,7 @@ speculators_venv=${SPECULATORS_VENV:-/work/venvs/speculators}
 specforge_venv=${SPECFORGE_VENV:-/work/venvs/specforge}
 vllm_python=${VLLM_PYTHON:-/work/venvs/vllm/bin/python}
 here=$(dirname "$0")
+source "$here/share_run.sh"
 run=$out/run
 mkdir -p "$out"
 
@@ -33,14 +34,7 @@ ours() {  # NAME SEED [OVERRIDES...]: a run folder that shares the prepared rows
     local dest=$out/$1 seed=$2
     shift 2
     if [ ! -e "$dest/checkpoints/latest" ]; then
-        rm -rf "$dest" && mkdir -p "$dest"
-        for item in "$run"/*; do
-            case $(basename "$item") in
-                features) ln -s "$(realpath "$item")" "$dest/features" ;;
-                checkpoints|metrics.jsonl) ;;
-                *) cp -a "$item" "$dest/" ;;
-            esac
-        done
+        share_run "$run" "$dest" "$(realpath "$run/features")"
         drafttrain train "$here/eagle3.yaml" output_dir="$dest" seed="$seed" training.time_budget_minutes="$minutes" \
             "$@" >"$dest.log" 2>&1
     fi

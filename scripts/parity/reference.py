@@ -37,20 +37,22 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from features import row_digest  # noqa: E402  (a sibling script, not a package)
 
-# drafttrain's recipes in speculators' flags, per kind. The tokens per optimizer step (--total-seq-len, speculators
-# packs rows up to it) are drafttrain's 4 rows (2 rows x 2 accumulation) at the run's mean row length: tokens_per_step
+# Both recipes (recipes/smollm2_dflash.yaml, scripts/parity/eagle3.yaml) train with AdamW at this rate, cosine decay
+# after these warm-up steps; every trainer is given them
+LEARNING_RATE = 8e-4
+WARMUP_STEPS = {"dflash": 20, "eagle3": 30}
+# drafttrain's recipes in speculators' flags, per kind (with the schedule above, in speculators_command). The tokens
+# per optimizer step (--total-seq-len, speculators packs rows up to it) are drafttrain's 4 rows (2 rows x 2
+# accumulation) at the run's mean row length: tokens_per_step
 SPECULATORS_FLAGS = {
-    # recipes/smollm2_dflash.yaml: 2 layers, block 8, the run's 8192-token draft vocabulary, 64 anchors a row (256 a
-    # pack of 4 rows), AdamW at 8e-4 with cosine decay after 20 warm-up steps
+    # 2 layers, block 8, the run's 8192-token draft vocabulary, 64 anchors a row (256 a pack of 4 rows)
     "dflash": ["--speculator-type", "dflash", "--num-layers", "2", "--block-size", "8", "--draft-vocab-size", "8192",
-               "--max-anchors", "256", "--optimizer", "adamw", "--lr", "8e-4", "--scheduler-type", "cosine",
-               "--scheduler-warmup-steps", "20"],
-    # scripts/parity/eagle3.yaml: 1 layer, TTT 3, vanilla EAGLE-3 (no EAGLE-3.1 norms, speculators' defaults; the
-    # residual un-normed, as vLLM's EAGLE-3 reads drafttrain's exports), the run's 8192-token draft vocabulary, AdamW
-    # at 8e-4 without weight decay, cosine decay after 30 warm-up steps
+               "--max-anchors", "256", "--optimizer", "adamw"],
+    # 1 layer, TTT 3, vanilla EAGLE-3 (no EAGLE-3.1 norms, speculators' defaults; the residual un-normed, as vLLM's
+    # EAGLE-3 reads drafttrain's exports), the run's 8192-token draft vocabulary, AdamW without weight decay
     "eagle3": ["--speculator-type", "eagle3", "--num-layers", "1", "--ttt-steps", "3", "--draft-vocab-size", "8192",
                "--no-norm-before-fc", "--no-norm-output", "--no-norm-before-residual", "--optimizer", "adamw",
-               "--lr", "8e-4", "--weight-decay", "0", "--scheduler-type", "cosine", "--scheduler-warmup-steps", "30"],
+               "--weight-decay", "0"],
 }
 # on a CPU: fp32, no flex attention backward, no Triton, no dataloader workers
 SPECULATORS_CPU = ["--hidden-states-dtype", "float32", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
@@ -83,6 +85,8 @@ def speculators_command(args, save: Path, steps: int, epochs: int) -> list[str]:
             "--d2t-path", str(args.features / "vocab" / "d2t.npy"),
             "--t2d-path", str(args.features / "vocab" / "t2d.npy"),
             "--train-data-ratio", str(record["train_data_ratio"]), *SPECULATORS_FLAGS[args.kind], *SPECULATORS_CPU,
+            "--lr", str(LEARNING_RATE), "--scheduler-type", "cosine",
+            "--scheduler-warmup-steps", str(WARMUP_STEPS[args.kind]),
             "--total-seq-len", str(tokens_per_step(record)), "--seed", str(args.seed),
             "--max-steps", str(steps), "--scheduler-total-steps", str(steps), "--epochs", str(epochs),
             "--save-path", str(save), "--no-resume-from-checkpoint", *args.extra]
@@ -132,12 +136,12 @@ def specforge_files(args, out: Path, steps: int) -> Path:
     weights (loss_type dflash), grad clip 0.5, random init; EAGLE-3 with step weights 0.8**i, grad clip 0.5."""
     target = specforge_target(out)
     (out / "draft_config.json").write_text(json.dumps(specforge_draft_config(args.kind, args.features), indent=1))
-    warmup = 30 if args.kind == "eagle3" else 20
     model = {"target_model_path": str(target), "draft_model_config": str(out / "draft_config.json"),
              "embedding_key": "model.embed_tokens.weight", "lm_head_key": "model.embed_tokens.weight",
              "torch_dtype": "float32"}  # the taps come from the draft config's layer ids
     training = {"strategy": args.kind, "max_steps": steps, "total_steps": steps, "num_epochs": 4,
-                "batch_size": args.batch_size, "learning_rate": 8e-4, "warmup_ratio": min(0.5, warmup / steps),
+                "batch_size": args.batch_size, "learning_rate": LEARNING_RATE,
+                "warmup_ratio": min(0.5, WARMUP_STEPS[args.kind] / steps),
                 "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD", "log_interval": 1, "save_interval": steps,
                 "seed": args.seed}
     if args.kind == "eagle3":

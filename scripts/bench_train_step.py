@@ -74,13 +74,17 @@ def main() -> None:
             torch.cuda.synchronize()
 
     t_forward = median_time(forward_only, args.repeats)
+    if target.device.type == "cuda":  # the step's peak on top of what the target and head hold
+        torch.cuda.reset_peak_memory_stats()
     t_step = median_time(train_step, args.repeats)
+    peak_mib = torch.cuda.max_memory_allocated() / 2**20 if target.device.type == "cuda" else None
     tokens = args.batch * args.seq
     result = {
         "kind": args.kind, "ttt_steps": args.ttt_steps if args.kind == "eagle3" else 1, "batch": args.batch,
         "seq": args.seq, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
         "target_forward_s": t_forward, "train_step_s": t_step, "step_over_forward": t_step / t_forward,
         "train_tokens_per_s": tokens / t_step, "trainable_parameters": sum(p.numel() for p in head.parameters()),
+        "peak_allocated_mib": peak_mib,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
     }
     print("| kind | batch×seq | target forward | training step | step / forward | tokens/s |")

@@ -113,6 +113,28 @@ def test_zero_stages_split_what_they_shard():
     assert eight["draft weights (trainable)"] == one["draft weights (trainable)"]  # whole below ZeRO-3
 
 
+def test_deepspeed_gradient_buckets_count_at_their_configured_size_on_a_gpu():
+    """The H100 check of 2026-11-27 measured 2 GiB above the plan under ZeRO-2: DeepSpeed's two overlap buffers of
+    reduce_bucket_size (5e8) bf16 elements, allocated whole however small the draft; ZeRO-3 allocates one."""
+    config = str(CONFIGS / "meta-llama--Llama-3.1-8B-Instruct.json")
+    cluster = Cluster(gpus=8, gpu_memory=80 * GIB)
+    path = REPO / "recipes" / "eagle3_llama3.1_8b.yaml"
+    zero2 = plan(load_recipe(path), cluster, config_path=config).memory
+    zero3 = plan(load_recipe(path, ["training.deepspeed=recipes/deepspeed/zero3.json"]), cluster,
+                 config_path=config).memory
+    plain = plan(load_recipe(path, ["training.deepspeed=null"]), cluster, config_path=config).memory
+    assert zero2["DeepSpeed gradient buckets"] == 2 * int(5e8) * 2
+    assert zero3["DeepSpeed gradient buckets"] == int(5e8) * 2
+    assert "DeepSpeed gradient buckets" not in plain
+
+
+def test_on_a_cpu_only_the_bucket_pages_a_step_writes_count(tmp_path):
+    recipe = load_recipe(measured_recipe(tmp_path), ["training.deepspeed=recipes/deepspeed/zero2.json"])
+    memory = plan(recipe, Cluster(gpus=1)).memory
+    trainable = memory["draft weights (trainable)"] // 4  # fp32 on a CPU without mixed precision
+    assert memory["DeepSpeed gradient buckets"] == 2 * trainable * 4  # two overlap buffers, fp32, draft-sized
+
+
 def test_a_run_that_cannot_fit_is_refused_with_the_plan(tmp_path, monkeypatch):
     recipe = load_recipe(measured_recipe(tmp_path), ["training.batch_size=100000"])
     with pytest.raises(DrafttrainError, match="cannot fit here; the plan:(.|\\n)*activations saved for backward"):

@@ -13,6 +13,7 @@ Per process, on the device the recipe trains on:
   the CUDA context and allocator reserve (an estimate, :data:`CUDA_CONTEXT`);
 * the target's weights, split over the processes under ZeRO-3;
 * the draft's weights, gradients and AdamW states, split as the ZeRO stage splits them;
+* DeepSpeed's gradient-reduction buckets, which it allocates at their configured size however small the draft;
 * activations saved for the backward pass, the target outputs the step consumes, and the largest transient: one
   chunk of full-vocabulary logits, or the backward's working copy of the largest saved tensor.
 """
@@ -46,7 +47,7 @@ from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
 from drafttrain.targets.outputs import LOGITS_CHUNK, TargetOutputs
 from drafttrain.training.features import cache_dtype, keeps_argmax
-from drafttrain.training.runtime import configured_zero_stage
+from drafttrain.training.runtime import configured_zero_stage, read_deepspeed_config
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ GIB = 2**30
 CUDA_CONTEXT = int(1.0 * GIB)  # CUDA context + cuBLAS workspace + allocator slack: an estimate, not measured here
 SLACK = 0.8  # the estimate is good to about 20%: a run "clearly cannot fit" when even 80% of it exceeds the memory
 SKIP_ENV = "DRAFTTRAIN_SKIP_PLAN"
+DEEPSPEED_REDUCE_BUCKET = int(5e8)  # DeepSpeed's default zero_optimization.reduce_bucket_size, in elements
 
 
 @dataclasses.dataclass
@@ -347,6 +349,25 @@ def optimizer_bytes(trainable: int, stage: int, world: int, bf16: bool) -> dict[
             "optimizer states (AdamW)": split(trainable * optim, 1)}
 
 
+def gradient_bucket_bytes(recipe: Recipe, trainable: int, hidden_size: int) -> int:
+    """DeepSpeed's gradient-reduction buffers under ``contiguous_gradients`` (its default): ZeRO-1/2 allocate one
+    of ``reduce_bucket_size`` elements, two with ``overlap_comm``, in the gradients' dtype (ZeRO-1 stages fp32);
+    ZeRO-3 allocates one. The size is the configured one, not the draft's: the H100 check of 2026-11-27 measured
+    2 GiB above the plan for a 10M-parameter head under recipes/deepspeed/zero2.json (2 x 5e8 bf16 elements). On a
+    CPU the pages a step never writes (torch.empty) are never resident, so at most the trainable parameters count.
+    accelerate fills an "auto" bucket size with hidden_size squared."""
+    zero = read_deepspeed_config(recipe.training.deepspeed)["zero_optimization"]
+    stage = int(zero.get("stage", 0))
+    if not zero.get("contiguous_gradients", True):
+        return 0
+    size = zero.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET)
+    size = hidden_size * hidden_size if size == "auto" else int(float(size))
+    buffers = 2 if stage in (1, 2) and zero.get("overlap_comm", False) else 1
+    low_precision = recipe.training.mixed_precision in ("bf16", "fp16") and stage >= 2
+    elements = size if _on_gpu(recipe) else min(size, trainable)
+    return buffers * elements * (2 if low_precision else 4)
+
+
 def token_count(recipe: Recipe) -> tuple[int, bool]:
     """Training tokens: counted in the prepared split when there is one, else num_samples rows of half of
     max_length each (stated as an estimate)."""
@@ -404,6 +425,9 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
             memory["target layers gathered (ZeRO-3)"] = 2 * layer
         memory["draft weights (frozen)"] = footprint["frozen_bytes"]
         memory.update(optimizer_bytes(footprint["trainable"], zero, cluster.world, bf16))
+        if zero:
+            memory["DeepSpeed gradient buckets"] = gradient_bucket_bytes(
+                recipe, footprint["trainable"], target.model.config.hidden_size)
         memory["activations saved for backward"] = footprint["saved"]
         memory["target outputs (taps, logits)"] = footprint["outputs"]
         memory["largest transient"] = max(footprint["transient"], 0 if offline else _forward_bytes(recipe, target))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks behind BENCHMARKS.md "On a GPU". Run from the repository root on a machine with one CUDA GPU and
-# PyTorch installed (the device tool's H100 image); what that image lacks travels as wheels in .gpu/whl.
+# PyTorch installed (the device tool's H100 image); what that image lacks travels as wheels in .gpu/whl, staged
+# with SmolLM2's config and tokenizer by `bash scripts/gpu/stage.sh` (the device tool: carry=[".gpu"]).
 #
 #   bash scripts/gpu/checks.sh OUT_DIR shape   # SmolLM2's shape, random weights: bf16 training throughput and peak
 #                                              # memory against `drafttrain plan`, ZeRO-2 / ZeRO-3 / no DeepSpeed,
@@ -20,7 +21,7 @@ set -uo pipefail
 out=$(realpath -m "${1:?usage: checks.sh OUT_DIR shape|real}")  # absolute: the bundle is made from inside it
 mode=${2:?usage: checks.sh OUT_DIR shape|real}
 dev=${DEVICE:-cuda}
-steps=${STEPS:-300}
+steps=${STEPS:-120}
 dtype=${DTYPE:-bfloat16}  # DTYPE=float32 MIXED=no on a CPU without native bf16 (emulated bf16 is very slow)
 mixed=${MIXED:-bf16}
 mkdir -p "$out"
@@ -50,32 +51,43 @@ setup() {
 }
 
 # ------------------------------------------------------------------------------------------------ shape
-train_run() {  # train_run NAME STEPS OVERRIDES...: prepare, plan and train the longer recipe at SmolLM2's shape
-    local name=$1 n=$2
-    shift 2
+train_run() {  # train_run NAME RECIPE STEPS OVERRIDES...: prepare, plan and train a recipe at SmolLM2's shape
+    local name=$1 recipe=$2 n=$3
+    shift 3
     local run=/tmp/runs/$name
     local common=(target.model=/tmp/smol_random target.device="$dev" target.dtype="$dtype" regenerate.enabled=false
         training.mixed_precision="$mixed" training.max_steps="$n" training.save_every=100000 training.log_every=25
         eval.num_prompts=2 eval.max_new_tokens=32 eval.depth=3 wandb.mode=disabled output_dir="$run" "$@")
-    stage "$name-prepare" 120 python3 -m drafttrain prepare recipes/smollm2_eagle3.yaml "${common[@]}"
-    python3 -m drafttrain plan recipes/smollm2_eagle3.yaml "${common[@]}" --json >"$out/$name-plan.json" 2>"$out/$name-plan.err"
+    stage "$name-prepare" 120 python3 -m drafttrain prepare "$recipe" "${common[@]}"
+    python3 -m drafttrain plan "$recipe" "${common[@]}" --json >"$out/$name-plan.json" 2>"$out/$name-plan.err"
     stage "$name-train" 240 accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no \
-        -m drafttrain train recipes/smollm2_eagle3.yaml "${common[@]}"
+        -m drafttrain train "$recipe" "${common[@]}"
     cp "$run/metrics.jsonl" "$out/$name-metrics.jsonl" 2>/dev/null
 }
 
-shape_checks() {
+shape_eval() {  # shape_eval NAME DRAFT OPTIONS...: decode MT-Bench prompts with the random target and a draft
+    local name=$1 draft=$2
+    shift 2
+    stage "$name" 180 python3 -m drafttrain eval --target /tmp/smol_random --draft "$draft" --device "$dev" \
+        --dtype "$dtype" --suite mt_bench --num-prompts 2 --max-new-tokens 32 --out "$out/$name" --no-progress "$@"
+}
+
+shape_checks() {  # most wanted first: a later stage may not run inside the device time
+    local eagle3=recipes/smollm2_eagle3.yaml
     stage random-target 120 python3 scripts/gpu/random_target.py .gpu/smol_cfg /tmp/smol_random
-    train_run zero2 "$steps" training.deepspeed=recipes/deepspeed/zero2.json
-    train_run plain "$steps"
+    # ZeRO-2 with the per-checkpoint decoding at its end (on CUDA both failed before, bugs 1 and 2 of 2026-11-26)
+    train_run zero2 $eagle3 "$steps" training.deepspeed=recipes/deepspeed/zero2.json
+    shape_eval eval-chain /tmp/runs/zero2 --depth 3 --compare prompt_lookup
+    shape_eval eval-tree /tmp/runs/zero2 --tree dynamic --depth 5 --total-tokens 32
     # ZeRO-3 partitions the target, so the per-checkpoint decoding is off (drafttrain refuses it otherwise)
-    train_run zero3 $((steps / 5 + 1)) training.deepspeed=recipes/deepspeed/zero3.json eval.every_checkpoint=false
+    train_run zero3 $eagle3 $((steps / 4 + 1)) training.deepspeed=recipes/deepspeed/zero3.json eval.every_checkpoint=false
+    # one training step's time and peak GPU memory as rows grow (the training-time test's attention is blockwise)
     local bench=(python3 scripts/bench_train_step.py --target /tmp/smol_random --device "$dev" --dtype "$dtype")
-    stage step-512 120 "${bench[@]}" --seq 512 --batch 2 --ttt-steps 3 --json "$out/step-512.json"
-    stage step-2048 120 "${bench[@]}" --seq 2048 --batch 4 --ttt-steps 7 --json "$out/step-2048.json"
-    stage eval-shape 180 python3 -m drafttrain eval --target /tmp/smol_random --draft /tmp/runs/zero2 --device "$dev" \
-        --dtype "$dtype" --suite mt_bench --num-prompts 2 --max-new-tokens 32 --depth 3 --compare prompt_lookup \
-        --out "$out/eval-shape" --no-progress
+    for seq in ${STEP_LENGTHS:-2048 8192 16384 32768}; do
+        stage "step-$seq" 120 "${bench[@]}" --seq "$seq" --batch 1 --ttt-steps 7 --repeats 3 --json "$out/step-$seq.json"
+    done
+    train_run dflash recipes/smollm2_dflash.yaml "$steps" training.deepspeed=recipes/deepspeed/zero2.json
+    shape_eval eval-dflash /tmp/runs/dflash --depth 7
     python3 scripts/gpu/summarize.py "$out"
 }
 

@@ -420,7 +420,7 @@ def test_positions_whose_target_argmax_is_outside_the_draft_vocab_train_only_whe
 
     def step_loss(draft, outputs):
         torch.manual_seed(1)  # P-EAGLE samples its rollouts: the same ones for both
-        return float(draft.training_step(batch, outputs).loss)
+        return draft.training_step(batch, outputs).loss.item()
 
     same, moved = losses(), losses(train_out_of_vocab=True)
     assert same[0] == pytest.approx(same[1], abs=1e-6)

@@ -160,7 +160,8 @@ class DraftConfig(Section):
 
 class Eagle3Config(DraftConfig):
     kind: Literal["eagle3"] = "eagle3"
-    training_settings = frozenset({"ttt_steps", "step_decay", "noise", "cod_ratio", "cod_min", "init_from_target"})
+    training_settings = frozenset({"ttt_steps", "step_decay", "noise", "cod_ratio", "cod_min", "init_from_target",
+                                   "train_out_of_vocab"})
     num_layers: int = Field(1, ge=1)
     # Target taps in HF hidden_states numbering (i = the input of layer i), ascending and unique, each below the
     # target's layer count: the order vLLM and SGLang concatenate them in. Default: inputs of 2, L/2, L-3.
@@ -170,6 +171,10 @@ class Eagle3Config(DraftConfig):
     draft_vocab: str | None = None
     ttt_steps: int = Field(7, ge=1)
     step_decay: float = Field(0.8, gt=0, le=1)  # loss weight of unrolled step i is step_decay**i
+    # Positions whose target argmax is outside the draft vocabulary can never be accepted: left out of the loss by
+    # default (EAGLE-3's and SpecForge's choice); true trains them too, towards the target's distribution
+    # renormalised over the draft vocabulary (speculators' choice)
+    train_out_of_vocab: bool = False
     intermediate_size: int | None = Field(None, gt=0)
     # Start from the target instead of noise: "lm_head" (the target's lm_head rows of the draft vocabulary and its
     # final norm), "layer" (the decoder layer from the target's last layer), "fc" (a pass-through of the last tap).
@@ -410,8 +415,11 @@ class TrainingConfig(Section):
     batch_size: int = Field(1, gt=0)  # per device
     gradient_accumulation: int = Field(1, gt=0)
     # micro-batches of rows of similar length, in a seeded order that still changes every epoch (HF Trainer's
-    # group_by_length): less padding to compute when rows differ in length and a micro-batch holds several
-    group_by_length: bool = False
+    # group_by_length): less padding to compute when rows differ in length and a micro-batch holds several. On by
+    # default since the EAGLE-3 parity runs (BENCHMARKS.md, issue 27): random pairs of rows padded 24% of the
+    # compute, and grouping took tokens/s from 296 to 393 and the head past speculators' on both seeds. No effect
+    # at batch_size 1 (nothing to pad); false gives the uniformly random order of earlier runs
+    group_by_length: bool = True
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)

@@ -396,6 +396,37 @@ def test_an_offline_cache_keeps_the_full_argmax_so_training_computes_only_the_dr
     assert torch.equal(older.argmax[real], online.argmax[real])
 
 
+@pytest.mark.parametrize("parallel", [0, 3])
+def test_positions_whose_target_argmax_is_outside_the_draft_vocab_train_only_when_asked(tiny_target, tmp_path,
+                                                                                         parallel):
+    """By default the loss leaves out positions whose target argmax is outside the draft vocabulary (they can never
+    be accepted): changing the target's distribution there changes nothing. With train_out_of_vocab (speculators'
+    choice) they train towards it, renormalised over the draft vocabulary. The same rule for P-EAGLE."""
+    keep = list(range(3, 96, 3))
+    vocab = str(draft_vocab_file(tmp_path, keep, 96))
+    ids = torch.tensor([offline_rows(2)[1]["input_ids"]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+
+    def losses(**option):
+        torch.manual_seed(0)
+        draft = build_drafter(Eagle3Config(ttt_steps=2, draft_vocab=vocab, parallel_depths=parallel, **option),
+                              tiny_target)
+        outputs = run_target(tiny_target, batch, draft.needs())
+        outside = ~torch.isin(outputs.argmax, torch.tensor(keep))
+        assert outside.any() and not outside.all()
+        changed = copy.copy(outputs)
+        changed.logits = outputs.logits + 3.0 * torch.randn_like(outputs.logits) * outside[..., None]
+        return [step_loss(draft, o) for o in (outputs, changed)]
+
+    def step_loss(draft, outputs):
+        torch.manual_seed(1)  # P-EAGLE samples its rollouts: the same ones for both
+        return draft.training_step(batch, outputs).loss.item()
+
+    same, moved = losses(), losses(train_out_of_vocab=True)
+    assert same[0] == pytest.approx(same[1], abs=1e-6)
+    assert abs(moved[0] - moved[1]) > 1e-3
+
+
 def test_a_crashed_cache_write_keeps_its_finished_shards(tiny_target, tmp_path):
     """A process that dies while writing the offline cache loses only the shard it was writing: the rerun writes
     the missing shards alone (finished ones untouched), and the joined cache equals one written in one go."""

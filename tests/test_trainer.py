@@ -192,6 +192,15 @@ def test_grouped_data_order_keeps_similar_lengths_together_and_stays_seeded_and_
     assert grouped < 0.1 * shuffled  # both ranks' shares of a global batch have similar lengths
 
 
+def test_by_default_micro_batches_of_several_rows_group_rows_of_similar_length(tmp_path):
+    """The default since the EAGLE-3 parity runs; one row a micro-batch has nothing to pad and keeps the plain order."""
+    dataset = tiny_dataset()
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    assert make_trainer(tmp_path / "pairs", dataset, batch_size=2)._row_lengths() == lengths
+    assert make_trainer(tmp_path / "single", dataset, batch_size=1)._row_lengths() is None
+    assert make_trainer(tmp_path / "off", dataset, batch_size=2, group_by_length=False)._row_lengths() is None
+
+
 def test_pad_collate_pads_right_with_masks():
     batch = pad_collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "row_index": 3},
                          {"input_ids": [8], "loss_mask": [1], "row_index": 9}], pad_id=2)

@@ -425,6 +425,13 @@ class Eagle3Drafter(EagleHead):
         return to_target_vocab(draft_logits, self.d2t, self.t2d)
 
     # -- training ------------------------------------------------------------------------------------------
+    def _trained_positions(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """1.0 where the loss reads a position by its target argmax: in the draft vocabulary (a token outside it
+        can never be accepted), or everywhere with ``train_out_of_vocab``."""
+        if self.config.train_out_of_vocab:
+            return torch.ones(target_ids.shape, dtype=torch.float32, device=target_ids.device)
+        return self.t2d[target_ids].float()
+
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
         if self.parallel:
             return self._parallel_step(batch, outputs)
@@ -432,7 +439,7 @@ class Eagle3Drafter(EagleHead):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         with torch.no_grad():  # the target's logits over the draft vocabulary, its argmax over all of it
             target_ids, target_logits = rows_and_argmax(outputs, self.draft_to_target)
-            in_vocab = self.t2d[target_ids].float()
+            by_argmax = self._trained_positions(target_ids)
         taps = outputs.hidden.to(self.fc.weight.dtype)
         if self.training and self.config.noise > 0:
             taps = taps + (torch.rand_like(taps) - 0.5) * self.config.noise
@@ -449,7 +456,7 @@ class Eagle3Drafter(EagleHead):
                 h = layer.forward_ttt(h, None, cos, sin, layer_blocks)
             h, logits = self.head_out(h)
             loss_i = losses.soft_cross_entropy(logits, shift_left(target_logits, 1 + i),
-                                               trainable * shift_left(in_vocab, 1 + i))
+                                               trainable * shift_left(by_argmax, 1 + i))
             total = total + self.config.step_decay**i * loss_i
             with torch.no_grad():
                 hits, n = top1_hits(self.draft_to_target[logits.argmax(-1)], shift_left(target_ids, 1 + i), trainable)
@@ -465,7 +472,7 @@ class Eagle3Drafter(EagleHead):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
         with torch.no_grad():
             target_ids, target_logits = rows_and_argmax(outputs, self.draft_to_target)
-            in_vocab = self.t2d[target_ids].float()
+            by_argmax = self._trained_positions(target_ids)
         taps = outputs.hidden.to(self.fc.weight.dtype)
         if self.training and self.config.noise > 0:
             taps = taps + (torch.rand_like(taps) - 0.5) * self.config.noise
@@ -473,7 +480,7 @@ class Eagle3Drafter(EagleHead):
         correct, counted = [0.0] * k, [0.0] * k
         for row in range(input_ids.shape[0]):
             # a slot at position p predicts token p + 2 from the target's distribution at p + 1
-            trainable = shift_left(loss_mask[row: row + 1], 2)[0] * shift_left(in_vocab[row: row + 1], 1)[0]
+            trainable = shift_left(loss_mask[row: row + 1], 2)[0] * shift_left(by_argmax[row: row + 1], 1)[0]
             rollouts = cod_rollouts(trainable, k, self.config.cod_ratio, self.config.cod_min)
             logits, positions, depths = self._parallel_logits(taps[row], input_ids[row], rollouts)
             labels = shift_left(target_logits[row: row + 1], 1)[0][positions]

@@ -256,8 +256,8 @@ class Trainer:
 
     def _row_lengths(self) -> list[int] | None:
         """The rows' token counts when micro-batches group rows of similar length (training.group_by_length)."""
-        if not self.training.group_by_length:
-            return None
+        if not self.training.group_by_length or self.training.batch_size == 1:
+            return None  # one row a micro-batch: no padding to save, so the plain random order
         if "num_tokens" in self.dataset.column_names:
             return list(self.dataset["num_tokens"])
         return [len(ids) for ids in self.dataset["input_ids"]]

@@ -183,6 +183,30 @@ def test_the_on_policy_sampler_uses_the_students_current_weights():
     assert answers(second) == own_generate() and answers(second) != answers(first)
 
 
+def test_an_on_policy_step_runs_the_target_once_on_the_students_own_answers():
+    """Found beside TRL's GKD trainer: the target used to run on the loader's rows and then again on the on-policy
+    answers that replaced them. The step now asks the draft first; the trainer's outputs are not computed."""
+    from drafttrain.targets import load_tokenizer
+    from drafttrain.training.trainer import TrainStep
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    target = Target("tiny", tiny_target(vocab=len(tokenizer)).model, tokenizer)
+    calls = []
+
+    def trainer_outputs(batch):
+        calls.append(batch["input_ids"].shape)
+        return run_target(target, batch, drafter.needs())
+
+    batch = batch_of(vocab=len(tokenizer), rows=2)
+    for on_policy, expected in ((1.0, 0), (0.0, 1)):
+        drafter = build_drafter(DraftModelConfig(cut="first:2", on_policy=on_policy, on_policy_max_new_tokens=4,
+                                                 on_policy_temperature=0.0), target).train()
+        calls.clear()
+        out = TrainStep(drafter, target, trainer_outputs)(batch)
+        assert len(calls) == expected and torch.isfinite(out.loss)
+        assert ("on_policy_s" in out.metrics) == (on_policy == 1.0)
+
+
 def test_token_filter_leaves_out_the_hardest_share():
     per = torch.tensor([[0.1, 5.0, 0.2, 3.0, 0.3]])
     weight = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])

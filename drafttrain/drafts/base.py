@@ -197,6 +197,12 @@ class Drafter(nn.Module):
         from which they train: before it only the draft's own parameters learn)."""
         return None, 0
 
+    def own_step_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict, TargetOutputs] | None:
+        """Rows a training step should learn from instead of the loader's ``batch`` (a kind that trains on its own
+        samples), with the target's outputs for them; None (here): the loader's batch and the trainer's outputs.
+        Asked before the target runs, so that the target runs once per micro-batch, on the rows that train."""
+        return None
+
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
         raise NotImplementedError
 

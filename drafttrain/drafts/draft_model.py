@@ -69,6 +69,7 @@ class DraftModelDrafter(Drafter):
         self.student = student
         self.vocab = vocab  # (d2t, t2d) of the draft vocabulary it is served with, or None: the whole vocabulary
         self.mask_token_id = mask_token_id  # PARD's mask token (config.parallel), else None
+        self._on_policy_s: float | None = None  # the last on-policy batch's sampling time, for the step's metrics
 
     @classmethod
     def max_draft_depth(cls, config: DraftModelConfig) -> int | None:
@@ -200,15 +201,23 @@ class DraftModelDrafter(Drafter):
         hidden = self.student.get_decoder()(**inputs).last_hidden_state  # build checked the lm_head is plain
         return torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])
 
+    def own_step_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict, TargetOutputs] | None:
+        """With probability ``on_policy`` while training: the batch's prompts answered by the draft itself, and
+        the target's logits for them, computed online (a teacher cache holds none for these rows)."""
+        cfg = self.config
+        if not (cfg.on_policy > 0 and self.training and float(torch.rand(())) < cfg.on_policy):
+            return None
+        started = time.perf_counter()
+        batch = self.on_policy_batch(batch)
+        self._on_policy_s = time.perf_counter() - started
+        with torch.no_grad():
+            return batch, run_target(self.target, batch, self.needs())
+
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
         cfg, metrics, rows = self.config, {}, self.loss_rows
         rows = None if rows is None else rows.to(batch["input_ids"].device)
-        if cfg.on_policy > 0 and self.training and float(torch.rand(())) < cfg.on_policy:
-            started = time.perf_counter()
-            batch = self.on_policy_batch(batch)
-            metrics["on_policy_s"] = time.perf_counter() - started
-            with torch.no_grad():  # run_target computes the logits online (a teacher cache's top-k is not used)
-                outputs = run_target(self.target, batch, self.needs())
+        if self._on_policy_s is not None:  # this step's rows are the draft's own answers (own_step_inputs)
+            metrics["on_policy_s"], self._on_policy_s = self._on_policy_s, None
         if cfg.parallel:  # PARD: the real tokens and COD-sampled mask slots, each scored at its own position
             if outputs.top_k is not None:
                 raise DrafttrainError("draft.parallel (PARD) takes the target's logits online: set "

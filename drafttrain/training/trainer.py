@@ -69,7 +69,9 @@ class TrainStep(nn.Module):
         self.trained_target = nn.ModuleList(owners(target.model, drafter.trainable_target_parameters()))
 
     def forward(self, batch: dict[str, torch.Tensor]):
-        return self.drafter.training_step(batch, self.outputs_fn(batch))
+        own = self.drafter.own_step_inputs(batch)  # asked first: the target then runs once, on the rows that train
+        batch, outputs = own if own is not None else (batch, self.outputs_fn(batch))
+        return self.drafter.training_step(batch, outputs)
 
 
 def owners(model: nn.Module, names: list[str]) -> list[nn.Module]:

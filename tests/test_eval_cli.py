@@ -266,3 +266,23 @@ def test_compared_sides_take_the_labels_given(tmp_path, restore_threads):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [(side["label"], side["depth"]) for side in report["config"]["compare"]] == [("short", 1), ("long", 3)]
     assert set(report["comparisons"]) == {"short", "long"}
+
+
+def test_a_plain_model_folder_is_compared_as_it_is_served_as_the_draft(tmp_path, restore_threads):
+    """Another trainer's draft model (TRL's GKD writes a plain HF folder) beside the run's own draft: --compare
+    serves a plain model folder with the draft-model proposer, as --draft does, so the same folder on both sides
+    drafts the same tokens."""
+    from drafttrain.drafts.draft_model import cut_from_target
+    from drafttrain.targets import load_target
+
+    target = load_target("smollm2-135m-instruct")
+    plain = tmp_path / "plain"
+    cut_from_target(target, "first:2").save_pretrained(str(plain))
+    target.tokenizer.save_pretrained(str(plain))
+    code = _eval(tmp_path, "--draft", str(plain), "--suite", "mt_bench", "--num-prompts", "1", "--turns", "1",
+                 "--max-new-tokens", "8", "--depth", "2", "--compare", f"again={plain}@2", "--threads", "1")
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["config"]["compare"][0]["label"] == "again"
+    assert report["comparisons"]["again"]["tau"] == report["overall"]["tau"]
+    assert report["comparisons"]["again"]["greedy_match_vs_baseline"] == 1.0

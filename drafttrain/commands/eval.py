@@ -30,7 +30,7 @@ from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.report import print_report, write_report
 from drafttrain.evaluation.sides import Compared
 from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without_reported
-from drafttrain.runfolder import RunFolder, drafttrain_checkpoint
+from drafttrain.runfolder import CONFIG_NAME, RunFolder, drafttrain_checkpoint, read_json
 from drafttrain.targets import BUILTIN_TARGETS, load_target
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time HF model.generate (plain, and prompt lookup / assisted to match the proposer)")
     parser.add_argument("--compare", action="append", default=[], metavar="[LABEL=]PROPOSER_OR_DRAFT[@SHAPE]",
                         help="also run another side on the same prompts in the same run, against the same baseline: "
-                             "a draft-free proposer (prompt_lookup) or a trained draft's checkpoint/run folder; @SHAPE "
+                             "a draft-free proposer (prompt_lookup), a trained draft's checkpoint/run folder, or a plain "
+                             "model folder (served as a draft model, as --draft serves one); @SHAPE "
                              "gives it its own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); LABEL= "
                              "names it in the report (default: the proposer or the folder's name); repeatable")
     parser.add_argument("--draft-vocab", metavar="FILE|none",
@@ -238,6 +239,7 @@ class Side(NamedTuple):
     depth: int | str | None
     tree: Any
     label: str  # the name in the report: the proposer or the draft folder's, with the shape given
+    model_folder: bool = False  # a plain HF model folder, served by the draft-model proposer as --draft serves one
 
 
 def _compared_side(item: str, known: set[str], settings: EvalConfig) -> Side:
@@ -264,11 +266,18 @@ def _compared_side(item: str, known: set[str], settings: EvalConfig) -> Side:
         raise DrafttrainError(f"--compare {item}: {spec!r} is neither a draft-free proposer "
                               f"({', '.join(sorted(p for p in known if 'draft' not in _proposer_options(p)))}) nor a "
                               "draft folder")
+    label = Path(spec).name + (f"@{shape}" if shape else "")
+    config = Path(spec).expanduser() / CONFIG_NAME
+    if config.is_file() and "drafttrain" not in read_json(config):  # a plain model (another trainer's, say)
+        return Side(spec, False, depth, tree, label, model_folder=True)
     saved_kind(spec)  # a drafttrain checkpoint (damage named now, not after the target loads)
-    return Side(spec, True, depth, tree, Path(spec).name + (f"@{shape}" if shape else ""))
+    return Side(spec, True, depth, tree, label)
 
 
 def _load_compared(side: Side, target) -> Compared:
+    if side.model_folder:
+        return Compared(model_folder_proposer(), depth=side.depth, tree=side.tree, label=side.label,
+                        proposer_kwargs={"draft": side.spec})
     proposer = load_drafter(side.spec, target) if side.is_draft else side.spec
     return Compared(proposer, depth=side.depth, tree=side.tree, label=side.label)
 

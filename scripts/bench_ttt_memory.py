@@ -3,9 +3,11 @@ SmolLM2-135M-Instruct at rows of 512, 2k, 4k and 8k tokens, for two checkouts of
 each beside what that checkout's `drafttrain plan` predicts.
 
     python scripts/bench_ttt_memory.py --before /work/before [--lengths 512 2048 4096 8192] [--out runs/bench_ttt]
+    python scripts/bench_ttt_memory.py --before /work/before --recipe recipes/smollm2_peagle.yaml --ttt 1   # P-EAGLE
 
-The recipe is the longer EAGLE-3 recipe (8k draft vocabulary, initialised from the target) with one row per step
-of the given length. Every case runs in its own process (peak resident memory = the process's ``ru_maxrss``): it
+The recipe is the longer EAGLE-3 recipe (8k draft vocabulary, initialised from the target), or ``--recipe``'s (the
+P-EAGLE recipe: its mask slots in place of the unrolled steps, ``--ttt`` then unused), with one row per step of the
+given length. Every case runs in its own process (peak resident memory = the process's ``ru_maxrss``): it
 loads the target, runs it over one row of random ids, then times 3 draft steps (forward, backward, AdamW step)
 after one warm-up step. The two checkouts alternate case by case, so machine noise falls on both. A case that
 exceeds the address-space limit (``--limit-gib``) is reported as not fitting instead of swapping the machine.
@@ -28,11 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def settings(length: int, ttt: int, out: Path) -> list[str]:
+    """The recipe's settings for one case (draft.ttt_steps is unused by a P-EAGLE head)."""
     return [f"output_dir={out}", f"data.max_length={length}", "training.batch_size=1", f"draft.ttt_steps={ttt}",
             "wandb.mode=disabled"]
 
 
-def measure(length: int, ttt: int, out: str, steps: int) -> dict:
+def measure(length: int, ttt: int, out: str, steps: int, recipe_path: str = RECIPE) -> dict:
     """In the child: one row of ``length`` random ids through the target, then timed draft steps."""
     import torch  # in the child, from the checkout under test (its PYTHONPATH), not the caller's
 
@@ -43,7 +46,7 @@ def measure(length: int, ttt: int, out: str, steps: int) -> dict:
     from drafttrain.training.plan import _draft_section
 
     torch.manual_seed(0)
-    recipe = load_recipe(REPO / RECIPE, settings(length, ttt, Path(out)))
+    recipe = load_recipe(REPO / recipe_path, settings(length, ttt, Path(out)))
     target = load_target(recipe.target)
     with _draft_section(recipe, target.vocab_size) as (section, run):
         draft = drafter_class(section.kind).build(section, target, run).train()
@@ -64,14 +67,14 @@ def measure(length: int, ttt: int, out: str, steps: int) -> dict:
     return {"peak_mib": peak / 2**20, "step_s": sorted(times)[len(times) // 2], "steps_s": times}
 
 
-def child(checkout: Path, length: int, ttt: int, out: Path, steps: int, limit_gib: float) -> dict:
+def child(checkout: Path, length: int, ttt: int, out: Path, steps: int, limit_gib: float, recipe: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
            "WANDB_MODE": "disabled"}
     limit = int(limit_gib * 2**30)
     code = ("import json, resource, sys; resource.setrlimit(resource.RLIMIT_AS, (%d, %d)); "
             "sys.path.insert(0, %r); import bench_ttt_memory as b; "
-            "print('RESULT', json.dumps(b.measure(%d, %d, %r, %d)))"
-            % (limit, limit, str(REPO / "scripts"), length, ttt, str(out), steps))
+            "print('RESULT', json.dumps(b.measure(%d, %d, %r, %d, %r)))"
+            % (limit, limit, str(REPO / "scripts"), length, ttt, str(out), steps, recipe))
     done = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -80,9 +83,9 @@ def child(checkout: Path, length: int, ttt: int, out: Path, steps: int, limit_gi
     return {"error": tail[0][:300]}
 
 
-def planned(checkout: Path, length: int, ttt: int, out: Path) -> float:
+def planned(checkout: Path, length: int, ttt: int, out: Path, recipe: str) -> float:
     env = {**os.environ, "PYTHONPATH": str(checkout), "WANDB_MODE": "disabled"}
-    done = subprocess.run([sys.executable, "-m", "drafttrain", "plan", RECIPE, *settings(length, ttt, out), "--json"],
+    done = subprocess.run([sys.executable, "-m", "drafttrain", "plan", str(REPO / recipe), *settings(length, ttt, out), "--json"],
                           cwd=checkout, env=env, capture_output=True, text=True)
     try:  # a plan that does not fit this machine exits 1 with its figures on stdout all the same
         return json.loads(done.stdout)["total"] / 2**20
@@ -97,6 +100,7 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8192])
     parser.add_argument("--ttt", type=int, nargs="+", default=[3, 7])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--recipe", default=RECIPE, help="relative to the repository (default: %(default)s)")
     parser.add_argument("--limit-gib", type=float, default=21.0)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_ttt"))
     args = parser.parse_args()
@@ -105,8 +109,9 @@ def main() -> int:
     for ttt in args.ttt:
         for length in args.lengths:
             for side, checkout in (("before", args.before), ("after", args.after)):
-                row = {"side": side, "length": length, "ttt": ttt, "plan_mib": planned(checkout, length, ttt, args.out),
-                       **child(checkout, length, ttt, args.out, args.steps, args.limit_gib)}
+                row = {"side": side, "length": length, "ttt": ttt, "recipe": args.recipe,
+                       "plan_mib": planned(checkout, length, ttt, args.out, args.recipe),
+                       **child(checkout, length, ttt, args.out, args.steps, args.limit_gib, args.recipe)}
                 results.append(row)
                 (args.out / "ttt_memory.json").write_text(json.dumps(results, indent=1))
                 print(json.dumps(row), flush=True)

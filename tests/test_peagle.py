@@ -14,7 +14,9 @@ from drafttrain.config import Eagle3Config
 from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer
 from drafttrain.decoding.trees import Chain, StaticTree
 from drafttrain.drafts import build_drafter, load_drafter
-from drafttrain.drafts.peagle import Rollouts, cod_rollouts, parallel_mask
+from drafttrain.drafts import layers
+from drafttrain.drafts.layers import row_mask_attention
+from drafttrain.drafts.peagle import ParallelMask, Rollouts, cod_rollouts, parallel_mask
 from drafttrain.export import export_draft
 from drafttrain.export.writer import export_checkpoint
 from drafttrain.targets import load_target, run_target
@@ -53,6 +55,66 @@ def test_a_mask_slot_sees_the_text_up_to_its_anchor_and_its_own_rollout():
     assert mask[6].tolist() == [True, True, True, False, False, False, True, False, False]  # (2, 1)
     assert mask[7].tolist() == [True, True, True, False, False, False, True, True, False]  # (2, 2)
     assert mask[8].tolist() == [True] * 5 + [False, False, False, True]  # (4, 1): not anchor 2's rollout
+
+
+def some_rollouts(length: int = 30, depths: int = 5) -> Rollouts:
+    trainable = torch.ones(length)
+    trainable[:3] = 0
+    return cod_rollouts(trainable, depths, ratio=0.7, floor=0.2, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("chunk", [7, 16, 200])
+def test_the_mask_attended_in_chunks_of_rows_equals_the_whole_mask_forward_and_backward(chunk):
+    """A long row's (T + S)^2 mask and scores are never held: chunks of query rows (recomputed in backward)
+    compute what one attention over the whole mask computes, gradients included, a short last chunk covered."""
+    rollouts = some_rollouts()
+    mask = ParallelMask(30, rollouts)
+    g = torch.Generator().manual_seed(1)
+    n = mask.keys
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g, requires_grad=True) for _ in range(3))
+    probe = torch.randn(2, 4, n, 8, generator=g)
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=parallel_mask(30, rollouts))
+    expected = torch.autograd.grad((whole * probe).sum(), (q, k, v))
+    chunked = row_mask_attention(q, k, v, mask, chunk=chunk)
+    got = torch.autograd.grad((chunked * probe).sum(), (q, k, v))
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_of_the_mask_are_its_whole_matrix_cut_and_a_chunk_offset_mistake_would_be_caught():
+    rollouts = some_rollouts()
+    mask = ParallelMask(30, rollouts)
+    whole = parallel_mask(30, rollouts)
+    assert torch.equal(torch.cat([mask.rows(a, min(a + 9, mask.keys)) for a in range(0, mask.keys, 9)]), whole)
+    assert not torch.equal(torch.cat([mask.rows(0, 9)] * (mask.keys // 9 + 1))[: mask.keys], whole)
+
+
+def test_a_long_p_eagle_row_keeps_for_backward_what_grows_linearly_in_its_length(monkeypatch):
+    """The saved bytes of one P-EAGLE training step (autograd's own saved-tensor hooks) at 1k and 2k tokens, both
+    past the whole-mask budget (lowered here so that rows this short are chunked): twice the row, about twice the
+    bytes (the whole (T + S)^2 mask kept for backward would make it nearly four times)."""
+    monkeypatch.setattr(layers, "ROW_MASK_ENTRIES", 2**20)
+    target = tiny_target()
+    drafter = tiny_peagle(target, depths=8).train()
+
+    def saved_bytes(length):
+        torch.manual_seed(0)
+        ids = torch.randint(0, 60, (1, length))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(1, length)}
+        outputs = run_target(target, batch, drafter.needs())
+        bases = {}
+
+        def pack(x):
+            base = x._base if x._base is not None else x
+            bases[id(base)] = base.numel() * base.element_size()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            drafter.training_step(batch, outputs)
+        return sum(bases.values())
+
+    assert saved_bytes(2048) < 2.6 * saved_bytes(1024)
 
 
 def test_a_parallel_training_step_trains_the_mask_state_and_scores_every_depth():

@@ -28,7 +28,7 @@ from drafttrain.drafts.layers import (
     resolve_mask_token,
     shift_left,
 )
-from drafttrain.drafts.peagle import cod_rollouts, parallel_mask
+from drafttrain.drafts.peagle import ParallelMask, cod_rollouts
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import final_norm
 from drafttrain.targets.loading import verifier_path
@@ -507,7 +507,7 @@ class Eagle3Drafter(EagleHead):
         positions = torch.cat([torch.arange(t, device=input_ids.device), rollouts.positions])
         depths = torch.cat([torch.zeros(t, dtype=torch.long, device=input_ids.device), rollouts.depths])
         cos, sin = self.rotary(hidden, positions[None])
-        mask = parallel_mask(t, rollouts)
+        mask = ParallelMask(t, rollouts)  # never whole: a long row's (T + S)^2 is attended in chunks
         h = self.midlayer(hidden, self.embed(tokens[None]), cos, sin, LayerCache(), mask)
         for layer in self._extra_layers():
             h = layer(h, None, cos, sin, LayerCache(), mask)

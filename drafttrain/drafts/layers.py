@@ -3,7 +3,8 @@
 HF's own pieces (RMSNorm, MLP, rotary embedding, ``apply_rotary_pos_emb``, ``repeat_kv``) are used as they are;
 only the attention is ours, because the heads need two things HF's layer does not offer: EAGLE-3's 2H-wide
 attention input, and the training-time-test pattern (causal over the real prefix + one diagonal key per
-unrolled step) without materialising a (k·T)² mask. Parameter names match HF Llama, so checkpoints load in
+unrolled step) without materialising a (k·T)² mask, and P-EAGLE's mask slots (a mask built in chunks of query
+rows, :class:`RowMask`), so neither holds a long row's square. Parameter names match HF Llama, so checkpoints load in
 vLLM / SGLang without renaming.
 """
 
@@ -72,6 +73,16 @@ def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, wi
     return (query_positions[:, None] - key_positions[None, :]) < window
 
 
+class RowMask:
+    """A boolean attention mask too large to hold whole for a long row, built a block of query rows at a time:
+    ``rows(start, end)`` is (end - start, keys), True = see. DraftAttention attends with it in chunks of queries."""
+
+    keys: int
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class DraftAttention(nn.Module):
     def __init__(self, config: LlamaConfig, input_size: int):
         super().__init__()
@@ -101,12 +112,17 @@ class DraftAttention(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Inference: append this chunk's keys to ``cache`` and attend with a boolean ``mask`` (True = see).
 
-        ``mask`` is (T, S) or (B, 1, T, S) over the whole cache; None means causal within the chunk. ``positions``
-        (T,): the chunk's sequence positions (default: right after the cache), which a sliding window reads.
+        ``mask`` is (T, S) or (B, 1, T, S) over the whole cache, or a :class:`RowMask` (built in chunks of queries);
+        None means causal within the chunk. ``positions`` (T,): the chunk's sequence positions (default: right after
+        the cache), which a sliding window reads.
         """
         q, k, v = self._project(x, cos, sin)
         keys, values = cache.append(k, v, positions)
         rep = self.num_heads // self.num_kv_heads
+        if isinstance(mask, RowMask):
+            if self.window is not None:
+                raise DrafttrainError("a sliding-window draft attention takes a whole mask, not one built by rows")
+            return self._out(row_mask_attention(q, repeat_kv(keys, rep), repeat_kv(values, rep), mask))
         if mask is None:
             past = keys.shape[2] - q.shape[2]
             mask = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=x.device).tril(past)
@@ -182,6 +198,32 @@ def _ttt_chunk_attention(q, k0, v0, diagonal, start: int, first: int, rep: int, 
     for j, (_, vd) in enumerate(diagonal):
         out = out + weights[..., s + j : s + j + 1] * repeat_kv(vd, rep)
     return out
+
+
+# Entries of a RowMask held at once. A row whose whole mask fits runs as one piece: PyTorch's fused attention (CPU
+# and CUDA) never holds the scores, so the mask itself (one byte an entry, and kept for backward) is what grows
+# with the square; rows up to about 1.2k tokens at 8 P-EAGLE depths (4k queries) fit. Longer rows go in chunks,
+# each recomputed in backward: measured on the CPU, chunking a 768-token row cost 12% of the step (2.35 s
+# against 2.10 s), so short rows keep the whole mask.
+ROW_MASK_ENTRIES = 2**24
+
+
+def row_mask_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: RowMask,
+                       chunk: int | None = None) -> torch.Tensor:
+    """Attention with a :class:`RowMask`, in chunks of queries once the whole mask would exceed ROW_MASK_ENTRIES:
+    each chunk's mask rows and scores are built in its forward and again in its backward (activation
+    checkpointing), so what is kept for backward is linear in the queries and the working set is one chunk's."""
+    t, s = q.shape[2], keys.shape[2]
+    chunk = chunk or (t if t * s <= ROW_MASK_ENTRIES else max(64, ROW_MASK_ENTRIES // s))
+    if chunk >= t:
+        return _row_mask_chunk(q, keys, values, mask, 0)
+    outs = [checkpoint(_row_mask_chunk, q[:, :, start:start + chunk], keys, values, mask, start, use_reentrant=False)
+            for start in range(0, t, chunk)]
+    return torch.cat(outs, dim=2)
+
+
+def _row_mask_chunk(q, keys, values, mask: RowMask, start: int) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.rows(start, start + q.shape[2]))
 
 
 class DraftDecoderLayer(nn.Module):

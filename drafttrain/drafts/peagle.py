@@ -19,6 +19,8 @@ import dataclasses
 
 import torch
 
+from drafttrain.drafts.layers import RowMask
+
 
 @dataclasses.dataclass
 class Rollouts:
@@ -61,13 +63,29 @@ def cod_rollouts(trainable: torch.Tensor, depths: int, ratio: float, floor: floa
     return Rollouts(torch.cat(anchors), torch.cat(levels))
 
 
+class ParallelMask(RowMask):
+    """Who sees whom among a row's T real pairs and S mask slots: real pair t sees real pairs <= t; a mask slot sees
+    the real pairs up to its anchor and its own rollout's slots at depths <= its own (itself included). Built a block
+    of query rows at a time, so a long row never holds the (T + S)^2 matrix (DraftAttention attends in chunks)."""
+
+    def __init__(self, length: int, rollouts: Rollouts):
+        device = rollouts.anchors.device
+        self.anchors = torch.cat([torch.arange(length, device=device), rollouts.anchors])
+        self.depths = torch.cat([torch.zeros(length, dtype=torch.long, device=device), rollouts.depths])
+
+    @property
+    def keys(self) -> int:
+        return self.anchors.numel()
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        anchors, depths = self.anchors[start:end, None], self.depths[start:end, None]
+        real_key = self.depths[None, :] == 0
+        sees_real = real_key & (self.anchors[None, :] <= anchors)
+        same_rollout = (self.anchors[None, :] == anchors) & (self.depths[None, :] <= depths) & ~real_key
+        return sees_real | same_rollout
+
+
 def parallel_mask(length: int, rollouts: Rollouts) -> torch.Tensor:
-    """(T + S, T + S): real slot t sees real slots <= t; a mask slot sees the real slots up to its anchor and its own
-    rollout's slots at depths <= its own (itself included)."""
-    device = rollouts.anchors.device
-    anchors = torch.cat([torch.arange(length, device=device), rollouts.anchors])
-    depths = torch.cat([torch.zeros(length, dtype=torch.long, device=device), rollouts.depths])
-    real_key = depths[None, :] == 0
-    sees_real = real_key & (anchors[None, :] <= anchors[:, None])
-    same_rollout = (anchors[None, :] == anchors[:, None]) & (depths[None, :] <= depths[:, None]) & ~real_key
-    return sees_real | same_rollout
+    """The whole (T + S, T + S) mask of :class:`ParallelMask`, for a model that takes it whole (PARD's HF student)."""
+    mask = ParallelMask(length, rollouts)
+    return mask.rows(0, mask.keys)

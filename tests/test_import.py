@@ -26,6 +26,7 @@ EAGLE3 = Path(__file__).parent / "fixtures" / "speculators_eagle3"
 SPECFORGE = Path(__file__).parent / "fixtures" / "specforge_eagle3"
 EAGLE1 = Path(__file__).parent / "fixtures" / "eagle1"
 VLLM_MEDUSA = Path(__file__).parent / "fixtures" / "vllm_medusa"
+PEAGLE = Path(__file__).parent / "fixtures" / "speculators_peagle"
 FOREIGN_EXTRAS = ("embed_tokens.weight",)  # the target's embeddings, which speculators' files carry a copy of
 
 
@@ -116,6 +117,52 @@ def test_a_speculators_eagle3_draft_imports_with_every_weight_and_exports_back(t
     assert exported.keys() == theirs.keys()
     for key, value in theirs.items():
         assert torch.equal(exported[key], value) or key in FOREIGN_EXTRAS, key
+
+
+def peagle_trained_for(target, tmp_path: Path, name: str = "llama_layers") -> Path:
+    """speculators' P-EAGLE fixture with the target's embedding table written in, as speculators' trainer copies the
+    verifier's (the fixture's random table stands for another verifier's); its mask token's row kept as written."""
+    folder = tmp_path / name
+    shutil.copytree(PEAGLE / name, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    table = target.model.get_input_embeddings().weight.detach().clone()
+    table[63] = tensors["embed_tokens.weight"][63]
+    save_file({**tensors, "embed_tokens.weight": table.contiguous()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_a_speculators_p_eagle_draft_imports_with_every_weight_decodes_losslessly_and_exports_back(tmp_path):
+    target = tiny_target()
+    source = peagle_trained_for(target, tmp_path)
+    out, _ = import_draft(source, target, tmp_path / "imported")
+    drafter = load_drafter(out, target).eval()
+    assert drafter.parallel and drafter.config.parallel_depths == 4 and drafter.mask_token_id == 63
+    assert drafter.layer_ids == [1, 2, 3] and drafter.d2t.numel() == 16
+    theirs, mine = load_file(str(source / "model.safetensors")), drafter.state_tensors()
+    assert torch.equal(mine["mask_embedding"], theirs["embed_tokens.weight"][63])
+    for key, value in theirs.items():
+        if key not in FOREIGN_EXTRAS:
+            assert torch.equal(mine[key.replace("layers.0.", "midlayer.")], value), key
+    prompt = [5, 9, 17, 3]
+    decoder = SpeculativeDecoder(target, build_proposer(drafter.proposer, target, draft=drafter), depth=4)
+    assert decoder.generate(prompt, 24).tokens == plain_decode(target, prompt, 24).tokens
+    export = export_draft(out, "speculators", tmp_path / "export", target)
+    back = json.loads((export / "config.json").read_text())
+    assert back["speculators_model_type"] == "peagle" and back["mask_token_id"] == 63
+    assert back["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    exported = load_file(str(export / "model.safetensors"))
+    for key, value in theirs.items():
+        assert torch.equal(exported[key], value), key
+
+
+def test_p_eagle_drafts_that_compute_something_else_are_refused_naming_why(tmp_path):
+    """speculators' P-EAGLE defaults: Qwen3 layers (q and k normed) and a trained embedding table. drafttrain's head
+    computes neither, so importing would serve another draft than the one trained."""
+    target = tiny_target()
+    with pytest.raises(DrafttrainError, match="normalise q and k"):
+        import_draft(peagle_trained_for(target, tmp_path, "qwen3_layers"), target, tmp_path / "qwen3")
+    with pytest.raises(DrafttrainError, match="embed_requires_grad"):  # the fixture's own table: not the target's
+        import_draft(PEAGLE / "llama_layers", target, tmp_path / "trained-table")
 
 
 def test_an_imported_eagle3_draft_serves_losslessly_and_continues_as_saved(tmp_path):

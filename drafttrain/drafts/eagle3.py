@@ -68,6 +68,21 @@ def foreign_section(layer: dict, ids: list[int], depth: int, fc_norm: bool, norm
                         ttt_steps=min(depth, window - 1) if window else depth)
 
 
+def _target_embeddings(tensors: dict[str, torch.Tensor], config: dict, target) -> bool:
+    """Whether a P-EAGLE draft's embedding table is the target's apart from its mask token's row (compared in the
+    file's dtype): what drafttrain's head computes, which reads the target's table and trains that row alone.
+    speculators' P-EAGLE trains the whole table by default, which this refuses."""
+    table = tensors.get(SPECULATORS_EMBEDDINGS)
+    if table is None:
+        return True
+    ours = target.model.get_input_embeddings().weight.detach().to(table.dtype)
+    if table.shape != ours.shape:
+        return False
+    rows = torch.ones(table.shape[0], dtype=torch.bool)
+    rows[config["mask_token_id"]] = False
+    return bool(torch.equal(table[rows], ours[rows]))
+
+
 def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
     """The taps as vLLM and SGLang read them: ascending, unique, each the input of a real layer (< L)."""
     if layers != sorted(set(layers)) or any(not 0 <= i < num_layers for i in layers):
@@ -331,7 +346,7 @@ class Eagle3Drafter(EagleHead):
 
     @classmethod
     def foreign_format(cls, config):
-        if config.get("speculators_model_type") == "eagle3":
+        if config.get("speculators_model_type") in ("eagle3", "peagle"):  # P-EAGLE: this kind's parallel_depths
             return "speculators"
         # EAGLE's and SpecForge's trainers write the interchange layout (a Llama config, midlayer.*, fc, d2t/t2d)
         return "specforge" if config.get("architectures") == ["LlamaForCausalLMEagle3"] else None
@@ -343,21 +358,35 @@ class Eagle3Drafter(EagleHead):
         if "transformer_layer_config" not in config:
             return cls._specforge_draft(config, tensors, target)
         layer = config["transformer_layer_config"]
+        if any(".q_norm." in name or ".k_norm." in name for name in tensors):
+            raise DrafttrainError("the draft's layers normalise q and k (Qwen3 layers: speculators' --draft-arch qwen3, "
+                                  "its P-EAGLE default), which drafttrain's EAGLE-3 layer does not compute: it would "
+                                  "load and draft something else (train it with --draft-arch llama)")
         check_foreign_layers(config, target)
+        peagle = config.get("speculators_model_type") == "peagle"
+        own_embeddings = config.get("embed_requires_grad") and not (peagle and _target_embeddings(tensors, config,
+                                                                                                   target))
         for flag, why in (("norm_before_fc", "one RMSNorm over the concatenated taps"),
                           ("norm_before_residual", "the residual taken after hidden_norm"),
                           ("embed_requires_grad", "token embeddings of its own, where drafttrain's head reads the "
-                                                  "target's")):
-            if config.get(flag):
+                                                  "target's (and, for P-EAGLE, its mask token's row)")):
+            if config.get(flag) and (flag != "embed_requires_grad" or own_embeddings):
                 raise DrafttrainError(f"the draft sets {flag} ({why}), which drafttrain's EAGLE-3 head does not "
                                       "compute: it would load and draft something else")
         ids = check_aux_layers(config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers),
                                target.num_layers)
-        # its draft length (what the speculators export writes back)
+        # its draft length (what the speculators export writes back; P-EAGLE's tokens per forward)
         methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        draft = foreign_section(layer, ids, int(methods[0].get("speculative_tokens") or 7),
-                                bool(config.get("fc_norm")), bool(config.get("norm_output")))
+        depth = int(methods[0].get("speculative_tokens") or 7)
+        draft = foreign_section(layer, ids, depth, bool(config.get("fc_norm")), bool(config.get("norm_output")))
+        if peagle:
+            draft = Eagle3Config(**{**draft.model_dump(), "parallel_depths": depth,
+                                    "mask_token_id": config["mask_token_id"]})
+        embeddings = tensors.get(SPECULATORS_EMBEDDINGS)
         tensors = foreign_tensors(tensors)
+        if peagle:  # its mask token's row (imported keeps that row alone); the target's when the file has no table
+            tensors[SPECULATORS_EMBEDDINGS] = (embeddings if embeddings is not None
+                                               else target.model.get_input_embeddings().weight.detach()).float()
         config, tensors = cls.imported("speculators", {**config, "drafttrain": {"export": {"aux_layer_ids": ids}}},
                                        tensors)
         return draft, {k: v for k, v in config.items() if k != "drafttrain"}, tensors, []

@@ -8,6 +8,8 @@
 #   scratch   a fresh head (the general recipe's start) trained on the maths rows for the same MINUTES
 #   adapt-fast  as adapt, at the general head's own learning rate (8e-4 instead of the maths recipe's 3e-4)
 #   adapt-vocab as adapt-fast, its draft vocabulary extended by the maths tokens it lacks (draft_vocab.enabled)
+#   adapt-offline as adapt-fast, the maths rows' hidden states written once by prepare (training.hidden_states:
+#               offline, with the target's argmax), so the minutes train the head instead of running the target
 # and prompt lookup, against plain decoding.
 #
 #   bash scripts/adapt/run.sh [OUT=runs/adapt] [MINUTES=8]
@@ -47,6 +49,8 @@ run_arm() {
         adapt-fast) arm adapt-fast draft.init_from="$general" training.learning_rate=8.0e-4 ;;
         # adapt-fast whose draft vocabulary gains the maths tokens the general one lacks (8% of the answers' tokens)
         adapt-vocab) arm adapt-vocab draft.init_from="$general" training.learning_rate=8.0e-4 draft_vocab.enabled=true ;;
+        adapt-offline) arm adapt-offline draft.init_from="$general" training.learning_rate=8.0e-4 \
+            training.hidden_states=offline ;;
         replay) arm replay draft.init_from="$general" "data.replay={run: $general, fraction: 0.3}" ;;
         lora) arm lora draft.init_from="$general" "draft.draft_lora={rank: 16, alpha: 32}" training.learning_rate=1.0e-3 ;;
         # the general head's draft vocabulary size (the schema's default, 32,000, made a head twice as slow to train)

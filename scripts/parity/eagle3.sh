@@ -8,6 +8,8 @@
 #   SEEDS="0 1" TRAINERS="drafttrain speculators specforge" bash scripts/parity/eagle3.sh OUT 10
 #   VARIANTS="grouped=training.group_by_length=true" ...    # more drafttrain arms: NAME=OVERRIDE[,OVERRIDE...]
 #   SKIP="specforge-s1" ...                                # sides left out (not trained, not measured)
+#   KIND=peagle TRAINERS="drafttrain speculators" ...       # P-EAGLE (8 per forward) on the same rows, against
+#                                                          # speculators' peagle (SpecForge has no offline P-EAGLE)
 #
 # The references live in their own venvs (SPECULATORS_VENV, SPECFORGE_VENV; how to install them:
 # scripts/parity/README.md), vLLM in VLLM_PYTHON's. Run it alone on the machine: the sides share a time budget.
@@ -16,7 +18,11 @@ set -euo pipefail
 out=${1:?usage: eagle3.sh OUT [MINUTES]}
 minutes=${2:-10}
 seeds=(${SEEDS:-0 1})
-trainers=(${TRAINERS:-drafttrain speculators specforge})
+kind=${KIND:-eagle3}  # eagle3 | peagle: drafttrain's EAGLE-3 kind with parallel_depths 8, speculators' --kind peagle
+ours_kind=()
+references="speculators specforge"
+[ "$kind" = peagle ] && ours_kind=(draft.parallel_depths=8) && references=speculators
+trainers=(${TRAINERS:-drafttrain $references})
 speculators_venv=${SPECULATORS_VENV:-/work/venvs/speculators}
 specforge_venv=${SPECFORGE_VENV:-/work/venvs/specforge}
 vllm_python=${VLLM_PYTHON:-/work/venvs/vllm/bin/python}
@@ -36,13 +42,13 @@ ours() {  # NAME SEED [OVERRIDES...]: a run folder that shares the prepared rows
     if [ ! -e "$dest/checkpoints/latest" ]; then
         share_run "$run" "$dest" "$(realpath "$run/features")"
         drafttrain train "$here/eagle3.yaml" output_dir="$dest" seed="$seed" training.time_budget_minutes="$minutes" \
-            "$@" >"$dest.log" 2>&1
+            "${ours_kind[@]}" "$@" >"$dest.log" 2>&1
     fi
 }
 reference() {  # TRAINER SEED
     local dest=$out/$1-s$2 venv=$speculators_venv batch=()
     [ "$1" = specforge ] && venv=$specforge_venv && batch=(--batch-size 2)
-    [ -e "$dest/run.json" ] || python "$here/reference.py" "$1" "$out/features" "$dest" --kind eagle3 --seed "$2" \
+    [ -e "$dest/run.json" ] || python "$here/reference.py" "$1" "$out/features" "$dest" --kind "$kind" --seed "$2" \
         --venv "$venv" --speculators-venv "$speculators_venv" --minutes "$minutes" "${batch[@]}" \
         >"$out/$1-s$2.log" 2>&1
 }

@@ -2,7 +2,7 @@
 training time, and import what it wrote as a drafttrain checkpoint for our evaluator.
 
     python scripts/parity/reference.py speculators FEATURES OUT --venv /work/venvs/speculators --minutes 15 \
-        [--kind dflash|eagle3] [--seed 0] [--calibrate-steps 12] -- [extra speculators train flags]
+        [--kind dflash|eagle3|peagle] [--seed 0] [--calibrate-steps 12] -- [extra speculators train flags]
 
 speculators has no time budget, only ``--max-steps``: a short calibration run measures its seconds per optimizer
 step (its own ``profile.step_ms``), and the real run gets the steps that fill ``--minutes`` of training compute,
@@ -40,7 +40,7 @@ from features import row_digest  # noqa: E402  (a sibling script, not a package)
 # Both recipes (recipes/smollm2_dflash.yaml, scripts/parity/eagle3.yaml) train with AdamW at this rate, cosine decay
 # after these warm-up steps; every trainer is given them
 LEARNING_RATE = 8e-4
-WARMUP_STEPS = {"dflash": 20, "eagle3": 30}
+WARMUP_STEPS = {"dflash": 20, "eagle3": 30, "peagle": 30}
 # drafttrain's recipes in speculators' flags, per kind (with the schedule above, in speculators_command). The tokens
 # per optimizer step (--total-seq-len, speculators packs rows up to it) are drafttrain's 4 rows (2 rows x 2
 # accumulation) at the run's mean row length: tokens_per_step
@@ -53,6 +53,14 @@ SPECULATORS_FLAGS = {
     "eagle3": ["--speculator-type", "eagle3", "--num-layers", "1", "--ttt-steps", "3", "--draft-vocab-size", "8192",
                "--no-norm-before-fc", "--no-norm-output", "--no-norm-before-residual", "--optimizer", "adamw",
                "--weight-decay", "0"],
+    # P-EAGLE (drafttrain: the EAGLE-3 kind with parallel_depths 8, on eagle3.yaml's rows): 1 layer of Llama's kind
+    # (its default is a Qwen3 layer, q and k normed) with full attention (its default is a 2048-token window, which
+    # drafttrain's P-EAGLE head does not have, so its import refuses it), 8 depths, COD 0.7 / 0.2 (both sides' defaults), vanilla norms
+    # and AdamW as for eagle3, the run's 8192-token draft vocabulary; its embedding table frozen (cpu_shim.py)
+    "peagle": ["--speculator-type", "peagle", "--num-layers", "1", "--draft-arch", "llama", "--full-attention-indices", "0",
+               "--num-depths", "8",
+               "--down-sample-ratio", "0.7", "--down-sample-ratio-min", "0.2", "--draft-vocab-size", "8192", "--no-norm-before-fc",
+               "--no-norm-output", "--no-norm-before-residual", "--optimizer", "adamw", "--weight-decay", "0"],
 }
 # on a CPU: fp32, no flex attention backward, no Triton, no dataloader workers
 SPECULATORS_CPU = ["--hidden-states-dtype", "float32", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
@@ -306,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="SpecForge: the venv whose `speculators convert` turns its export into speculators' format")
     parser.add_argument("extra", nargs="*", help="more flags for the trainer (after --)")
     args = parser.parse_args(argv)
+    if args.trainer == "specforge" and args.kind == "peagle":
+        parser.error("SpecForge 0.2.0 trains P-EAGLE only from its SGLang capture server (no offline features)")
+    if args.kind == "peagle":  # cpu_shim.py: P-EAGLE's embedding table frozen, as drafttrain's head reads the target's
+        os.environ["PEAGLE_FROZEN_EMBEDDINGS"] = "1"
     args.out.mkdir(parents=True, exist_ok=True)
     record = train_speculators(args) if args.trainer == "speculators" else train_specforge(args)
     imported, notes = import_draft(record["checkpoint"], load_target("smollm2-135m-instruct"), args.out / "imported",

@@ -85,8 +85,8 @@ def child(checkout: Path, length: int, ttt: int, out: Path, steps: int, limit_gi
 
 def planned(checkout: Path, length: int, ttt: int, out: Path, recipe: str) -> float:
     env = {**os.environ, "PYTHONPATH": str(checkout), "WANDB_MODE": "disabled"}
-    done = subprocess.run([sys.executable, "-m", "drafttrain", "plan", str(REPO / recipe), *settings(length, ttt, out), "--json"],
-                          cwd=checkout, env=env, capture_output=True, text=True)
+    command = [sys.executable, "-m", "drafttrain", "plan", str(REPO / recipe), *settings(length, ttt, out), "--json"]
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
     try:  # a plan that does not fit this machine exits 1 with its figures on stdout all the same
         return json.loads(done.stdout)["total"] / 2**20
     except (json.JSONDecodeError, KeyError):

@@ -59,16 +59,19 @@ def foreign_window(layer: dict) -> int | None:
                           "for all its layers")
 
 
-def foreign_section(layer: dict, ids: list[int], depth: int, fc_norm: bool, norm_output: bool) -> Eagle3Config:
+def foreign_section(layer: dict, ids: list[int], depth: int, fc_norm: bool, norm_output: bool,
+                    mask_token_id: int | None = None) -> Eagle3Config:
     """The EAGLE-3 section of a foreign draft whose layers ``layer`` describes: its window read from them, its draft
-    length ``depth`` kept as the training-time test's depth (below the window, which must exceed it)."""
+    length ``depth`` kept as the training-time test's depth (below the window, which must exceed it). With a
+    ``mask_token_id`` it is a P-EAGLE head drafting ``depth`` tokens a forward."""
     window = foreign_window(layer)
+    parallel = {} if mask_token_id is None else {"parallel_depths": depth, "mask_token_id": mask_token_id}
     return Eagle3Config(num_layers=layer["num_hidden_layers"], layers=ids, intermediate_size=layer["intermediate_size"],
                         fc_norm=fc_norm, norm_output=norm_output, sliding_window=window,
-                        ttt_steps=min(depth, window - 1) if window else depth)
+                        ttt_steps=min(depth, window - 1) if window else depth, **parallel)
 
 
-def _target_embeddings(tensors: dict[str, torch.Tensor], config: dict, target) -> bool:
+def _target_embeddings(tensors: dict[str, torch.Tensor], mask_token_id: int, target) -> bool:
     """Whether a P-EAGLE draft's embedding table is the target's apart from its mask token's row (compared in the
     file's dtype): what drafttrain's head computes, which reads the target's table and trains that row alone.
     speculators' P-EAGLE trains the whole table by default, which this refuses."""
@@ -79,7 +82,7 @@ def _target_embeddings(tensors: dict[str, torch.Tensor], config: dict, target) -
     if table.shape != ours.shape:
         return False
     rows = torch.ones(table.shape[0], dtype=torch.bool)
-    rows[config["mask_token_id"]] = False
+    rows[mask_token_id] = False
     return bool(torch.equal(table[rows], ours[rows]))
 
 
@@ -363,32 +366,31 @@ class Eagle3Drafter(EagleHead):
                                   "its P-EAGLE default), which drafttrain's EAGLE-3 layer does not compute: it would "
                                   "load and draft something else (train it with --draft-arch llama)")
         check_foreign_layers(config, target)
-        peagle = config.get("speculators_model_type") == "peagle"
-        own_embeddings = config.get("embed_requires_grad") and not (peagle and _target_embeddings(tensors, config,
-                                                                                                   target))
-        for flag, why in (("norm_before_fc", "one RMSNorm over the concatenated taps"),
-                          ("norm_before_residual", "the residual taken after hidden_norm"),
-                          ("embed_requires_grad", "token embeddings of its own, where drafttrain's head reads the "
-                                                  "target's (and, for P-EAGLE, its mask token's row)")):
-            if config.get(flag) and (flag != "embed_requires_grad" or own_embeddings):
+        mask = config["mask_token_id"] if config.get("speculators_model_type") == "peagle" else None
+        # a P-EAGLE file carries the target's table with its own mask row, which drafttrain's head does compute
+        own_table = config.get("embed_requires_grad") and not (mask is not None and
+                                                               _target_embeddings(tensors, mask, target))
+        for flag, set_, why in (("norm_before_fc", config.get("norm_before_fc"),
+                                 "one RMSNorm over the concatenated taps"),
+                                ("norm_before_residual", config.get("norm_before_residual"),
+                                 "the residual taken after hidden_norm"),
+                                ("embed_requires_grad", own_table, "token embeddings of its own, where drafttrain's "
+                                                                   "head reads the target's (and, for P-EAGLE, its "
+                                                                   "mask token's row)")):
+            if set_:
                 raise DrafttrainError(f"the draft sets {flag} ({why}), which drafttrain's EAGLE-3 head does not "
                                       "compute: it would load and draft something else")
         ids = check_aux_layers(config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers),
                                target.num_layers)
         # its draft length (what the speculators export writes back; P-EAGLE's tokens per forward)
         methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        depth = int(methods[0].get("speculative_tokens") or 7)
-        draft = foreign_section(layer, ids, depth, bool(config.get("fc_norm")), bool(config.get("norm_output")))
-        if peagle:
-            draft = Eagle3Config(**{**draft.model_dump(), "parallel_depths": depth,
-                                    "mask_token_id": config["mask_token_id"]})
-        embeddings = tensors.get(SPECULATORS_EMBEDDINGS)
-        tensors = foreign_tensors(tensors)
-        if peagle:  # its mask token's row (imported keeps that row alone); the target's when the file has no table
-            tensors[SPECULATORS_EMBEDDINGS] = (embeddings if embeddings is not None
-                                               else target.model.get_input_embeddings().weight.detach()).float()
-        config, tensors = cls.imported("speculators", {**config, "drafttrain": {"export": {"aux_layer_ids": ids}}},
-                                       tensors)
+        draft = foreign_section(layer, ids, int(methods[0].get("speculative_tokens") or 7),
+                                bool(config.get("fc_norm")), bool(config.get("norm_output")), mask)
+        own = foreign_tensors(tensors)
+        if mask is not None:  # `imported` keeps the mask token's row of the table alone (the target's, if none)
+            own[SPECULATORS_EMBEDDINGS] = tensors.get(SPECULATORS_EMBEDDINGS,
+                                                      target.model.get_input_embeddings().weight.detach()).float()
+        config, tensors = cls.imported("speculators", {**config, "drafttrain": {"export": {"aux_layer_ids": ids}}}, own)
         return draft, {k: v for k, v in config.items() if k != "drafttrain"}, tensors, []
 
     @classmethod

@@ -110,6 +110,20 @@ def test_a_training_step_has_the_shapes_the_weights_and_the_gradients_it_should(
         assert grad is not None and grad.abs().sum() > 0, name
 
 
+def test_a_training_step_runs_under_bf16_autocast():
+    """The H200 check (2026-11-27) failed here: the masks filled bf16 scores with float32's lowest value, which
+    bf16 cannot hold ("value cannot be converted to type c10::BFloat16 without overflow"). CPU autocast shows it."""
+    target = tiny_target()
+    drafter = tiny_dflash(target).train()
+    batch = batch_of(target)
+    outputs = run_target(target, batch, drafter.needs())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = drafter.training_step(batch, outputs)
+    assert torch.isfinite(out.loss) and out.loss > 0
+    out.loss.backward()
+    assert dict(drafter.named_parameters())["fc.weight"].grad.abs().sum() > 0
+
+
 def test_the_block_proposer_drafts_exactly_what_training_computes():
     """At inference the context is cached position by position and the block attends to it; in training every
     block is computed in one batched forward under the mask. The two must give the same predictions."""

@@ -95,10 +95,12 @@ class BlockAttention(nn.Module):
         q = self._queries(x, cos, sin).view(b, self.heads, a, w, self.head_dim)
         k, v = (repeat_kv(t, rep).view(b, self.heads, a, w, self.head_dim) for t in self.keys_values(x, cos, sin))
         keys, values = (repeat_kv(t, rep) for t in context)  # (B, h, T, hd)
-        lowest = torch.finfo(q.dtype).min
         to_context = torch.matmul(q.reshape(b, self.heads, n, self.head_dim), keys.transpose(2, 3))
-        to_context = (to_context.view(b, self.heads, a, w, -1) * scale).masked_fill(~context_mask, lowest)
-        to_block = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~block_mask, lowest)
+        to_context = to_context.view(b, self.heads, a, w, -1) * scale
+        to_block = torch.matmul(q, k.transpose(-1, -2)) * scale
+        lowest = torch.finfo(to_block.dtype).min  # the scores' dtype: bfloat16 under autocast, whatever q's
+        to_context = to_context.masked_fill(~context_mask, lowest)
+        to_block = to_block.masked_fill(~block_mask, lowest)
         weights = torch.softmax(torch.cat([to_context, to_block], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
         t = to_context.shape[-1]
         out = torch.matmul(weights[..., :t].reshape(b, self.heads, n, t), values).view(b, self.heads, a, w, -1)

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
 
 from drafttrain.data.chat import prompt_ids
+from drafttrain.decoding import autodepth
 from drafttrain.decoding import Draft, Proposer, plain_decode
 from drafttrain.decoding.autodepth import (Calibration, Costs, calibrate, choose, drafted_length, measure_costs,
                                           on_the_loop, physical, predicted_speedup)
@@ -176,3 +178,25 @@ def test_a_table_measured_at_a_slower_moment_is_rescaled_to_the_loop():
     assert choose(moved, loop, D).depth > 0
     # the table only re-based onto the loop's plain step promised less than the loop measured
     assert predicted_speedup(dataclasses.replace(slow, plain_s=CPU.plain_s), loop, D) < 0.8 * loop.measured()[0]
+
+
+def test_a_timing_waits_for_the_work_its_call_queued_on_the_device(monkeypatch):
+    """On a GPU a call returns once its kernels are launched; a timer read then times the launches, and whatever
+    waits next is charged for the kernels. Here the device's queue is a stand-in: the call queues 50 ms of work,
+    and waiting for the device runs it."""
+    queued = []
+
+    def launch() -> None:
+        queued.append(0.05)
+
+    def wait_for_device(device) -> None:
+        while queued:
+            time.sleep(queued.pop())
+
+    monkeypatch.setattr(autodepth, "synchronize", wait_for_device)
+    assert autodepth.timed_call(launch, "cuda") >= 0.05
+    assert autodepth.timed_call(launch, None) < 0.05  # not told of a device: the launch alone (what it was before)
+    queued.clear()
+    samples = autodepth.interleaved_samples({"a": launch, "b": lambda: None}, repeats=2, device="cuda")
+    assert min(samples["a"]) >= 0.05 and max(samples["b"]) < 0.05  # each call charged for its own work only
+    assert autodepth.median_time(launch, 3, "cuda") >= 0.05

@@ -61,7 +61,7 @@ from drafttrain.decoding.trees import (
     tree_position_ids,
 )
 from drafttrain.sampling import Sampling
-from drafttrain.targets import HiddenStateTap
+from drafttrain.targets import HiddenStateTap, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -125,18 +125,24 @@ class DepthChoice:
                 else round(self.calibration_measured, 3)}
 
 
-def median_time(fn, repeats: int) -> float:
+def timed_call(fn, device: torch.device | str | None = None) -> float:
+    """Seconds ``fn()`` takes, the work it queues on ``device`` included (on a GPU the launches return first)."""
+    if device is not None:
+        synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device is not None:
+        synchronize(device)
+    return time.perf_counter() - start
+
+
+def median_time(fn, repeats: int, device: torch.device | str | None = None) -> float:
     """Median wall time of ``fn()`` over ``repeats`` calls, after one warm-up call."""
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_call(fn, device) for _ in range(repeats))
 
 
-def _prefilled(target, proposer: Proposer, prompt: torch.Tensor):
+def prefilled(target, proposer: Proposer, prompt: torch.Tensor):
     """The target's KV cache after ``prompt``, its length, the next (greedy) token, and the proposer prefilled."""
     model = target.model
     cache = DynamicCache(config=model.config)
@@ -153,7 +159,7 @@ def _prefilled(target, proposer: Proposer, prompt: torch.Tensor):
 def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: int, repeats: int = 5) -> Costs:
     """Seconds per plain step, per verification width and per drafted depth, on ``prompt`` (token ids [1, P])."""
     model, device = target.model, target.device
-    cache, prefix, next_token, hidden = _prefilled(target, proposer, prompt.to(device))
+    cache, prefix, next_token, hidden = prefilled(target, proposer, prompt.to(device))
 
     def verify(width: int) -> None:
         cached_forward(model, cache, next_token.expand(1, width).contiguous())
@@ -164,10 +170,11 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
     requests = {d: DraftRequest(Chain(d), Sampling(), generator) for d in depths}  # built outside the timed calls
     samples = interleaved_samples({**{("verify", w): (lambda w=w: verify(w)) for w in widths},
                                    **{("draft", d): (lambda d=d: proposer.propose(requests[d])) for d in depths}},
-                                  repeats)
+                                  repeats, device)
     two = torch.cat([next_token, next_token], dim=1)  # a typical step: one accepted token and the target's own
     step_hidden = None if hidden is None else hidden[:, -2:]
-    accept_s = median_time(lambda: proposer.accept(two, step_hidden), repeats)  # last: it grows the draft's cache
+    # last: it grows the draft's cache
+    accept_s = median_time(lambda: proposer.accept(two, step_hidden), repeats, device)
     verify_s = [0.0] + [statistics.median(samples[("verify", w)]) for w in widths]
     draft_s = [0.0] + [statistics.median(samples[("draft", d)]) for d in depths]
     plain = samples[("verify", 1)]  # its interquartile range, relative: how far one timing may be off
@@ -213,7 +220,7 @@ def rescaled(costs: Costs, factor: float) -> Costs:
                                overhead_s=0.0)
 
 
-def interleaved_samples(fns: dict, repeats: int) -> dict:
+def interleaved_samples(fns: dict, repeats: int, device: torch.device | str | None = None) -> dict:
     """``repeats`` timings of every function, taken in rounds (one call of each per round, after one warm-up call
     of each), so that a slow phase of a shared machine falls on all of them alike instead of on one."""
     for fn in fns.values():
@@ -221,9 +228,7 @@ def interleaved_samples(fns: dict, repeats: int) -> dict:
     samples: dict = {key: [] for key in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[key].append(time.perf_counter() - start)
+            samples[key].append(timed_call(fn, device))
     return samples
 
 
@@ -361,15 +366,15 @@ def best_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_t
         raise DrafttrainError(f"tree auto needs a proposer that fills static trees from ranked candidates; "
                               f"{proposer.name!r} does not")
     model = target.model
-    cache, prefix, root, _ = _prefilled(target, proposer, prompts[0])
-    plain = median_time(lambda: _verify(model, cache, prefix, root, None), repeats)
+    cache, prefix, root, _ = prefilled(target, proposer, prompts[0])
+    plain = median_time(lambda: _verify(model, cache, prefix, root, None), repeats, target.device)
     request = DraftRequest(Chain(1), Sampling(), None)
     by_size, verify_ms, trees = {}, {}, {}
     for size in sizes:
         tree = StaticTree(build_static_tree(accuracies, size))
         request.shape = tree
-        draft_s = median_time(lambda: proposer.propose(request), repeats)
-        verify_s = median_time(lambda: _verify(model, cache, prefix, root, tree), repeats)
+        draft_s = median_time(lambda: proposer.propose(request), repeats, target.device)
+        verify_s = median_time(lambda: _verify(model, cache, prefix, root, tree), repeats, target.device)
         verify_ms[size] = 1e3 * verify_s
         by_size[size] = expected_tree_tokens(tree.paths, accuracies) * plain / (verify_s + draft_s)
         trees[size] = tree.paths

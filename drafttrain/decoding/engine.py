@@ -34,7 +34,7 @@ from drafttrain.decoding.verify import (
     verify_tree_greedy,
 )
 from drafttrain.sampling import Sampling, probabilities
-from drafttrain.targets import HiddenStateTap
+from drafttrain.targets import HiddenStateTap, synchronize
 
 
 @dataclasses.dataclass
@@ -149,13 +149,17 @@ class SpeculativeDecoder:
     def _cycle(self, request: DraftRequest, root: int, generator, stats: DecodeStats, fed: bool):
         """Draft (nothing when ``request.shape`` is None: a plain step), verify, and let the proposer consume the
         emitted tokens (when it follows this prompt). Returns the emitted tokens and the cycle's timings."""
+        # each phase waits for the kernels it queued, so that on a GPU its time is not charged to the next phase
+        device = self.target.device
         start = time.perf_counter()
-        draft = Draft.empty(self.target.device) if request.shape is None else self.proposer.propose(request)
+        draft = Draft.empty(device) if request.shape is None else self.proposer.propose(request)
+        synchronize(device)
         drafted = time.perf_counter()
         emitted, hidden = self._verify(draft, root, generator, stats)
         verified = time.perf_counter()
         if fed:
             self.proposer.accept(self._tensor([emitted]), hidden)
+            synchronize(device)
         end = time.perf_counter()
         stats.proposer_time_s += (drafted - start) + (end - verified)
         stats.verify_time_s += verified - drafted

@@ -1,7 +1,8 @@
 """Targets: loading (Hub id, folder, GGUF, built-in names), hidden-state taps, and the outputs drafts learn from."""
 
 from drafttrain.targets.hidden import HiddenStateTap, resolve_layers
-from drafttrain.targets.loading import BUILTIN_TARGETS, Target, check_same_tokenizer, load_target, load_tokenizer
+from drafttrain.targets.loading import (BUILTIN_TARGETS, Target, check_same_tokenizer, load_target, load_tokenizer,
+                                       synchronize)
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, logits_from_final, run_target
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "logits_from_final",
     "resolve_layers",
     "run_target",
+    "synchronize",
 ]

@@ -106,6 +106,14 @@ class Target:
         return hashlib.sha256(both.encode()).hexdigest()[:16]
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device``: a CUDA kernel runs after the Python call that launched it returns,
+    so a wall-clock timer read without this times the launches, and the next call that waits is charged for it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def provenance(target: Target) -> dict[str, str | None]:
     """{"base_model": a Hub id, "license": an SPDX-style id} of a target, where known: a built-in's are recorded; a
     model folder's come from its README metadata (as the Hub writes it); a Hub id is its own base_model."""

@@ -66,12 +66,17 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return warp_logits(logits, sampling).softmax(-1)
 
 
-def top_probability(logits: torch.Tensor, sampling: Sampling) -> float:
-    """The draft's largest probability at a position (the unwarped softmax when greedy): what a confidence stop
-    reads, never the token about to be drawn, so stopping on it keeps sampling lossless."""
+def top_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The draft's largest probability at each position of ``logits`` [..., V] (the unwarped softmax when greedy):
+    what a confidence stop reads, never the token about to be drawn, so stopping on it keeps sampling lossless."""
     if sampling.greedy:
-        return float(torch.softmax(logits.float(), dim=-1).max())
-    return float(probabilities(logits, sampling).max())
+        return torch.softmax(logits.float(), dim=-1).amax(-1)
+    return probabilities(logits, sampling).amax(-1)
+
+
+def top_probability(logits: torch.Tensor, sampling: Sampling) -> float:
+    """``top_probabilities`` of one position's logits [V]."""
+    return float(top_probabilities(logits, sampling))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

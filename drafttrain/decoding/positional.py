@@ -12,21 +12,23 @@ from __future__ import annotations
 import torch
 
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
-from drafttrain.sampling import Sampling, top_probability
+from drafttrain.sampling import Sampling, top_probabilities
 
 
 def positional_draft(logits: torch.Tensor, shape: Chain | StaticTree, sampling: Sampling,
                      device: torch.device | str) -> tuple[Draft, list[float]]:
     """``logits`` [depths, V] -> (the draft, the top probability at each drafted chain position)."""
     if isinstance(shape, Chain):
+        rows = logits[: shape.depth]
+        # every depth's top-1 and top probability in two transfers: on a GPU a read per depth is a sync per depth
+        tops, best = top_probabilities(rows, sampling).tolist(), rows.argmax(-1).tolist()
         tokens, confidence, confidences = [], 1.0, []
-        for row in logits[: shape.depth]:
-            top = top_probability(row, sampling)
+        for top, token in zip(tops, best):
             confidence *= top
             if shape.stops_at(confidence):
                 break
             confidences.append(top)
-            tokens.append(int(row.argmax()))
+            tokens.append(token)
         return Draft.chain(torch.tensor([tokens], dtype=torch.long, device=device).reshape(1, -1)), confidences
     widest = max(shape.ranks) + 1
     candidates = torch.topk(logits[: shape.depth], widest, dim=-1).indices.tolist()

@@ -320,7 +320,8 @@ def _greedy_verdict(greedy_match: float | None, temperature: float, strict: bool
     banner = "!" * 78
     print(
         f"\n{banner}\nWARNING: at T=0 only {greedy_match:.1%} of prompts produced exactly the baseline's tokens.\n"
-        "A lossless engine must reproduce plain greedy decoding; see first_mismatch in report.json.\n"
+        "A lossless engine must reproduce plain greedy decoding; see first_mismatch in report.json, and\n"
+        "mismatch_rounding for whether the target's own rounding explains each one (bf16: near-ties).\n"
         f"{banner}\n",
         file=sys.stderr,
     )

@@ -37,6 +37,7 @@ from drafttrain.evaluation.records import (
     reference_line,
     run_turns,
 )
+from drafttrain.evaluation.rounding import explain_mismatch, rounding_summary
 from drafttrain.evaluation.run_info import Budget, LoadWatch, jsonable, now, run_config
 from drafttrain.evaluation.sides import BASELINE, COMPARED, HF_REFERENCE, ORIGINAL_TARGET, Compared, Side, SideBuilder
 from drafttrain.evaluation.suites import Question, Suite
@@ -121,6 +122,7 @@ def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str
                 answers.add(question, runs[-1][0])
         questions = questions[: len(runs)]
         report = _summary(sides, questions, runs, settings.temperature)
+        _judge_mismatches(target, report, sides, runs, settings.temperature)
         described = _described(sides, baseline, hf_reference)
         report.config = run_config(target, sides[0].choice.settings, suite=suite_name, questions=questions,
                                    described=described, stop_ids=stop_ids, started_at=started_at)
@@ -182,6 +184,25 @@ def _summary(sides: list[Side], questions: list[Question], runs: list[list[SideR
         references={label: reference_line(p, temperature) for label, p in lines[HF_REFERENCE].items()},
         comparisons={label: comparison_line(p, temperature) for label, p in lines[COMPARED].items()},
         original_target=None if original is None else original_target_line(original, records, temperature))
+
+
+def _judge_mismatches(target, report: EvalReport, sides: list[Side], runs: list[list[SideRun]],
+                      temperature: float) -> None:
+    """At T=0, the target's verdict on each side's first greedy mismatch in each prompt (drafttrain.evaluation.
+    rounding: its own rounding, or a defect): the method's in its prompt records, a compared side's in its line."""
+    base = next((i for i, side in enumerate(sides) if side.role == BASELINE), None)
+    if temperature != 0 or base is None:
+        return
+    judged = {i: [explain_mismatch(target, r[i], r[base]) for r in runs]
+              for i, side in enumerate(sides) if i == 0 or side.role == COMPARED}
+    for record, verdict in zip(report.prompts, judged.pop(0)):
+        record["mismatch_rounding"] = verdict
+    report.overall["greedy_mismatches"] = rounding_summary([r["mismatch_rounding"] for r in report.prompts
+                                                            if r["mismatch_rounding"]])
+    for i, verdicts in judged.items():
+        line = report.comparisons[sides[i].label]
+        line["mismatches"] = [{"question_id": p["question_id"], **v} for p, v in zip(report.prompts, verdicts) if v]
+        line["greedy_mismatches"] = rounding_summary(line["mismatches"])
 
 
 def _described(sides: list[Side], baseline: bool, hf_reference: bool) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import torch
 from drafttrain.data.chat import prompt_ids
 from drafttrain.evaluation import metrics
 from drafttrain.evaluation.suites import Question
+from drafttrain.targets import synchronize
 
 # generate function of one side: rendered prompt ids (1, L) -> (new tokens, DecodeStats; for HF a dict of counts)
 GenerateFn = Callable[[torch.Tensor], tuple[list[int], Any]]
@@ -27,6 +28,7 @@ class SideRun:
     seconds: float
     stats: list[Any]  # per turn: DecodeStats, or {"target_forwards": n} for HF references
     prompt_tokens: list[int]
+    prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per turn (a mismatch's context)
 
     @property
     def new_tokens(self) -> int:
@@ -44,27 +46,24 @@ def run_turns(tokenizer, question: Question, generate: GenerateFn, device: torch
     Prompts are rendered on the CPU and moved to ``device`` before the clock starts (HF's generate does not
     move them itself)."""
     history: list[dict[str, str]] = []
-    turn_tokens, stats, prompt_tokens, seconds = [], [], [], 0.0
+    turn_tokens, stats, prompt_tokens, turn_prompts, seconds = [], [], [], [], 0.0
     for turn in question.turns:
         messages = history + [{"role": "user", "content": turn}]
-        ids = torch.tensor([prompt_ids(tokenizer, messages)])
+        turn_prompts.append(prompt_ids(tokenizer, messages))
+        ids = torch.tensor([turn_prompts[-1]])
         if device is not None:
             ids = ids.to(device)
-        _sync(ids.device)
+        synchronize(ids.device)
         start = time.perf_counter()
         tokens, turn_stats = generate(ids)
-        _sync(ids.device)
+        synchronize(ids.device)
         seconds += time.perf_counter() - start
         turn_tokens.append(tokens)
         stats.append(turn_stats)
         prompt_tokens.append(int(ids.shape[-1]))
         history = messages + [{"role": "assistant", "content": answer_text(tokenizer, tokens)}]
-    return SideRun(turn_tokens=turn_tokens, seconds=seconds, stats=stats, prompt_tokens=prompt_tokens)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return SideRun(turn_tokens=turn_tokens, seconds=seconds, stats=stats, prompt_tokens=prompt_tokens,
+                   prompt_ids=turn_prompts)
 
 
 def _stats_lists(stats: list[Any], field: str) -> list[int]:
@@ -89,7 +88,7 @@ def _step_lists(run: SideRun) -> dict[str, list[int]]:
                                  for ctx in metrics.contexts_per_step(prompt, s.accepted_per_step)]}
 
 
-def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (None when equal); a length difference counts at the shorter end."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -137,7 +136,7 @@ def prompt_record(question: Question, method: SideRun, base: SideRun | None, tem
             speedup=metrics.speedup([method.new_tokens], [method.seconds], [base.new_tokens], [base.seconds]),
         )
         if temperature == 0:
-            mismatches = [_first_mismatch(m, b) for m, b in zip(method.turn_tokens, base.turn_tokens)]
+            mismatches = [first_mismatch(m, b) for m, b in zip(method.turn_tokens, base.turn_tokens)]
             record["greedy_match"] = all(m is None for m in mismatches)
             # Where each turn first diverged (token index), to debug losslessness without storing text.
             record["first_mismatch"] = mismatches

@@ -174,6 +174,21 @@ def speedup_text(overall: dict[str, Any]) -> str | None:
     return f"speedup {overall['speedup']:.2f}×{spread}"
 
 
+def mismatch_text(report: EvalReport) -> str | None:
+    """Each side's greedy mismatches and how many of them the target's own rounding explains (None: none)."""
+    sides = [("the method", report.overall.get("greedy_mismatches"))]
+    sides += [(f"`{k}`", v.get("greedy_mismatches")) for k, v in report.comparisons.items()]
+    counted = [(name, m) for name, m in sides if m and m["prompts"]]
+    if not counted:
+        return None
+    return ("greedy mismatches, judged by the target at each prompt's first one (drafttrain.evaluation.rounding): "
+            + "; ".join(f"{name} {m['prompts']} prompt(s), {m['rounding']} within the target's own rounding "
+                        "(a near-tie its one-token and verification-wide forwards order differently)"
+                        if m["rounding"] == m["prompts"] else
+                        f"{name} {m['prompts']} prompt(s), {m['prompts'] - m['rounding']} NOT explained by rounding"
+                        for name, m in counted))
+
+
 def load_note(config: dict[str, Any]) -> str | None:
     """The one plain line a report gets when the machine was busy while it measured."""
     return (config.get("machine_load") or {}).get("note")
@@ -188,7 +203,7 @@ def render_markdown(report: EvalReport) -> str:
         f"\nSpeedup as SafeAILab/EAGLE's speed.py computes it (ratio of mean per-prompt speeds): "
         f"{fmt(report.overall.get('speedup_ratio_of_mean_speeds'), 2, '×')}\n"
     )
-    for line in (speedup_text(report.overall), load_note(report.config)):
+    for line in (speedup_text(report.overall), load_note(report.config), mismatch_text(report)):
         if line:
             parts.append(f"\n{line[0].upper()}{line[1:]}.\n")
     split = report.overall.get("step_ms")
@@ -354,6 +369,8 @@ def print_report(report: EvalReport, console=None) -> None:
         console.print(context_line(report.overall["by_context"]))
     if load_note(report.config):
         console.print(f"NOTE: {load_note(report.config)}", style="bold yellow")
+    if mismatch_text(report):
+        console.print(f"NOTE: {mismatch_text(report)}", style="bold yellow")
     split = report.overall.get("step_ms")
     if split:
         console.print(f"per step: drafting {split['draft']:.1f} ms, verification {split['verify']:.1f} ms, "

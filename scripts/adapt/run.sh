@@ -10,6 +10,7 @@
 #   adapt-vocab as adapt-fast, its draft vocabulary extended by the maths tokens it lacks (draft_vocab.enabled)
 #   adapt-offline as adapt-fast, the maths rows' hidden states written once by prepare (training.hidden_states:
 #               offline, with the target's argmax), so the minutes train the head instead of running the target
+#   scratch-offline as scratch, from the same offline cache (the fair comparison for adapt-offline)
 # and prompt lookup, against plain decoding.
 #
 #   bash scripts/adapt/run.sh [OUT=runs/adapt] [MINUTES=8]
@@ -56,6 +57,10 @@ run_arm() {
         # the general head's draft vocabulary size (the schema's default, 32,000, made a head twice as slow to train)
         scratch) arm scratch draft_vocab.enabled=true draft_vocab.size=8192 "draft.init_from_target=[lm_head, layer, fc]" \
             training.learning_rate=8.0e-4 training.warmup_steps=30 ;;
+        # scratch from the same offline cache: how much of adapt-offline's gain is the general head's start
+        scratch-offline) arm scratch-offline draft_vocab.enabled=true draft_vocab.size=8192 \
+            "draft.init_from_target=[lm_head, layer, fc]" training.learning_rate=8.0e-4 training.warmup_steps=30 \
+            training.hidden_states=offline ;;
         *) echo "unknown arm $1" >&2; exit 2 ;;
     esac
 }

@@ -63,8 +63,8 @@ def profiled(fn, device: torch.device, calls: int) -> dict:
         return sum(e.count for e in events if any(n in e.key for n in names)) / calls
 
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"aten_ops": count("aten::"), "kernels": count("cudaLaunchKernel", "cuLaunchKernel"), "copies": count("cudaMemcpyAsync"),
-            "syncs": count("cudaStreamSynchronize", "cudaDeviceSynchronize"),
+    return {"aten_ops": count("aten::"), "kernels": count("cudaLaunchKernel", "cuLaunchKernel"),
+            "copies": count("cudaMemcpyAsync"), "syncs": count("cudaStreamSynchronize", "cudaDeviceSynchronize"),
             "gpu_busy_ms": round(kernel_us / calls / 1e3, 3), "wall_ms_profiled": round(wall_s / calls * 1e3, 3)}
 
 

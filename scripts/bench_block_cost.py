@@ -28,9 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from drafttrain.config import DFlashConfig, DraftModelConfig, Eagle3Config
 from drafttrain.cpu_linear import PackedLinears
-from drafttrain.decoding.autodepth import measure_costs, prefilled
+from drafttrain.decoding.autodepth import measure_costs, prefilled, verify_once
 from drafttrain.decoding.proposers import DraftRequest, build_proposer
-from drafttrain.decoding.trees import Chain, cached_forward, compact_cache
+from drafttrain.decoding.trees import Chain
 from drafttrain.drafts import build_drafter
 from drafttrain.sampling import Sampling
 from drafttrain.targets import load_target, synchronize
@@ -72,13 +72,9 @@ def profile_row(target, proposer, prompt: torch.Tensor, length: int, calls: int)
     """The profiler's counts for one proposal of ``length`` tokens and one verification of ``length + 1``."""
     cache, prefix, next_token, _ = prefilled(target, proposer, prompt.to(target.device))
     request = DraftRequest(Chain(length), Sampling(), torch.Generator(device=target.device).manual_seed(0))
-
-    def verify() -> None:
-        cached_forward(target.model, cache, next_token.expand(1, length + 1).contiguous())
-        compact_cache(cache, prefix, [])
-
     return {"draft": profiled(lambda: proposer.propose(request), target.device, calls),
-            "verify": profiled(verify, target.device, calls)}
+            "verify": profiled(lambda: verify_once(target.model, cache, prefix, next_token, width=length + 1),
+                               target.device, calls)}
 
 
 def main() -> int:

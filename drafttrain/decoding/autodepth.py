@@ -161,16 +161,13 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
     model, device = target.model, target.device
     cache, prefix, next_token, hidden = prefilled(target, proposer, prompt.to(device))
 
-    def verify(width: int) -> None:
-        cached_forward(model, cache, next_token.expand(1, width).contiguous())
-        compact_cache(cache, prefix, [])
-
     widths, depths = range(1, max_depth + 2), range(1, max_depth + 1)
     generator = torch.Generator(device=device).manual_seed(0)
     requests = {d: DraftRequest(Chain(d), Sampling(), generator) for d in depths}  # built outside the timed calls
-    samples = interleaved_samples({**{("verify", w): (lambda w=w: verify(w)) for w in widths},
-                                   **{("draft", d): (lambda d=d: proposer.propose(requests[d])) for d in depths}},
-                                  repeats, device)
+    verifications = {("verify", w): (lambda w=w: verify_once(model, cache, prefix, next_token, width=w))
+                     for w in widths}
+    drafts = {("draft", d): (lambda d=d: proposer.propose(requests[d])) for d in depths}
+    samples = interleaved_samples({**verifications, **drafts}, repeats, device)
     two = torch.cat([next_token, next_token], dim=1)  # a typical step: one accepted token and the target's own
     step_hidden = None if hidden is None else hidden[:, -2:]
     # last: it grows the draft's cache
@@ -367,14 +364,14 @@ def best_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_t
                               f"{proposer.name!r} does not")
     model = target.model
     cache, prefix, root, _ = prefilled(target, proposer, prompts[0])
-    plain = median_time(lambda: _verify(model, cache, prefix, root, None), repeats, target.device)
+    plain = median_time(lambda: verify_once(model, cache, prefix, root), repeats, target.device)
     request = DraftRequest(Chain(1), Sampling(), None)
     by_size, verify_ms, trees = {}, {}, {}
     for size in sizes:
         tree = StaticTree(build_static_tree(accuracies, size))
         request.shape = tree
         draft_s = median_time(lambda: proposer.propose(request), repeats, target.device)
-        verify_s = median_time(lambda: _verify(model, cache, prefix, root, tree), repeats, target.device)
+        verify_s = median_time(lambda: verify_once(model, cache, prefix, root, tree), repeats, target.device)
         verify_ms[size] = 1e3 * verify_s
         by_size[size] = expected_tree_tokens(tree.paths, accuracies) * plain / (verify_s + draft_s)
         trees[size] = tree.paths
@@ -382,10 +379,11 @@ def best_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_t
     return TreeChoice(trees[best], by_size[best], by_size, verify_ms, accuracies, plain)
 
 
-def _verify(model, cache, prefix: int, root: torch.Tensor, tree) -> None:
-    """One verification forward of the root and ``tree``'s nodes (or the root alone), then back to ``prefix``."""
+def verify_once(model, cache, prefix: int, root: torch.Tensor, tree=None, width: int = 1) -> None:
+    """One verification forward after the ``prefix`` cached tokens, of the root and ``tree``'s nodes, or without a
+    tree of ``width`` tokens (a chain's), then the cache cropped back: a cycle's cost, repeatable on one cache."""
     if tree is None:
-        cached_forward(model, cache, root)
+        cached_forward(model, cache, root.expand(1, width).contiguous())
     else:
         ids = root.expand(1, len(tree) + 1).contiguous()
         cached_forward(model, cache, ids, position_ids=tree_position_ids(tree.parents, prefix, root.device),

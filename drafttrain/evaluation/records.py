@@ -27,8 +27,11 @@ class SideRun:
     turn_tokens: list[list[int]]
     seconds: float
     stats: list[Any]  # per turn: DecodeStats, or {"target_forwards": n} for HF references
-    prompt_tokens: list[int]
-    prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per turn (a mismatch's context)
+    prompt_ids: list[list[int]]  # per turn: the rendered prompt (a mismatch's context)
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return [len(ids) for ids in self.prompt_ids]
 
     @property
     def new_tokens(self) -> int:
@@ -46,7 +49,7 @@ def run_turns(tokenizer, question: Question, generate: GenerateFn, device: torch
     Prompts are rendered on the CPU and moved to ``device`` before the clock starts (HF's generate does not
     move them itself)."""
     history: list[dict[str, str]] = []
-    turn_tokens, stats, prompt_tokens, turn_prompts, seconds = [], [], [], [], 0.0
+    turn_tokens, stats, turn_prompts, seconds = [], [], [], 0.0
     for turn in question.turns:
         messages = history + [{"role": "user", "content": turn}]
         turn_prompts.append(prompt_ids(tokenizer, messages))
@@ -60,10 +63,8 @@ def run_turns(tokenizer, question: Question, generate: GenerateFn, device: torch
         seconds += time.perf_counter() - start
         turn_tokens.append(tokens)
         stats.append(turn_stats)
-        prompt_tokens.append(int(ids.shape[-1]))
         history = messages + [{"role": "assistant", "content": answer_text(tokenizer, tokens)}]
-    return SideRun(turn_tokens=turn_tokens, seconds=seconds, stats=stats, prompt_tokens=prompt_tokens,
-                   prompt_ids=turn_prompts)
+    return SideRun(turn_tokens=turn_tokens, seconds=seconds, stats=stats, prompt_ids=turn_prompts)
 
 
 def _stats_lists(stats: list[Any], field: str) -> list[int]:

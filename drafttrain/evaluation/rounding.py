@@ -6,8 +6,8 @@ products round differently, and where the target's two best tokens are nearly ti
 (the 2026-11-27 H200 check: prompt lookup, which has no draft model, matched 0 of 4 prompts). A defect of ours
 (a wrong mask, position or acceptance rule) instead emits a token the target ranks clearly lower.
 
-So at a mismatch the target is run on the shared context both ways, once token by token at the end (as plain
-decoding computes it) and once over a verification-wide window (as a speculative step does). The difference between
+So at a mismatch the target runs the shared context both ways from one prefill: ending in a one-token forward (as
+plain decoding's step does) and in a verification-wide one (as a speculative step does). The difference between
 the two computations at the two tokens is the rounding noise there; a mismatch whose logit gap is within twice
 that noise, or whose order the two computations disagree on, is rounding.
 """
@@ -17,20 +17,29 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from drafttrain.decoding.trees import cached_forward
+from drafttrain.decoding.trees import cached_forward, compact_cache
 from drafttrain.evaluation.records import SideRun, first_mismatch
 
 WINDOW = 8  # tokens verified together in the wide computation (a chain of depth 7 verifies 8)
 
 
 @torch.inference_mode()
-def _last_logits(model, ids: torch.Tensor, tail: int) -> torch.Tensor:
-    """Float logits [V] for the token after ``ids`` [1, n]: the first n - tail tokens as one prefill, then the last
-    ``tail`` tokens in one forward (tail 1: plain decoding's step)."""
+def _both_ways(model, ids: torch.Tensor, wide: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float logits [V] for the token after ``ids`` [1, n], from one prefill of all but the last ``wide`` tokens:
+    (those tokens then in one forward, as a verification computes it; then, the cache cropped back, all but the
+    last of them in one forward and the last alone, as plain decoding's step ends)."""
+    prefix = ids.shape[1] - wide
     cache = DynamicCache(config=model.config)
-    if ids.shape[1] > tail:
-        cached_forward(model, cache, ids[:, :-tail])
-    return cached_forward(model, cache, ids[:, -tail:])[0, -1].float()
+    if prefix:
+        cached_forward(model, cache, ids[:, :prefix])
+    verified = cached_forward(model, cache, ids[:, prefix:])[0, -1].float()
+    if prefix:
+        compact_cache(cache, prefix, [])
+    else:
+        cache = DynamicCache(config=model.config)
+    if wide > 1:
+        cached_forward(model, cache, ids[:, prefix:-1])
+    return cached_forward(model, cache, ids[:, -1:])[0, -1].float(), verified
 
 
 def mismatch_rounding(target, context: list[int], expected: int, got: int) -> dict:
@@ -38,8 +47,7 @@ def mismatch_rounding(target, context: list[int], expected: int, got: int) -> di
     ``expected`` is the baseline's token, ``got`` the side's. Returns the logit gap (expected minus got) by each
     computation, the rounding noise at those two tokens, and whether the mismatch is within it."""
     ids = torch.tensor([context], dtype=torch.long, device=target.device)
-    step = _last_logits(target.model, ids, 1)
-    wide = _last_logits(target.model, ids, min(WINDOW, len(context)))
+    step, wide = _both_ways(target.model, ids, min(WINDOW, len(context)))
     gaps = [float(logits[expected] - logits[got]) for logits in (step, wide)]
     noise = max(abs(float(step[t] - wide[t])) for t in (expected, got))
     rounding = (gaps[0] > 0) != (gaps[1] > 0) or min(abs(g) for g in gaps) <= 2 * noise
@@ -55,7 +63,7 @@ def explain_mismatch(target, side: SideRun, base: SideRun) -> dict | None:
         if at is None:
             continue
         where = {"turn": turn, "at": at}
-        if at >= min(len(ours), len(theirs)) or turn >= len(base.prompt_ids):
+        if at >= min(len(ours), len(theirs)):
             return {**where, "rounding": None}  # one side stopped: no pair of tokens to compare
         context = base.prompt_ids[turn] + theirs[:at]
         return {**where, **mismatch_rounding(target, context, expected=theirs[at], got=ours[at])}

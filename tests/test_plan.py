@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import small_recipe
 from drafttrain import DrafttrainError
 from drafttrain.commands import main
 from drafttrain.config import load_recipe
-from drafttrain.training.plan import GIB, Cluster, check_fits, plan
+from drafttrain.training.plan import GIB, Cluster, _MetaScalars, check_fits, plan
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
@@ -210,3 +211,22 @@ def test_a_plan_is_never_approved_on_inputs_it_ignores(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "recipe.yaml", flag, value])
     assert exit_.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
+
+
+def test_the_meta_run_counts_what_a_step_holds_beside_its_saved_tensors():
+    """P-EAGLE's loss holds (T + S) x vocab logits, labels and products alive at once, few of them saved: the plan
+    missed 2.4 GB of an 8k-token step while it counted saved tensors alone. The meta run's peak counts every storage
+    alive at once, and lets one go when its last holder, Python or autograd, does."""
+    mb = 500 * 1000 * 4
+    with _MetaScalars() as ops:
+        weight = torch.zeros(64, 1000, device="meta", requires_grad=True)
+        hidden = torch.zeros(500, 64, device="meta")
+        before = ops.start_peak()
+        logits = hidden @ weight  # not saved: the matmul keeps its inputs
+        labels = torch.zeros(500, 1000, device="meta")
+        log_probs = logits.log_softmax(-1)  # saved: log_softmax's backward reads its output
+        loss = -(log_probs * labels.softmax(-1)).sum()  # the softmax saved, the product not
+        assert ops.peak - before >= 5 * mb
+        del logits, labels, log_probs
+        assert ops.now - before == pytest.approx(2 * mb, abs=64)  # what autograd saved, and the loss
+        loss.backward()

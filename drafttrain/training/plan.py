@@ -15,7 +15,8 @@ Per process, on the device the recipe trains on:
 * the draft's weights, gradients and AdamW states, split as the ZeRO stage splits them;
 * DeepSpeed's gradient-reduction buckets, which it allocates at their configured size however small the draft;
 * activations saved for the backward pass, the target outputs the step consumes, and the largest transient: one
-  chunk of full-vocabulary logits, or the backward's working copy of the largest saved tensor.
+  chunk of full-vocabulary logits, the backward's working copy of the largest saved tensor, or what the forward
+  holds beside its saved tensors at its peak (every storage alive at once in the meta run is counted).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import shutil
 import socket
 import tempfile
+import weakref
 from pathlib import Path
 
 import psutil
@@ -257,10 +259,33 @@ def _draft_section(recipe: Recipe, vocab_size: int):
 class _MetaScalars(torch.utils._python_dispatch.TorchDispatchMode):
     """Lets a training step read a scalar (a metric, a branch) from a meta tensor: it reads 0. Only shapes matter.
     It also notes the largest tensor any operation makes, saved or not (a chunk of attention scores that activation
-    checkpointing recomputes in the backward pass is never saved, but exists then)."""
+    checkpointing recomputes in the backward pass is never saved, but exists then), and the peak of the bytes alive
+    at once since :meth:`start_peak`: tensors the step still holds that autograd does not save (a loss's full-width
+    logits and labels beside their log-probabilities) count there and nowhere else. A storage is alive until its
+    last reference, Python's or autograd's, goes."""
     def __init__(self):
         super().__init__()
         self.largest = 0
+        self.alive: dict[int, int] = {}  # storage -> bytes
+        self.now = self.peak = 0
+
+    def start_peak(self) -> int:
+        """Start measuring the peak from here; returns the bytes alive now (parameters, inputs)."""
+        self.peak = self.now
+        return self.now
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.alive:
+            return
+        self.alive[key] = storage.nbytes()
+        self.now += self.alive[key]
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.now -= self.alive.pop(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
@@ -269,6 +294,7 @@ class _MetaScalars(torch.utils._python_dispatch.TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, _nbytes(t))
+                self._track(t)
         return out
 
 
@@ -302,6 +328,7 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
             saved[id(base)] = _nbytes(base)
             return t
 
+        before = ops.start_peak()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             drafter.training_step(batch, outputs)
     own = [p for n, p in drafter.named_parameters() if not n.startswith("target.")]
@@ -315,9 +342,11 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
         "frozen_bytes": sum(_nbytes(p) for p in own if not p.requires_grad),
         "saved": sum(saved.values()),
         "outputs": sum(_nbytes(t) for t in (outputs.hidden, outputs.final, outputs.logits, outputs.argmax)),
-        # one chunk of full logits (and its argmax pass), the backward's copy of the largest saved tensor, or a
-        # recomputed chunk's working set (its scores, their softmax, and the gradients of both)
-        "transient": max(2 * batch_size * chunk * target.vocab_size * 4, 2 * largest, 3 * ops.largest),
+        # one chunk of full logits (and its argmax pass), the backward's copy of the largest saved tensor, a
+        # recomputed chunk's working set (its scores, their softmax, and the gradients of both), or what the
+        # forward holds beside its saved tensors at its peak
+        "transient": max(2 * batch_size * chunk * target.vocab_size * 4, 2 * largest, 3 * ops.largest,
+                         ops.peak - before - sum(saved.values())),
     }
 
 

@@ -410,7 +410,7 @@ class TrainingConfig(Section):
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
     # Train for this many minutes (training time: checkpoints and their evaluation not counted), the learning-rate
-    # schedule running over the budget; epochs / max_steps still cap the run.
+    # schedule running over the budget; epochs / max_steps still cap the run, and end the schedule if they come first.
     time_budget_minutes: float | None = Field(None, gt=0)
     batch_size: int = Field(1, gt=0)  # per device
     gradient_accumulation: int = Field(1, gt=0)

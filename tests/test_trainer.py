@@ -290,6 +290,16 @@ def test_a_time_budget_stops_on_time_with_the_schedule_run_over_it(tmp_path):
     assert lrs[0] > 0.9e-2 and lrs[-1] < 0.02e-2  # from the full rate (1e-2) to ~0 at the budget's end
 
 
+def test_a_run_that_runs_out_of_steps_before_its_time_budget_still_ends_its_schedule(tmp_path):
+    """The P-EAGLE parity run given 737 s ran out of epochs at 636 s with its learning rate at 5% of the peak, the
+    cosine set over the budget alone: whichever limit ends the run ends the schedule."""
+    make_trainer(tmp_path, max_steps=6, time_budget_minutes=60, save_every=100_000, warmup_steps=0,
+                 log_every=1).train()
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lrs) == 6 and lrs == sorted(lrs, reverse=True)
+    assert lrs[-1] < 0.1 * lrs[0]  # the cosine over 6 steps, not over an hour (then every step is at the full rate)
+
+
 def test_under_a_time_budget_the_time_left_is_the_budgets_not_the_step_counts(tmp_path, caplog):
     from drafttrain.progress import PROGRESS_LOGGER
 

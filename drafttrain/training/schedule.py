@@ -68,17 +68,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, 
                     clock: Callable[[], float] | None = None) -> LambdaLR:
     """Linear warm-up over ``warmup_steps``, then cosine or linear decay to 0, or constant (transformers'
     formulas). The decay runs over ``num_steps``; with ``training.time_budget_minutes`` it runs over the budget
-    instead, read from ``clock()`` (training seconds so far), so a run of any speed ends its schedule on time."""
+    too, read from ``clock()`` (training seconds so far), and whichever ends the run first ends the schedule: a run
+    of any speed ends it on time, and one that runs out of epochs first ends it at its last step (it stopped at 5%
+    of its peak rate when the budget outlasted the data)."""
     warmup = min(training.warmup_steps, num_steps)
     budget_s = training.time_budget_minutes * 60 if training.time_budget_minutes else None
 
     def factor(step: int) -> float:
         if step < warmup:
             return step / max(1, warmup)
+        progress = (step - warmup) / max(1, num_steps - warmup)
         if budget_s is not None and clock is not None:
-            progress = min(1.0, clock() / budget_s)
-        else:
-            progress = (step - warmup) / max(1, num_steps - warmup)
+            progress = min(1.0, max(progress, clock() / budget_s))
         if training.scheduler == "cosine":
             return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
         if training.scheduler == "linear":

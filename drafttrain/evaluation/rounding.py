@@ -33,10 +33,7 @@ def _both_ways(model, ids: torch.Tensor, wide: int) -> tuple[torch.Tensor, torch
     if prefix:
         cached_forward(model, cache, ids[:, :prefix])
     verified = cached_forward(model, cache, ids[:, prefix:])[0, -1].float()
-    if prefix:
-        compact_cache(cache, prefix, [])
-    else:
-        cache = DynamicCache(config=model.config)
+    compact_cache(cache, prefix, [])  # back to the prefill (an empty cache when there was none)
     if wide > 1:
         cached_forward(model, cache, ids[:, prefix:-1])
     return cached_forward(model, cache, ids[:, -1:])[0, -1].float(), verified

@@ -124,13 +124,14 @@ def run_engine(target, parents, prompt, steps, continuation, temperature) -> tup
 def run_raw(target, parents, prompt, accepted: list[int]) -> float:
     from transformers import DynamicCache
 
-    from drafttrain.decoding.trees import additive_mask, ancestor_matrix, tree_position_ids
+    from drafttrain.decoding.trees import additive_mask, ancestor_matrix, cache_argument, tree_position_ids
 
     model, n = target.model, len(parents) + 1
     tree = parents != list(range(-1, len(parents) - 1))
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with_cache = {cache_argument(type(model)): cache, "use_cache": True}
+        model(input_ids=torch.tensor([prompt]), **with_cache, logits_to_keep=1)
         total = 0.0
         for acc in accepted:
             prefix = cache.get_seq_length()
@@ -141,7 +142,7 @@ def run_raw(target, parents, prompt, accepted: list[int]) -> float:
                 allowed = ancestor_matrix(tuple(parents))
                 kwargs["attention_mask"] = additive_mask(allowed, prefix, model.dtype, ids.device)
             start = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
+            model(input_ids=ids, **with_cache, **kwargs)
             total += time.perf_counter() - start
             cache.crop(-(n - 1 - acc))
     return total / len(accepted)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from drafttrain.decoding import (
     build_proposer,
     plain_decode,
 )
-from drafttrain.decoding.trees import ancestor_matrix, cached_forward, tree_position_ids
+from drafttrain.decoding.trees import ancestor_matrix, cache_argument, cached_forward, tree_position_ids
 from drafttrain.targets import HiddenStateTap, Target
 
 pytestmark = pytest.mark.slow
@@ -186,6 +187,28 @@ def test_tree_forward_equals_each_path_run_separately(smollm2, prompts):
             cache.crop(-seq.shape[1])
             torch.testing.assert_close(tree[node + 1], alone, atol=2e-4, rtol=1e-4)
     assert not torch.allclose(causal[2], tree[2], atol=1e-2)  # node 1 would otherwise see node 0
+
+
+def test_the_cache_goes_under_the_name_the_models_forward_takes(smollm2, prompts):
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40):
+    the one forward path passes the cache under the name the model takes, so no deprecation warning is raised, and
+    the cache still fills (through the causal LM and through its decoder with a draft-vocabulary head). A forward
+    that knows only the old name (transformers 5.0) gets the old name."""
+    from transformers import DynamicCache
+
+    model, ids = smollm2.model, torch.tensor([prompts["travel"][:12]])
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        cache = DynamicCache(config=model.config)
+        cached_forward(model, cache, ids)
+        cached_forward(model, cache, ids[:, :3], logits_to_keep=1, head=model.lm_head)
+    assert cache.get_seq_length() == 15
+
+    class OldName(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    assert cache_argument(OldName) == "past_key_values"
 
 
 # ------------------------------------------------------------------------------------------- cache & hidden

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Union
@@ -313,12 +314,19 @@ def cached_forward(
     if allowed is not None:
         prefix = cache.get_seq_length() + input_ids.shape[1] - allowed.shape[1]
         mask = additive_mask(allowed, prefix, model.dtype, input_ids.device)
-    inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
-                  use_cache=True)
+    inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True)
     if head is None:
-        return model(**inputs, logits_to_keep=logits_to_keep).logits
-    hidden = model.get_decoder()(**inputs).last_hidden_state
+        return model(**inputs, **{cache_argument(type(model)): cache}, logits_to_keep=logits_to_keep).logits
+    decoder = model.get_decoder()
+    hidden = decoder(**inputs, **{cache_argument(type(decoder)): cache}).last_hidden_state
     return head(hidden[:, -logits_to_keep:])  # 0 keeps all, as in HF
+
+
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The name under which ``model_class.forward`` takes its KV cache. transformers renamed ``past_key_values``
+    to ``cache`` (5.24 warns; the old name goes in 5.40) and drafttrain supports 5.0 on, so it asks the model."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def compact_cache(cache, start: int, keep: list[int]) -> None:

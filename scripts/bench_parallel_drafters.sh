@@ -9,8 +9,9 @@
 # Env: PROMPTS (8), TOKENS (128), SETTINGS ("mt_bench:0 heldout:0 mt_bench:0.7 heldout:0.7"), FIXED (3: each trained
 # side is also run at this fixed depth, so its tau and acceptance per position are measured even where depth auto
 # chooses plain decoding).
-# Wall time on a 2-core CPU: the data's regeneration (~30 min, once: the answer store keeps it), 42 min per kind,
-# ~10 min per setting, then ~3 min for the cost table. A rerun skips every kind whose training finished.
+# Wall time on a 2-core CPU: the data's regeneration (30-41 min, once: the answer store keeps it), 42 min per kind
+# (EAGLE-3's recipe is set in epochs: 34-42 min), ~10 min per setting, then ~3 min for the cost table. A rerun skips
+# every kind whose training finished and every setting whose report exists.
 # Run alone on the machine: the kinds share a wall-clock budget, so a second job would change what each one learns.
 set -euo pipefail
 out=${1:?usage: bench_parallel_drafters.sh OUT [KIND ...]}

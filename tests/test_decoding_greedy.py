@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from drafttrain.decoding import (
     DynamicTree,
@@ -163,8 +164,6 @@ def test_target_as_its_own_draft_accepts_everything(smollm2, prompts, reference,
 def test_tree_forward_equals_each_path_run_separately(smollm2, prompts):
     """One forward over a tree with the 4D ancestor mask gives, for every node, the logits of running its
     root-to-node path as a plain sequence; without the mask (causal) it does not: the mask is really used."""
-    from transformers import DynamicCache
-
     model, ids = smollm2.model, torch.tensor([prompts["travel"]])
     parents = [-1, -1, 0, 0, 1, 2, 4]
     tokens = ids[:, 5 : 5 + 8]  # root + 7 nodes: any tokens will do
@@ -194,8 +193,6 @@ def test_the_cache_goes_under_the_name_the_models_forward_takes(smollm2, prompts
     the one forward path passes the cache under the name the model takes, so no deprecation warning is raised, and
     the cache still fills (through the causal LM and through its decoder with a draft-vocabulary head). A forward
     that knows only the old name (transformers 5.0) gets the old name."""
-    from transformers import DynamicCache
-
     model, ids = smollm2.model, torch.tensor([prompts["travel"][:12]])
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
@@ -215,8 +212,6 @@ def test_the_cache_goes_under_the_name_the_models_forward_takes(smollm2, prompts
 
 
 def fresh_cache_and_hidden(model, ids: list[int], layers: list[int]):
-    from transformers import DynamicCache
-
     with torch.inference_mode(), HiddenStateTap(model, layers) as tap:
         cache = DynamicCache(config=model.config)
         cached_forward(model, cache, torch.tensor([ids]))

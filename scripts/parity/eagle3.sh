@@ -36,9 +36,9 @@ case $kind in
     # them; no evaluation at each checkpoint (as eagle3.yaml: the sides compare training, measured afterwards); and
     # epochs enough for the minutes (the recipe's 4 ended the first 42-minute run at 24.8: the references get the
     # steps that fill the time)
-    dflash) recipe=$here/../../recipes/smollm2_dflash.yaml \
-        ours_kind=(training.hidden_states=offline eval.every_checkpoint=false training.epochs=20) \
-        prepare_with=(training.hidden_states=offline) depth=7 serve_depth=4 forge_batch=() ;;
+    dflash) recipe=$here/../../recipes/smollm2_dflash.yaml prepare_with=(training.hidden_states=offline) \
+        depth=7 serve_depth=4 forge_batch=()
+        ours_kind=("${prepare_with[@]}" eval.every_checkpoint=false training.epochs=20) ;;
 esac
 trainers=(${TRAINERS:-drafttrain $references})
 speculators_venv=${SPECULATORS_VENV:-/work/venvs/speculators}

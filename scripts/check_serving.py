@@ -2,13 +2,17 @@
 drafttrain's evaluator on the same prompts (greedy, same depth, same stop tokens, same token budget).
 
     python scripts/check_serving.py RUN_OR_CHECKPOINT [--formats vllm speculators] [--num-prompts 8]
-        [--max-new-tokens 64] [--depth 3] [--vllm-python /work/venvs/vllm/bin/python] [--out DIR]
+        [--max-new-tokens 64] [--depth 3] [--vllm-python /work/venvs/vllm/bin/python] [--out DIR] [--trace]
 
 For each format it exports the draft (drafttrain export), runs scripts/serving/vllm_worker.py in vLLM's own venv
 (vLLM is never a drafttrain dependency) and prints, per draft position, the fraction of drafts whose token at that
 position was accepted, as vLLM counted it (``vllm:spec_decode_num_accepted_tokens_per_pos / num_drafts``) and as
 drafttrain's evaluator measured it (cumulative acceptance), plus τ from each and how many of vLLM's outputs equal
 the target's own greedy output. The result is written to OUT/serving_check.json.
+
+``--trace`` has vLLM record every cycle's draft (scripts/serving/vllm_worker.py runs the prompts one at a time in
+one process); scripts/serving/replay_block_drafts.py OUT then replays a block draft's cycles in our drafter to show
+where and by how much the two disagree.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     parser.add_argument("--out", default="runs/serving_check")
+    parser.add_argument("--trace", action="store_true", help="record vLLM's draft of every cycle")
     args = parser.parse_args()
 
     checkpoint = find_draft(args.draft)
@@ -74,7 +79,8 @@ def main() -> int:
         job = {"target": resolve_model_dir(target_name), "draft": str(export.resolve()),
                "speculative_config": drafter.vllm_speculative_config(), "num_speculative_tokens": depth,
                "prompts": prompts,
-               "max_tokens": args.max_new_tokens, "stop_token_ids": stops, "dtype": "float32"}
+               "max_tokens": args.max_new_tokens, "stop_token_ids": stops, "dtype": "float32",
+               "trace_drafts": args.trace}
         (out / f"job-{fmt}.json").write_text(json.dumps(job))
         started = time.perf_counter()
         done = subprocess.run([args.vllm_python, str(WORKER), str(out / f"job-{fmt}.json"), str(out / f"vllm-{fmt}.json")],

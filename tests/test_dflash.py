@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from drafttrain.config import DFlashConfig, load_recipe
-from drafttrain.decoding import SpeculativeDecoder, build_proposer
+from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer
 from drafttrain.decoding.trees import Chain, StaticTree
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.dflash import Blocks, dpace_weights, sample_anchors
@@ -137,11 +137,32 @@ def test_the_block_proposer_drafts_exactly_what_training_computes():
         proposer = build_proposer("block", target, draft=drafter)
         proposer.prefill(ids[:, :anchor], outputs.hidden[:, :5], ids[:, anchor: anchor + 1])  # the context in two parts
         proposer.accept(ids[:, anchor: anchor + 1], outputs.hidden[:, 5:anchor])
-        from drafttrain.decoding import DraftRequest, Sampling
-
         draft = proposer.propose(DraftRequest(Chain(3), Sampling()))
         expected = drafter.draft_to_target[trained.argmax(-1)]
         assert draft.tokens[0].tolist() == expected.tolist(), attention
+
+
+def test_a_shorter_draft_is_a_block_of_depth_plus_one_slots_as_vllm_serves_it():
+    """vLLM drafts a block of num_speculative_tokens + 1 slots whatever the trained block; so does the evaluator, so
+    that its counters are the engine's. A bidirectional draft of depth 2 from a block-4 drafter is exactly what the
+    same weights compute in training with blocks of 3, and not what they compute with blocks of 4."""
+    target = tiny_target()
+    drafter = tiny_dflash(target).eval()
+    narrow = build_drafter(DFlashConfig(block_size=3, anchors=8, num_layers=2, mask_token_id=TINY_MASK), target)
+    narrow.load_state_dict(drafter.state_dict())
+    ids = batch_of(target)["input_ids"][:1]
+    outputs = run_target(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, drafter.needs())
+    anchor = 11
+    drafted = build_proposer("block", target, draft=drafter)
+    drafted.prefill(ids[:, :anchor], outputs.hidden[:, :anchor], ids[:, anchor: anchor + 1])
+    draft = drafted.propose(DraftRequest(Chain(2), Sampling())).tokens[0].tolist()
+    at = torch.tensor([[anchor]])
+    served = narrow.block_logits_at(outputs.hidden, ids, at)[0, 0, 1:]
+    whole = drafter.block_logits_at(outputs.hidden, ids, at)[0, 0, 1:3]
+    assert draft == drafter.draft_to_target[served.argmax(-1)].tolist()
+    confidences = torch.tensor(drafted.last_confidences)  # each slot's top probability: the logits, not just argmax
+    assert torch.allclose(confidences, torch.softmax(served, -1).amax(-1), atol=1e-5)
+    assert not torch.allclose(confidences, torch.softmax(whole, -1).amax(-1), atol=1e-3)  # the width shows
 
 
 def test_sample_from_anchor_drafts_the_whole_block():

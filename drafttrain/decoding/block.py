@@ -4,8 +4,10 @@ The drafter keeps, per layer, the keys and values of its context: the fused targ
 accepted text (the prompt at prefill, then the root and the accepted nodes of each step, which the engine hands
 over). A cycle feeds [anchor, MASK x (w - 1)] at the positions after the context, the anchor being the last emitted
 token, attending to the whole context and to the block; the block's own keys are not kept. A cycle therefore costs
-one forward of w tokens over the cached context, whatever the draft depth: the whole trained block when it is
-bidirectional (each slot then sees what it saw in training), just the slots needed when it is causal.
+one forward of w tokens over the cached context. w is just the slots the draft depth needs (depth + 1, or depth in
+DSpark's mode), as vLLM drafts a block of num_speculative_tokens + 1: a bidirectional block shorter than the trained
+one is then seen by its slots as it is served (scripts/serving/replay_block_drafts.py checks vLLM's drafts cycle by
+cycle), and only at depth block - 1 does each slot see what it saw in training.
 
 Candidates come from drafttrain.decoding.positional: each slot's top-1 (a chain) or top-m (a static tree), a
 deterministic function of the context, so sampling stays exactly lossless.
@@ -57,8 +59,7 @@ class BlockProposer(Proposer):
     @torch.no_grad()
     def propose(self, request: DraftRequest) -> Draft:
         first = self.head.first_predicted_slot()
-        causal = self.head.config.block_attention == "causal"
-        width = first + request.shape.depth if causal else self.head.block_size
+        width = first + request.shape.depth
         tokens = self.head.block_tokens(self.anchor, width)
         positions = torch.arange(self.length, self.length + width, device=self.device).unsqueeze(0)
         mask = torch.cat([torch.ones(width, self.length, dtype=torch.bool, device=self.device),

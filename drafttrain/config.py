@@ -93,6 +93,9 @@ class RegenerateConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, gt=0)
     batch_size: int = Field(8, gt=0)
+    # hf backend: a batch also holds at most this many tokens, rows x (its longest prompt + max_new_tokens), what its
+    # KV cache holds: long prompts then share smaller batches instead of running out of memory. None: no limit.
+    max_batch_tokens: int | None = Field(None, gt=0)
     # Keep the dataset's response when the target's answer is empty (counted), instead of dropping the row.
     keep_original_on_empty: bool = False
     # Reuse answers the same target gave with the same settings in earlier runs (the answer store in the cache).

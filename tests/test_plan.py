@@ -230,3 +230,24 @@ def test_the_meta_run_counts_what_a_step_holds_beside_its_saved_tensors():
         del logits, labels, log_probs
         assert ops.now - before == pytest.approx(2 * mb, abs=64)  # what autograd saved, and the loss
         loss.backward()
+
+
+def test_regenerating_long_prompts_is_planned_and_an_uncapped_batch_refused_before_prepare(monkeypatch):
+    """The hf backend holds a batch's KV cache: 64 rows of 8k-token prompts need more than this machine kind's
+    24 GiB, so prepare refuses before answering anything; regenerate.max_batch_tokens (the long recipe's) fits."""
+    import drafttrain.training.plan as planning
+
+    monkeypatch.setattr(planning, "_capacity", lambda recipe, cluster: 24 * GIB)
+    long = REPO / "recipes" / "smollm2_eagle3_long.yaml"
+    kv_per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 key/value heads of 64, float32
+    capped = plan(load_recipe(long), stage="prepare")
+    assert capped.memory["KV cache (widest regen batch)"] == 32768 * kv_per_token
+    assert check_fits(load_recipe(long), "prepare") is not None
+    uncapped = load_recipe(long, ["regenerate.max_batch_tokens=null"])
+    assert plan(uncapped, stage="prepare").memory["KV cache (widest regen batch)"] == \
+        64 * (8192 + 256) * kv_per_token
+    with pytest.raises(DrafttrainError, match="cannot fit here(.|\\n)*KV cache \\(widest regen batch\\)"):
+        check_fits(uncapped, "prepare")
+    served = load_recipe(long, ["regenerate.max_batch_tokens=null", "regenerate.backend=openai",
+                                "regenerate.base_url=http://127.0.0.1:8000/v1"])
+    assert "KV cache (widest regen batch)" not in plan(served, stage="prepare").memory  # the server's own

@@ -15,6 +15,8 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.config import RegenerateConfig
+from drafttrain.data.chat import prompt_ids
+from drafttrain.data.regenerate.hf import HFGenerator
 from drafttrain.sampling import keep_top_p
 from drafttrain.data.regenerate import (
     OutputPaths,
@@ -207,6 +209,30 @@ def test_sampling_is_reproducible_and_independent_of_batching(smollm2, tmp_path)
     paired = regenerate_conversations([OTHER, CONVERSATIONS[0]], cfg, tmp_path / "b.jsonl", seed=3,
                                       target=smollm2, progress=False)
     assert alone.conversations[0]["messages"] == paired.conversations[1]["messages"]
+
+
+def test_a_token_budget_puts_long_prompts_in_smaller_batches_with_the_same_answers(smollm2, tmp_path, monkeypatch):
+    """regenerate.max_batch_tokens bounds rows x (widest prompt + max_new_tokens), the batch's KV cache: rows of
+    growing length share a batch while they fit, the rest go alone, and the answers are those of one batch."""
+    rows = [{"id": f"r{i}", "source": "t", "needs_response": True,
+             "messages": [{"role": "user", "content": "Count the words: " + "word " * (4 + 30 * i)}]} for i in range(4)]
+    lengths = [len(prompt_ids(smollm2.tokenizer, row["messages"])) for row in rows]
+    budget = 2 * (lengths[1] + MAX_NEW)  # the first two fit together, the longer two only alone
+    batches, real = [], HFGenerator.generate
+
+    def counted(self, prompts, seeds):  # the real generate, its batches recorded
+        batches.append([len(p) for p in prompts])
+        return real(self, prompts, seeds)
+
+    monkeypatch.setattr(HFGenerator, "generate", counted)
+    one = regenerate_conversations(rows, hf_config(batch_size=4, reuse_answers=False), tmp_path / "a.jsonl",
+                                   seed=0, target=smollm2, progress=False)
+    assert batches == [lengths]
+    batches.clear()
+    split = regenerate_conversations(rows, hf_config(batch_size=4, max_batch_tokens=budget, reuse_answers=False),
+                                     tmp_path / "b.jsonl", seed=0, target=smollm2, progress=False)
+    assert batches == [lengths[:2], lengths[2:3], lengths[3:]]
+    assert [r["messages"] for r in split.conversations] == [r["messages"] for r in one.conversations]
 
 
 # ------------------------------------------------------------------------------------------------ OpenAI backend

@@ -435,16 +435,19 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
     zero = configured_zero_stage(recipe.training)
     bf16 = recipe.training.mixed_precision == "bf16"
     target_bytes = sum(_nbytes(p) for p in target.model.parameters())
-    footprint = draft_footprint(recipe, target)
 
     needs = drafter_class(recipe.draft.kind).target_needs(resolved_section(recipe.draft), target)
     offline = recipe.training.hidden_states == "offline"
     memory = {"runtime": runtime}
     if stage == "prepare":
         memory["target weights"] = target_bytes
-        memory["target forward (one row)"] = _forward_bytes(recipe, target)
+        regenerated = _regeneration_batch_tokens(recipe)  # rows x (prompt + answer): a batch at its widest
+        cached = _batch_tokens(recipe) if offline else 0  # the offline cache's forward, a training batch at a time
+        memory["target forward (widest batch)"] = _forward_bytes(max(cached, regenerated), target)
+        memory["KV cache (widest regen batch)"] = regenerated * _kv_bytes_per_token(target)
         where = f"1 process on {'GPU' if _on_gpu(recipe) else 'CPU'}"
     else:
+        footprint = draft_footprint(recipe, target)
         sharded = zero == 3 and not offline
         memory["target weights" + (" (ZeRO-3 shard)" if sharded else "")] = \
             target_bytes // cluster.world if sharded else target_bytes
@@ -459,7 +462,8 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
                 recipe, footprint["trainable"], target.model.config.hidden_size)
         memory["activations saved for backward"] = footprint["saved"]
         memory["target outputs (taps, logits)"] = footprint["outputs"]
-        memory["largest transient"] = max(footprint["transient"], 0 if offline else _forward_bytes(recipe, target))
+        online = 0 if offline else _forward_bytes(_batch_tokens(recipe), target)
+        memory["largest transient"] = max(footprint["transient"], online)
         device = f"GPU ({_size(cluster.gpu_memory)})" if _on_gpu(recipe) and cluster.gpu_memory else \
             ("GPU" if _on_gpu(recipe) else "CPU process")
         where = (f"{cluster.nodes} node(s) x {cluster.gpus} {device}" + (f", ZeRO-{zero}" if zero else "")
@@ -481,13 +485,36 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
     return result
 
 
-def _forward_bytes(recipe: Recipe, target) -> int:
-    """The target's no-grad forward over one batch: one layer's working set (attention and MLP inputs and outputs)
-    plus the residual stream, in the target's dtype."""
+def _forward_bytes(tokens: int, target) -> int:
+    """The target's no-grad forward over ``tokens`` tokens: one layer's working set (attention and MLP inputs and
+    outputs) plus the residual stream, in the target's dtype."""
     config = target.model.config
-    rows = recipe.training.batch_size * (recipe.data.max_length if recipe.data else 2048)
     width = 4 * target.hidden_size + 3 * int(getattr(config, "intermediate_size", 4 * target.hidden_size))
-    return rows * width * target.model.dtype.itemsize
+    return tokens * width * target.model.dtype.itemsize
+
+
+def _batch_tokens(recipe: Recipe) -> int:
+    """A training batch at its widest: batch_size rows of data.max_length."""
+    return recipe.training.batch_size * (recipe.data.max_length if recipe.data else 2048)
+
+
+def _regeneration_batch_tokens(recipe: Recipe) -> int:
+    """The hf regeneration backend's widest batch, in tokens: batch_size rows of the longest prompt and the answer,
+    at most regenerate.max_batch_tokens (a row wider than that still runs, alone). 0 when nothing is generated
+    here (regeneration off, or a server's backend)."""
+    regen = recipe.regenerate
+    if not regen.enabled or regen.backend != "hf" or recipe.data is None:
+        return 0
+    row = recipe.data.max_length + regen.max_new_tokens
+    return min(regen.batch_size * row, max(regen.max_batch_tokens or regen.batch_size * row, row))
+
+
+def _kv_bytes_per_token(target) -> int:
+    """Keys and values of every layer for one token, in the target's dtype."""
+    config = target.model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * target.model.dtype.itemsize
 
 
 def _regenerated_rows(recipe: Recipe) -> int:
@@ -506,8 +533,9 @@ def _free_disk(recipe: Recipe) -> int | None:
 
 def check_fits(recipe: Recipe, stage: str) -> Plan | None:
     """Run before ``train`` and ``prepare``: refuse, with the plan, a run that clearly cannot fit here."""
+    writes_cache = recipe.training.hidden_states == "offline"
     if os.environ.get(SKIP_ENV) == "1" or recipe.draft is None or (
-            stage == "prepare" and recipe.training.hidden_states != "offline"):
+            stage == "prepare" and not writes_cache and not _regeneration_batch_tokens(recipe)):
         return None
     try:
         result = plan(recipe, stage=stage)

@@ -101,14 +101,14 @@ class HFBackend:
         self.cfg, self.settings = cfg, settings
 
     def run(self, jobs: list[ConversationJob], on_done: Callable[[ConversationJob], None]) -> None:
-        """Regenerate ``jobs`` in batches of ``batch_size`` conversations; each round answers one slot of each.
+        """Regenerate ``jobs`` in batches of ``batch_size`` conversations (fewer where ``max_batch_tokens`` says so);
+        each round answers one slot of each.
 
         Conversations with as many turns and similar lengths share a batch (less padding, no single-turn row waiting
         for a long multi-turn one). Rows are written as they finish, so this order never shows in the results.
         """
         jobs = sorted(jobs, key=lambda job: (len(job.slots), _first_prompt_chars(job)))
-        for start in range(0, len(jobs), self.cfg.batch_size):
-            batch = jobs[start : start + self.cfg.batch_size]
+        for batch in self._batches(jobs):
             for job in batch:
                 if job.done:  # nothing to answer (e.g. only tool calls)
                     on_done(job)
@@ -130,3 +130,24 @@ class HFBackend:
                         if job.done:
                             on_done(job)
                 active = [job for job in ready if not job.done]
+
+    def _batches(self, jobs: list[ConversationJob]):
+        """Consecutive ``jobs`` in batches of at most ``batch_size`` and, with ``max_batch_tokens``, of at most that
+        many padded tokens in the first round (rows x the widest row's prompt + max_new_tokens)."""
+        limit, batch, widest = self.cfg.max_batch_tokens, [], 0
+        for job in jobs:
+            width = self._first_round_tokens(job) if limit else 0
+            full = len(batch) == self.cfg.batch_size or (limit and max(widest, width) * (len(batch) + 1) > limit)
+            if batch and full:
+                yield batch
+                batch, widest = [], 0
+            batch.append(job)
+            widest = max(widest, width)
+        if batch:
+            yield batch
+
+    def _first_round_tokens(self, job: ConversationJob) -> int:
+        if job.done:
+            return 0
+        ids = prompt_ids(self.generator.tokenizer, job.pending_prompt(), job.conversation.get("tools"))
+        return len(ids) + self.settings.max_new_tokens

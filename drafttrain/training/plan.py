@@ -17,6 +17,11 @@ Per process, on the device the recipe trains on:
 * activations saved for the backward pass, the target outputs the step consumes, and the largest transient: one
   chunk of full-vocabulary logits, the backward's working copy of the largest saved tensor, or what the forward
   holds beside its saved tensors at its peak (every storage alive at once in the meta run is counted).
+
+For ``prepare``: the target's weights, its forward over the widest batch (an offline cache's training batch, or a
+regeneration batch) and, when the hf backend regenerates in this process, that batch's KV cache. Not counted yet:
+the prefill's attention scores, which put the measured peak of long-row regeneration a third above the plan
+(BENCHMARKS.md, "Regenerating the long rows in memory the plan counts").
 """
 
 from __future__ import annotations

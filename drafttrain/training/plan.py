@@ -511,7 +511,10 @@ def _regeneration_batch_tokens(recipe: Recipe) -> int:
     if not regen.enabled or regen.backend != "hf" or recipe.data is None:
         return 0
     row = recipe.data.max_length + regen.max_new_tokens
-    return min(regen.batch_size * row, max(regen.max_batch_tokens or regen.batch_size * row, row))
+    widest = regen.batch_size * row
+    if regen.max_batch_tokens is not None:
+        widest = min(widest, max(regen.max_batch_tokens, row))  # one row over the cap still runs, alone
+    return widest
 
 
 def _kv_bytes_per_token(target) -> int:

@@ -56,7 +56,8 @@ def main() -> int:
     texts = [past_the_budget(target, prompt, out, job, depth) for prompt, out in zip(job["prompts"], vllm["tokens"])]
     taps = [target_taps(target, drafter, prompt + out) for prompt, (out, _) in zip(job["prompts"], texts)]
     for width in widths:
-        cycles = [c for p, (prompt, text, tap, drafts) in enumerate(zip(job["prompts"], texts, taps, vllm["draft_cycles"]))
+        per_prompt = enumerate(zip(job["prompts"], texts, taps, vllm["draft_cycles"]))
+        cycles = [c for p, (prompt, text, tap, drafts) in per_prompt
                   for c in replay_prompt(drafter, context, p, prompt, text, tap, drafts, depth, width)]
         report["widths"][width] = summarise(cycles)
         print_width(width, report["widths"][width], report["vllm_accepted"])
@@ -160,8 +161,8 @@ def summarise(cycles: list[dict]) -> dict:
 
 
 def print_width(width: int, summary: dict, counted: int) -> None:
-    print(f"block of {width} slots: {summary['cycles']} vLLM cycles; draft tokens accepted: ours {summary['ours_accepted']}"
-          f", vLLM's drafts {summary['theirs_accepted']} (vLLM's counter: {counted})")
+    print(f"block of {width} slots: {summary['cycles']} vLLM cycles; draft tokens accepted: ours "
+          f"{summary['ours_accepted']}, vLLM's drafts {summary['theirs_accepted']} (vLLM's counter: {counted})")
     d = summary["logit_difference"]
     print(f"  our logit minus vLLM's at vLLM's five best tokens of every slot: mean {d['mean']:+.4f}, median |.| "
           f"{d['median_abs']:.4f}, 99th percentile {d['p99_abs']:.4f}, max {d['max_abs']:.4f}")

@@ -243,6 +243,11 @@ def test_regenerating_long_prompts_is_planned_and_an_uncapped_batch_refused_befo
     capped = plan(load_recipe(long), stage="prepare")
     assert capped.memory["KV cache (widest regen batch)"] == 32768 * kv_per_token
     assert check_fits(load_recipe(long), "prepare") is not None
+    linear_weights = 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536) + 49152 * 576  # lm_head's own copy
+    assert capped.memory["packed weight copies (regen)"] == linear_weights * 4
+    monkeypatch.setenv("DRAFTTRAIN_CPU_LINEAR", "default")  # PyTorch's own kernels pack nothing
+    assert "packed weight copies (regen)" not in plan(load_recipe(long), stage="prepare").memory
+    monkeypatch.delenv("DRAFTTRAIN_CPU_LINEAR")
     uncapped = load_recipe(long, ["regenerate.max_batch_tokens=null"])
     assert plan(uncapped, stage="prepare").memory["KV cache (widest regen batch)"] == \
         64 * (8192 + 256) * kv_per_token

@@ -19,9 +19,11 @@ Per process, on the device the recipe trains on:
   holds beside its saved tensors at its peak (every storage alive at once in the meta run is counted).
 
 For ``prepare``: the target's weights, its forward over the widest batch (an offline cache's training batch, or a
-regeneration batch) and, when the hf backend regenerates in this process, that batch's KV cache. Not counted yet:
-the prefill's attention scores, which put the measured peak of long-row regeneration a third above the plan
-(BENCHMARKS.md, "Regenerating the long rows in memory the plan counts").
+regeneration batch) and, when the hf backend regenerates in this process, that batch's KV cache and, on a CPU, the
+packed copies of the target's linear weights it generates through. Not counted, because not yet explained: resident
+memory that grows by about 1 GiB while a batch of 7k-token rows decodes its 256 tokens (its KV cache grows by 47 MiB),
+which puts the measured peak of long-row regeneration a fifth above the plan (BENCHMARKS.md, "Regenerating the long
+rows in memory the plan counts").
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import drafttrain.training.trainer  # noqa: F401
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
+from drafttrain.cpu_linear import packed_weight_bytes
 from drafttrain.drafts import drafter_class
 from drafttrain.drafts.lora import add_draft_lora
 from drafttrain.drafts.registry import resolved_section, saved_draft_vocab_size
@@ -450,6 +453,8 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
         cached = _batch_tokens(recipe) if offline else 0  # the offline cache's forward, a training batch at a time
         memory["target forward (widest batch)"] = _forward_bytes(max(cached, regenerated), target)
         memory["KV cache (widest regen batch)"] = regenerated * _kv_bytes_per_token(target)
+        if regenerated and not _on_gpu(recipe):  # the hf backend generates through oneDNN's packed copies
+            memory["packed weight copies (regen)"] = packed_weight_bytes(target.model)
         where = f"1 process on {'GPU' if _on_gpu(recipe) else 'CPU'}"
     else:
         footprint = draft_footprint(recipe, target)

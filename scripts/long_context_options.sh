@@ -7,6 +7,8 @@
 #   bash scripts/long_context_options.sh PREPARED OUT [MINUTES=10] [WINDOW=1024]
 #
 # RECIPE=recipes/smollm2_eagle3.yaml with that recipe's prepared run compares the options without long rows.
+# TRAIN_EXTRA (recipe overrides for every arm) and EVAL_EXTRA (eval flags) run it elsewhere, e.g. on a GPU
+# (scripts/gpu/checks.sh OUT long): TRAIN_EXTRA="target.device=cuda ..." EVAL_EXTRA="--device cuda --dtype float32".
 # Run alone on the machine: the arms share a time budget, so a second job would change what each one learns.
 set -euo pipefail
 prepared=${1:?usage: long_context_options.sh PREPARED OUT [MINUTES] [WINDOW]}
@@ -26,9 +28,9 @@ for arm in eagle3 eagle31 window; do
     if [ ! -f "$run/checkpoints/latest" ] && [ ! -L "$run/checkpoints/latest" ]; then
         rm -rf "$run" && mkdir -p "$run"
         cp -r "$prepared/data" "$prepared/draft_vocab.safetensors" "$prepared/prepare_summary.json" "$run/"
-        # shellcheck disable=SC2086  # the arm's overrides are words
+        # shellcheck disable=SC2086  # the arm's and TRAIN_EXTRA's overrides are words
         drafttrain train "$recipe" output_dir="$run" training.time_budget_minutes="$minutes" training.epochs=100 \
-            training.save_every=100000 eval.every_checkpoint=false wandb.mode=disabled ${arms[$arm]} \
+            training.save_every=100000 eval.every_checkpoint=false wandb.mode=disabled ${arms[$arm]} ${TRAIN_EXTRA:-} \
             >"$out/$arm-train.log" 2>&1
     fi
 done
@@ -36,7 +38,7 @@ done
 for suite in long_context mt_bench; do
     drafttrain eval --target smollm2-135m-instruct --draft "$out/eagle3" --compare "eagle3.1=$out/eagle31" \
         --compare "window=$out/window" --compare prompt_lookup --suite "$suite" --num-prompts 8 --turns 1 \
-        --max-new-tokens "${TOKENS:-48}" --depth 2 --threads 2 --no-progress --out "$out/eval-$suite" \
+        --max-new-tokens "${TOKENS:-48}" --depth 2 --threads 2 --no-progress --out "$out/eval-$suite" ${EVAL_EXTRA:-} \
         >"$out/eval-$suite.log" 2>&1
 done
 grep -h -A14 "Acceptance by context length" "$out"/eval-*/report.md || true

@@ -13,6 +13,10 @@
 #                                              # regenerated answers (scripts/gpu/pack.sh): DFlash and EAGLE-3
 #                                              # trained for TRAIN_MINUTES each in bf16, then tau, speedup and
 #                                              # greedy equality on MT-Bench, every side in one run
+#   bash scripts/gpu/checks.sh OUT_DIR long    # issue 29 with the real model: the long recipe's answers regenerated
+#                                              # in fp32 (its answer store is copied to OUT_DIR, for a CPU to reuse),
+#                                              # then scripts/long_context_options.sh: EAGLE-3, EAGLE-3.1 and a
+#                                              # sliding-window draft, TRAIN_MINUTES each in bf16, measured in fp32
 #
 # The device tool carries at most 64 MiB a call with the repository (about 20 MiB), so the real model (94 MiB)
 # travels over three calls, one part each (the smallest beside the wheels, with `cost`); carrying a path replaces
@@ -21,12 +25,18 @@
 #   carry [.gpu/whl .gpu/smol_cfg .gpu/part.3 .gpu/draft_vocab.safetensors]: copy the part; checks.sh OUT cost
 #   carry [.gpu/part.1]: copy the part
 #   carry [.gpu/part.2 .gpu/real.sha256]: copy the part; TRAIN_MINUTES=1.5 checks.sh OUT real
+# 2026-11-28's, for `long` (`PARTS_MIB="23 43" bash scripts/gpu/pack.sh`: no run's answers, the whole model):
+#   carry [.gpu/whl .gpu/part.1]: copy the part, install the wheels into /tmp/site
+#   carry [.gpu/part.2]: copy the part
+#   carry [.gpu/part.3 .gpu/real.sha256]: copy the part; checks.sh /tmp/o long, then tar /tmp/o into $OUT
+#   (that day the arms failed at once, `drafttrain` not being on the device's PATH, and ran in a fourth call; setup
+#   now puts a shim there)
 #
 # DEVICE=cpu STEPS=3 DTYPE=float32 runs the same stages on a CPU (to test this script); every stage has its own
 # time limit and its log goes to OUT_DIR, so one failing stage does not hide the others.
 set -uo pipefail
-out=$(realpath -m "${1:?usage: checks.sh OUT_DIR shape|cost|real}")  # absolute: the bundle is made from inside it
-mode=${2:?usage: checks.sh OUT_DIR shape|cost|real}
+out=$(realpath -m "${1:?usage: checks.sh OUT_DIR shape|cost|real|long}")  # absolute: the bundle is made from inside it
+mode=${2:?usage: checks.sh OUT_DIR shape|cost|real|long}
 dev=${DEVICE:-cuda}
 steps=${STEPS:-120}
 dtype=${DTYPE:-bfloat16}  # DTYPE=float32 MIXED=no on a CPU without native bf16 (emulated bf16 is very slow)
@@ -49,6 +59,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to OUT_DIR/NAM
 
 setup() {
     export PYTHONPATH="$site:$PWD"
+    if ! command -v drafttrain >/dev/null; then  # the repository travels uninstalled; scripts it runs call `drafttrain`
+        mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m drafttrain "$@"\n' >/tmp/bin/drafttrain
+        chmod +x /tmp/bin/drafttrain && export PATH="/tmp/bin:$PATH"
+    fi
     if ! python3 -c "import pydantic, datasets, deepspeed, gguf" 2>/dev/null; then  # the image lacks these
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .gpu/whl/*.whl
     fi
@@ -141,11 +155,36 @@ real_checks() {
     python3 scripts/gpu/summarize.py "$out"
 }
 
+# ------------------------------------------------------------------------------------------------ long
+long_checks() {  # issue 29 on the GPU (the header says what); every stage has its own limit
+    real_target || return 1
+    local run=/tmp/runs/long opts=/tmp/runs/long-opts
+    # the answers in fp32 (as the CPU recipes make them) in large batches; 160k tokens a batch keeps even attention
+    # scores materialised in full (21 rows of 7.5k tokens: 43 GB) inside the H200, should SDPA take its math path
+    stage long-prepare "${PREPARE_LIMIT:-300}" python3 -m drafttrain prepare recipes/smollm2_eagle3_long.yaml \
+        output_dir="$run" target.device="$dev" target.dtype=float32 regenerate.batch_size="${REGEN_BATCH:-256}" \
+        regenerate.max_batch_tokens="${REGEN_TOKENS:-160000}" wandb.mode=disabled ${PREPARE_EXTRA:-}
+    cp "$DRAFTTRAIN_CACHE"/answers/*.jsonl "$run/prepare_summary.json" "$out/" 2>/dev/null
+    [ -e "$run/data/manifest.json" ] || return 1
+    TRAIN_EXTRA="target.device=$dev target.dtype=$dtype training.mixed_precision=$mixed training.batch_size=4
+        training.gradient_accumulation=1 ${TRAIN_EXTRA:-}" EVAL_EXTRA="--device $dev --dtype float32 ${EVAL_EXTRA:-}" \
+        stage long-options "${OPTIONS_LIMIT:-420}" bash scripts/long_context_options.sh "$run" "$opts" \
+        "${TRAIN_MINUTES:-1}" "${WINDOW:-1024}"
+    for arm in eagle3 eagle31 window; do
+        cp "$opts/$arm-train.log" "$out/long-$arm-train.log" 2>/dev/null
+        cp "$opts/$arm/metrics.jsonl" "$out/long-$arm-metrics.jsonl" 2>/dev/null
+    done
+    for suite in long_context mt_bench; do
+        mkdir -p "$out/eval-$suite" && cp "$opts/eval-$suite.log" "$opts/eval-$suite"/report.* "$out/eval-$suite/" 2>/dev/null
+    done
+}
+
 setup
 case $mode in
     shape) shape_checks ;;
     cost) cost_checks ;;
     real) real_checks ;;
+    long) long_checks ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
 (cd "$out" && tar -czf /tmp/gpu-results.tgz --exclude='*.png' --exclude='results-*.tgz' . && mv /tmp/gpu-results.tgz "$out/results-$mode.tgz")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What scripts/gpu/checks.sh needs beside the repository, staged here in .gpu/ (git-ignored through
 # .git/info/exclude; carry it with the device tool: carry=[".gpu"]): the wheels the device image lacks, for its
-# Python 3.12, and SmolLM2-135M-Instruct's config and tokenizer for the random-weight target of the "shape" checks.
+# Python 3.12 (transformers at this machine's version too: 5.17 converts the GGUF's tokenizer differently, and a draft
+# or an answer store made with one is refused by the other), and SmolLM2-135M-Instruct's config and tokenizer for the random-weight target of the "shape" checks.
 #
 #   bash scripts/gpu/stage.sh        # about 9 MiB; then: bash scripts/gpu/checks.sh OUT shape   (on the device)
 set -euo pipefail
@@ -13,7 +14,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \
     "pydantic==$(version pydantic)" "pydantic_core==$(version pydantic_core)" annotated-types typing-inspection \
     "datasets==$(version datasets)" "dill==$(version dill)" "multiprocess==$(version multiprocess)" hjson \
-    "gguf==$(version gguf)"
+    "gguf==$(version gguf)" "transformers==$(version transformers)"
 ls .gpu/whl/deepspeed-*.whl >/dev/null 2>&1 ||
     python3 -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl "deepspeed==$(version deepspeed)"
 python3 - <<'PY'

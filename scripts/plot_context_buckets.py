@@ -12,10 +12,12 @@ from pathlib import Path
 
 import matplotlib
 
+from drafttrain.evaluation.metrics import CONTEXT_BUCKETS, context_bucket
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-BUCKETS = ["<512", "512-2k", "2k-8k", "8k+"]
+BUCKETS = [context_bucket(0), *(context_bucket(edge) for edge in CONTEXT_BUCKETS)]  # the reports' own labels, in order
 
 
 def arm_name(checkpoint: str) -> str:
@@ -24,19 +26,19 @@ def arm_name(checkpoint: str) -> str:
     return path.parent.parent.name if path.parent.name == "checkpoints" else path.name
 
 
-def sides_by_bucket(paths: list[str]) -> dict[str, dict[str, tuple[float, int]]]:
-    """{side: {bucket: (τ, steps)}} over the reports (the report's own draft is named by its folder, as
+def sides_by_bucket(paths: list[str]) -> dict[str, dict[str, float]]:
+    """{side: {bucket: τ}} over the reports (the report's own draft is named by its folder, as
     long_context_options.sh names the arms, else by its proposer)."""
-    found: dict[str, dict[str, tuple[float, int]]] = {}
+    found: dict[str, dict[str, float]] = {}
     for path in paths:
-        report = json.load(open(path))
+        report = json.loads(Path(path).read_text())
         config = report["config"]
         own = arm_name(config["draft"]["path"]) if config.get("draft") else config.get("proposer", "draft")
         sides = [(own, report["overall"]["by_context"])]
         sides += [(name, side["by_context"]) for name, side in report["comparisons"].items()]
         for name, buckets in sides:
             for bucket in buckets:
-                found.setdefault(name, {})[bucket["bucket"]] = (bucket["tau"], bucket["steps"])
+                found.setdefault(name, {})[bucket["bucket"]] = bucket["tau"]
     return found
 
 
@@ -48,7 +50,7 @@ def main(out: str, runs: list[str]) -> None:
         buckets = [b for b in BUCKETS if any(b in per for per in found.values())]
         for name, per in found.items():
             xs = [i for i, b in enumerate(buckets) if b in per]
-            ax.plot(xs, [per[buckets[i]][0] for i in xs], marker="o", label=name)
+            ax.plot(xs, [per[buckets[i]] for i in xs], marker="o", label=name)
         ax.set_xticks(range(len(buckets)), buckets)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("context length at the step (tokens)")

@@ -28,7 +28,7 @@
 # 2026-11-28's, for `long` (`PARTS_MIB="23 43" bash scripts/gpu/pack.sh`: no run's answers, the whole model):
 #   carry [.gpu/whl .gpu/part.1]: copy the part, install the wheels into /tmp/site
 #   carry [.gpu/part.2]: copy the part
-#   carry [.gpu/part.3 .gpu/real.sha256]: copy the part; checks.sh /tmp/o long, then tar /tmp/o into $OUT
+#   carry [.gpu/part.3 .gpu/real.sha256]: copy the part; checks.sh /tmp/o long, then copy its results-long.tgz into $OUT
 #   (that day the arms failed at once, `drafttrain` not being on the device's PATH, and ran in a fourth call; setup
 #   now puts a shim there)
 #

@@ -2,7 +2,8 @@
 # What scripts/gpu/checks.sh needs beside the repository, staged here in .gpu/ (git-ignored through
 # .git/info/exclude; carry it with the device tool: carry=[".gpu"]): the wheels the device image lacks, for its
 # Python 3.12 (transformers at this machine's version too: 5.17 converts the GGUF's tokenizer differently, and a draft
-# or an answer store made with one is refused by the other), and SmolLM2-135M-Instruct's config and tokenizer for the random-weight target of the "shape" checks.
+# or an answer store made with one is refused by the other), and SmolLM2-135M-Instruct's config and tokenizer for
+# the random-weight target of the "shape" checks.
 #
 #   bash scripts/gpu/stage.sh        # about 9 MiB; then: bash scripts/gpu/checks.sh OUT shape   (on the device)
 set -euo pipefail

@@ -47,7 +47,8 @@ from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets import check_same_tokenizer, load_target
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.masks import additive_mask
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, plain_lm_head, rows_and_argmax, run_target
+from drafttrain.targets.outputs import (TargetNeeds, TargetOutputs, head_logits, plain_lm_head, rows_and_argmax,
+                                       run_target)
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +193,18 @@ class DraftModelDrafter(Drafter):
             needs = dataclasses.replace(needs, logits_rows=self.loss_rows.to(self.target.device))
         return needs
 
-    def student_logits(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
-        """The student's logits over the target's vocabulary, or over ``rows`` alone (its lm_head's rows for them
-        on its last hidden state: the other rows are never computed)."""
+    def student_logits(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None,
+                       at: torch.Tensor) -> torch.Tensor:
+        """The student's logits [N, V] at the N positions ``at`` (a [B, T] mask) alone, over the target's vocabulary
+        or over ``rows`` (its lm_head's rows for them: the other rows are never computed). The lm_head and the
+        divergence cost more than a small student's decoder, and about half of a batch's positions are prompt or
+        padding, which no loss reads."""
         inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+        hidden = self.student.get_decoder()(**inputs).last_hidden_state[at]
         if rows is None:
-            return self.aligned(self.student(**inputs).logits)
-        hidden = self.student.get_decoder()(**inputs).last_hidden_state  # build checked the lm_head is plain
-        return torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])
+            return self.aligned(head_logits(self.student, hidden[None])[0])
+        return torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])  # build
+        # checked the lm_head is plain
 
     def own_step_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict, TargetOutputs] | None:
         """With probability ``on_policy`` while training: the batch's prompts answered by the draft itself, and
@@ -223,13 +228,20 @@ class DraftModelDrafter(Drafter):
                 raise DrafttrainError("draft.parallel (PARD) takes the target's logits online: set "
                                       "training.hidden_states: online (a teacher cache holds no mask slots)")
             logits, scored_at, depths = self.parallel_logits(batch, rows)
-        else:
-            logits, scored_at, depths = self.student_logits(batch, rows), None, None
-        weight = _at(shift_left(batch["loss_mask"].float(), 1), scored_at)  # position t predicts token t+1
-        labels = _at(shift_left(batch["input_ids"], 1), scored_at)
+
+            def pick(values):
+                return _at(values, scored_at)
+        else:  # the trained positions alone, flattened to [N, ...]
+            trained, depths = shift_left(batch["loss_mask"], 1) > 0, None
+            logits = self.student_logits(batch, rows, trained)
+
+            def pick(values):
+                return values[trained]
+        weight = pick(shift_left(batch["loss_mask"].float(), 1))  # position t predicts token t+1
+        labels = pick(shift_left(batch["input_ids"], 1))
         teacher_top1 = teacher = None
         if outputs.logits is not None and outputs.top_k is None:  # SFT is given them on held-out rows, for beta
-            teacher_top1, teacher = (_at(x, scored_at) for x in self._teacher(outputs, rows))
+            teacher_top1, teacher = (pick(x) for x in self._teacher(outputs, rows))
         if cfg.divergence == "sft":
             targets = labels
             teacher_top1 = labels if teacher_top1 is None else teacher_top1
@@ -238,18 +250,21 @@ class DraftModelDrafter(Drafter):
                 weight = weight * (targets >= 0)
             per = -losses.log_probs(logits, cfg.temperature).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         elif outputs.top_k is not None:
-            per = losses.per_position(cfg.divergence, losses.top_k_buckets(logits, outputs.top_k.ids, cfg.temperature),
-                                      outputs.top_k.buckets, cfg.beta)
-            teacher_top1 = outputs.top_k.ids[..., 0]
+            top_k_ids = pick(outputs.top_k.ids)
+            per = losses.per_position(cfg.divergence, losses.top_k_buckets(logits, top_k_ids, cfg.temperature),
+                                      pick(outputs.top_k.buckets), cfg.beta)
+            teacher_top1 = top_k_ids[..., 0]
         else:
             if rows is not None:  # where the target's own choice is one of the rows (as EAGLE-3)
                 weight = weight * self.vocab[1].to(teacher_top1.device)[teacher_top1]
-            per = losses.per_position(cfg.divergence, losses.log_probs(logits, cfg.temperature),
-                                      losses.log_probs(teacher, cfg.temperature), cfg.beta)
+            log_q, log_p = losses.log_probs(logits, cfg.temperature), losses.log_probs(teacher, cfg.temperature)
+            per = losses.per_position(cfg.divergence, log_q, log_p, cfg.beta)
         measures = {}
         if teacher is not None:
             with torch.no_grad():  # what speculative sampling at T=1 accepts per token: beta = 1 - TVD(p, q)
-                beta = 1 - losses.per_position("tvd", losses.log_probs(logits), losses.log_probs(teacher))
+                if cfg.temperature != 1 or cfg.divergence == "sft":  # else the loss's log-probabilities are these
+                    log_q, log_p = losses.log_probs(logits), losses.log_probs(teacher)
+                beta = 1 - losses.per_position("tvd", log_q.detach(), log_p)
                 measures["beta"] = (float((beta * weight).sum()), float(weight.sum()))
                 metrics["acceptance"] = measures["beta"][0] / max(measures["beta"][1], 1e-9)
         if cfg.token_filter > 0:

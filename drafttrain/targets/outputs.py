@@ -182,9 +182,14 @@ def plain_rows(model: nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
 
 
 def logits_from_final(target, final: torch.Tensor) -> torch.Tensor:
-    """Next-token logits from the final hidden state, through the model's own forward after its decoder stack
-    (lm_head, then whatever scaling or softcapping the architecture applies), not a re-implementation of it."""
-    model = target.model
+    """Next-token logits from the target's final hidden state (:func:`head_logits`)."""
+    return head_logits(target.model, final)
+
+
+def head_logits(model: nn.Module, final: torch.Tensor) -> torch.Tensor:
+    """Next-token logits from a causal LM's final hidden state [B, T, H], through the model's own forward after its
+    decoder stack (lm_head, then whatever scaling or softcapping the architecture applies), not a re-implementation
+    of it: how logits are computed for some positions alone."""
     if hasattr(model, "get_base_model"):  # peft's wrapper (Medusa-2's adapters): its attributes are not the model's
         model = model.get_base_model()
     prefix = model.base_model_prefix

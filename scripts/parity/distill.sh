@@ -6,6 +6,10 @@
 #
 #   bash scripts/parity/distill.sh OUT [MINUTES=10]      # SEEDS="0 1" by default
 #
+# The settings both sides get (GKD's defaults unless set): BETA (0.5; 0 is the forward KL, 1 the reverse KL, as in
+# TRL's generalized_jsd_loss), LMBDA (0.5: the share of micro-batches the student answers, drafttrain's on_policy),
+# LR (1e-4). TOGETHER=1 trains each seed's two sides at the same time on one thread each (the same contention for
+# both, twice the training per hour on two cores); otherwise one after the other on two threads.
 # TRL lives in its own venv (TRL_VENV, default /work/venvs/trl; how to install it: scripts/parity/README.md). Run it
 # alone on the machine: the sides share a time budget. Every stage resumes: what is done is kept.
 set -euo pipefail
@@ -13,6 +17,13 @@ out=${1:?usage: distill.sh OUT [MINUTES]}
 minutes=${2:-10}
 seeds=(${SEEDS:-0 1})
 trl_python=${TRL_VENV:-/work/venvs/trl}/bin/python
+beta=${BETA:-0.5} lmbda=${LMBDA:-0.5} lr=${LR:-1e-4} threads=2
+[ -n "${TOGETHER:-}" ] && threads=1
+case $beta in  # TRL special-cases the ends of its generalised JSD as the two KLs; drafttrain names them
+    0|0.0) divergence=(draft.divergence=fkl) ;;
+    1|1.0) divergence=(draft.divergence=rkl) ;;
+    *) divergence=(draft.divergence=jsd draft.beta="$beta") ;;
+esac
 here=$(dirname "$0")
 source "$here/share_run.sh"
 run=$out/run
@@ -23,18 +34,32 @@ mkdir -p "$out"
 [ -e "$out/inputs/rows.jsonl" ] || python "$here/gkd_inputs.py" inputs "$run" "$out/inputs" >"$out/inputs.log" 2>&1
 
 # 2. each trainer, each seed, MINUTES of training
+train_drafttrain() {  # SEED
+    local dest=$out/drafttrain-s$1
+    [ -e "$dest/checkpoints/latest" ] && return
+    share_run "$run" "$dest" ""
+    OMP_NUM_THREADS=$threads drafttrain train "$here/distill.yaml" output_dir="$dest" seed="$1" \
+        training.time_budget_minutes="$minutes" training.learning_rate="$lr" draft.on_policy="$lmbda" \
+        "${divergence[@]}" >"$dest.log" 2>&1
+}
+train_trl() {  # SEED
+    [ -e "$out/trl-s$1/run.json" ] && return
+    "$trl_python" "$here/gkd.py" "$out/inputs" "$out/trl-s$1" --minutes "$minutes" --seed "$1" --beta "$beta" \
+        --lmbda "$lmbda" --lr "$lr" --threads "$threads" >"$out/trl-s$1.log" 2>&1
+}
 drafts=()
 for seed in "${seeds[@]}"; do
-    dest=$out/drafttrain-s$seed
-    if [ ! -e "$dest/checkpoints/latest" ]; then
-        share_run "$run" "$dest" ""
-        drafttrain train "$here/distill.yaml" output_dir="$dest" seed="$seed" training.time_budget_minutes="$minutes" \
-            >"$dest.log" 2>&1
+    if [ -n "${TOGETHER:-}" ]; then  # TRL's calibration then also runs beside drafttrain, as its real run does
+        train_trl "$seed" & trl=$!
+        train_drafttrain "$seed"
+        wait "$trl"
+    else
+        train_drafttrain "$seed"
+        train_trl "$seed"
     fi
+    dest=$out/drafttrain-s$seed
     [ -e "$dest/plain/config.json" ] || python "$here/gkd_inputs.py" plain \
         "$dest/checkpoints/$(cat "$dest/checkpoints/latest")" "$dest/plain"
-    [ -e "$out/trl-s$seed/run.json" ] || "$trl_python" "$here/gkd.py" "$out/inputs" "$out/trl-s$seed" \
-        --minutes "$minutes" --seed "$seed" >"$out/trl-s$seed.log" 2>&1
     drafts+=("drafttrain-s$seed=$dest/plain" "trl-s$seed=$out/trl-s$seed/model")
 done
 

@@ -2,11 +2,12 @@
 time; run with the TRL venv's Python (scripts/parity/distill.sh does).
 
     /work/venvs/trl/bin/python scripts/parity/gkd.py INPUTS OUT --minutes 10 [--seed 0] [--lmbda 0.5] [--beta 0.5]
+        [--lr 1e-4] [--threads 2]
 
 TRL has no time budget, only ``max_steps``: a short calibration run measures its seconds per optimizer step, and the
 real run gets the steps that fill ``--minutes``, with the cosine schedule spread over exactly those steps (a
 callback also stops it at 1.1x the minutes). The settings drafttrain's recipe (scripts/parity/distill.yaml) fixes
-are given to GKDConfig (batch 2 x 2 accumulation, AdamW at 1e-4 without weight decay, 20 warm-up steps then
+are given to GKDConfig (batch 2 x 2 accumulation, AdamW at --lr (1e-4) without weight decay, 20 warm-up steps then
 cosine, clipping at 0.5, fp32, beta, lmbda, sampling at temperature 1 up to 128 new tokens, and no gradient
 checkpointing: TRL's SFT default turns it on, which recomputes the student and makes GKD generate without a KV
 cache, neither of which drafttrain does and which a 50M student on a CPU does not need); everything else is TRL's
@@ -90,7 +91,7 @@ def train(args, steps: int, out: Path, seconds: float | None = None) -> Counting
     tokenizer = AutoTokenizer.from_pretrained(args.inputs / "student")
     config = GKDConfig(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        learning_rate=1e-4, lr_scheduler_type="cosine", warmup_steps=min(20, steps), weight_decay=0.0,
+        learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=min(20, steps), weight_decay=0.0,
         max_grad_norm=0.5, lmbda=args.lmbda, beta=args.beta, temperature=1.0, max_new_tokens=128, seed=args.seed,
         logging_steps=25, save_strategy="no", report_to=[], use_cpu=True, bf16=False, dataloader_num_workers=0,
         gradient_checkpointing=False)  # TRL's SFT default is on; it would recompute the student and generate
@@ -114,9 +115,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lmbda", type=float, default=0.5)
     parser.add_argument("--beta", type=float, default=0.5)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calibrate-steps", type=int, default=4)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     args.rows = read_rows(args.inputs / "rows.jsonl")
     calibration = train(args, args.calibrate_steps, args.out / "calibration")
     per_step = calibration.wall_s / calibration.state.global_step
@@ -129,7 +132,8 @@ def main() -> None:
             shutil.copy(name, args.out / "model" / name.name)
     record = {"trainer": "trl GKDTrainer", "steps": trainer.state.global_step, "planned_steps": steps,
               "wall_s": trainer.wall_s, "tokens": trainer.tokens, "tokens_per_s": trainer.tokens / trainer.wall_s,
-              "seed": args.seed, "lmbda": args.lmbda, "beta": args.beta, "rows": len(args.rows),
+              "seed": args.seed, "lmbda": args.lmbda, "beta": args.beta, "lr": args.lr, "threads": args.threads,
+              "rows": len(args.rows),
               "log": trainer.state.log_history}
     (args.out / "run.json").write_text(json.dumps(record, indent=2))
     print(json.dumps({k: v for k, v in record.items() if k != "log"}))

@@ -15,7 +15,7 @@ from conftest import REPO, draft_vocab_file, small_recipe
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig, load_recipe
 from drafttrain.decoding.verify import expected_acceptance_rate
-from drafttrain.drafts import build_drafter, load_drafter
+from drafttrain.drafts import build_drafter, load_drafter, losses
 from drafttrain.drafts.draft_model import cut_from_target, keep_learnable
 from drafttrain.targets import Target, TargetNeeds, run_target
 from drafttrain.training.features import FeatureCache, write_feature_cache
@@ -114,6 +114,38 @@ def test_held_out_beta_adds_up_exactly_over_rows_and_is_measured_for_sft_too():
     assert measured["beta"] == pytest.approx(total / count, abs=1e-5) and total / count < 0.95
     assert sft_measured["beta"] == pytest.approx(total / count, abs=1e-5)
     assert sft_accuracies == pytest.approx(accuracies)  # top-1 against the target's choice on both
+
+
+@pytest.mark.parametrize("divergence,temperature", [("fkl", 1.0), ("jsd", 2.0), ("sft", 1.0)])
+def test_the_lm_head_and_the_loss_run_at_the_trained_positions_alone_and_equal_the_loss_over_all(divergence,
+                                                                                                   temperature):
+    target = tiny_target()
+    drafter = build_drafter(DraftModelConfig(cut="first:2", divergence=divergence, temperature=temperature), target)
+    batch = batch_of()
+    batch["loss_mask"][1, 12:] = 0  # a row that ends early, as padding does
+    seen = []
+    hook = drafter.student.lm_head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    outputs = run_target(target, batch, drafter.held_out_needs())
+    out = drafter.training_step(batch, outputs)
+    hook.remove()
+    weight = torch.nn.functional.pad(batch["loss_mask"][:, 1:], (0, 1))
+    assert seen == [int(weight.sum())] == [out.counted[0]]  # position t predicts token t + 1
+    out.loss.backward()
+    mine = [p.grad.clone() for p in drafter.student.parameters()]
+    drafter.student.zero_grad()
+    logits = drafter.student(input_ids=batch["input_ids"], use_cache=False).logits  # every position, as before
+    if divergence == "sft":
+        labels = torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1))
+        per = -losses.log_probs(logits, temperature).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    else:
+        per = losses.per_position(divergence, losses.log_probs(logits, temperature),
+                                  losses.log_probs(outputs.logits, temperature))
+    everywhere = losses.masked_mean(per, weight)
+    everywhere.backward()
+    assert float(out.loss) == pytest.approx(float(everywhere), rel=1e-5)
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(mine, drafter.student.parameters()))
+    acceptance = 1 - losses.per_position("tvd", losses.log_probs(logits), losses.log_probs(outputs.logits))
+    assert out.metrics["acceptance"] == pytest.approx(float(losses.masked_mean(acceptance, weight)), rel=1e-5)
 
 
 def test_gradients_reach_only_the_student():

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.fx.experimental._config
 from accelerate import init_empty_weights
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -337,7 +338,10 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
             return t
 
         before = ops.start_peak()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # a loss read at the trained positions alone selects them by the mask; this batch trains every position,
+        # which is what meta tensors are told to assume
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
             drafter.training_step(batch, outputs)
     own = [p for n, p in drafter.named_parameters() if not n.startswith("target.")]
     trainable = sum(p.numel() for p in own if p.requires_grad)

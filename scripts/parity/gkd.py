@@ -4,16 +4,17 @@ time; run with the TRL venv's Python (scripts/parity/distill.sh does).
     /work/venvs/trl/bin/python scripts/parity/gkd.py INPUTS OUT --minutes 10 [--seed 0] [--lmbda 0.5] [--beta 0.5]
         [--lr 1e-4] [--threads 2]
 
-TRL has no time budget, only ``max_steps``: a short calibration run measures its seconds per optimizer step, and the
-real run gets the steps that fill ``--minutes``, with the cosine schedule spread over exactly those steps (a
-callback also stops it at 1.1x the minutes). The settings drafttrain's recipe (scripts/parity/distill.yaml) fixes
-are given to GKDConfig (batch 2 x 2 accumulation, AdamW at --lr (1e-4) without weight decay, 20 warm-up steps then
-cosine, clipping at 0.5, fp32, beta, lmbda, sampling at temperature 1 up to 128 new tokens, and no gradient
-checkpointing: TRL's SFT default turns it on, which recomputes the student and makes GKD generate without a KV
-cache, neither of which drafttrain does and which a 50M student on a CPU does not need); everything else is TRL's
-default. TRL's own ChatML collator trains the last assistant turn only and re-tokenises the messages; to
-train on drafttrain's rows token for token, a collator here gives GKD those rows: labels where drafttrain's loss
-mask is set, and as on-policy prompts each row up to its first trained token (left-padded), as drafttrain does.
+TRL has no time budget, only ``max_steps``: a short calibration run measures its seconds per optimizer step (from the
+end of its first step: the first pays for setting up), and the real run gets the steps that fill ``--minutes``, with
+the cosine schedule spread over exactly those steps (a callback also stops it at 1.1x the minutes). The settings
+drafttrain's recipe (scripts/parity/distill.yaml) fixes are given to GKDConfig (batch 2 x 2 accumulation, AdamW at
+--lr (1e-4) without weight decay, 20 warm-up steps then cosine, clipping at 0.5, fp32, beta, lmbda, sampling at
+temperature 1 up to 128 new tokens, and no gradient checkpointing: TRL's SFT default turns it on, which recomputes
+the student and makes GKD generate without a KV cache, neither of which drafttrain does and which a 50M student on a
+CPU does not need); everything else is TRL's default. TRL's own ChatML collator trains the last assistant turn only
+and re-tokenises the messages; to train on drafttrain's rows token for token, a collator here gives GKD those rows:
+labels where drafttrain's loss mask is set, and as on-policy prompts each row up to its first trained token
+(left-padded), as drafttrain does.
 Written to OUT: model/ (the student, with the inputs' tokenizer files), run.json, train.log.
 """
 
@@ -79,11 +80,14 @@ class CountingGKD(GKDTrainer):
 
 
 class StopAfter(TrainerCallback):
-    def __init__(self, seconds: float):
-        self.seconds, self.start = seconds, time.perf_counter()
+    """Stops training after ``seconds``; keeps the time at the end of every optimizer step."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.start, self.ends = seconds, time.perf_counter(), []
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.perf_counter() - self.start > self.seconds:
+        self.ends.append(time.perf_counter())
+        if self.seconds is not None and self.ends[-1] - self.start > self.seconds:
             control.should_training_stop = True
 
 
@@ -100,10 +104,11 @@ def train(args, steps: int, out: Path, seconds: float | None = None) -> Counting
     teacher = AutoModelForCausalLM.from_pretrained(args.inputs / "teacher", dtype=torch.float32)
     trainer = CountingGKD(model=student, teacher_model=teacher, args=config, train_dataset=args.rows,
                           processing_class=tokenizer, data_collator=RowCollator(tokenizer.pad_token_id or 0),
-                          callbacks=[StopAfter(seconds)] if seconds else None)
+                          callbacks=[clock := StopAfter(seconds)])
     started = time.perf_counter()
     trainer.train()
     trainer.wall_s = time.perf_counter() - started
+    trainer.step_ends = clock.ends
     return trainer
 
 
@@ -117,12 +122,13 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--calibrate-steps", type=int, default=4)
+    parser.add_argument("--calibrate-steps", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.rows = read_rows(args.inputs / "rows.jsonl")
     calibration = train(args, args.calibrate_steps, args.out / "calibration")
-    per_step = calibration.wall_s / calibration.state.global_step
+    ends = calibration.step_ends  # the first step's setup left out: it overestimated the time a step takes
+    per_step = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else calibration.wall_s
     steps = max(1, int(args.minutes * 60 / per_step))
     print(f"calibration: {per_step:.2f} s a step -> {steps} steps for {args.minutes} minutes", flush=True)
     trainer = train(args, steps, args.out / "trl", seconds=1.1 * args.minutes * 60)

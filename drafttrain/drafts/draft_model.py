@@ -203,8 +203,8 @@ class DraftModelDrafter(Drafter):
         hidden = self.student.get_decoder()(**inputs).last_hidden_state[at]
         if rows is None:
             return self.aligned(head_logits(self.student, hidden[None])[0])
-        return torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])  # build
-        # checked the lm_head is plain
+        # build checked the lm_head is plain
+        return torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])
 
     def own_step_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict, TargetOutputs] | None:
         """With probability ``on_policy`` while training: the batch's prompts answered by the draft itself, and
@@ -228,20 +228,14 @@ class DraftModelDrafter(Drafter):
                 raise DrafttrainError("draft.parallel (PARD) takes the target's logits online: set "
                                       "training.hidden_states: online (a teacher cache holds no mask slots)")
             logits, scored_at, depths = self.parallel_logits(batch, rows)
-
-            def pick(values):
-                return _at(values, scored_at)
         else:  # the trained positions alone, flattened to [N, ...]
-            trained, depths = shift_left(batch["loss_mask"], 1) > 0, None
-            logits = self.student_logits(batch, rows, trained)
-
-            def pick(values):
-                return values[trained]
-        weight = pick(shift_left(batch["loss_mask"].float(), 1))  # position t predicts token t+1
-        labels = pick(shift_left(batch["input_ids"], 1))
+            scored_at, depths = shift_left(batch["loss_mask"], 1) > 0, None
+            logits = self.student_logits(batch, rows, scored_at)
+        weight = _at(shift_left(batch["loss_mask"].float(), 1), scored_at)  # position t predicts token t+1
+        labels = _at(shift_left(batch["input_ids"], 1), scored_at)
         teacher_top1 = teacher = None
         if outputs.logits is not None and outputs.top_k is None:  # SFT is given them on held-out rows, for beta
-            teacher_top1, teacher = (pick(x) for x in self._teacher(outputs, rows))
+            teacher_top1, teacher = (_at(x, scored_at) for x in self._teacher(outputs, rows))
         if cfg.divergence == "sft":
             targets = labels
             teacher_top1 = labels if teacher_top1 is None else teacher_top1
@@ -250,9 +244,9 @@ class DraftModelDrafter(Drafter):
                 weight = weight * (targets >= 0)
             per = -losses.log_probs(logits, cfg.temperature).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         elif outputs.top_k is not None:
-            top_k_ids = pick(outputs.top_k.ids)
+            top_k_ids = _at(outputs.top_k.ids, scored_at)
             per = losses.per_position(cfg.divergence, losses.top_k_buckets(logits, top_k_ids, cfg.temperature),
-                                      pick(outputs.top_k.buckets), cfg.beta)
+                                      _at(outputs.top_k.buckets, scored_at), cfg.beta)
             teacher_top1 = top_k_ids[..., 0]
         else:
             if rows is not None:  # where the target's own choice is one of the rows (as EAGLE-3)
@@ -442,11 +436,11 @@ def _merged_copy(peft_model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(peft_model).merge_and_unload()
 
 
-def _at(values: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """``values`` (B, T, ...) at each slot's position (B, N) (PARD's layout; -1: a padding slot, given zeros), or
-    as they are when ``positions`` is None."""
-    if positions is None:
-        return values
+def _at(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``values`` (B, T, ...) at each slot's position (B, N) (PARD's layout; -1: a padding slot, given zeros), or at
+    the positions a (B, T) boolean mask sets, flattened to (N, ...)."""
+    if positions.dtype == torch.bool:
+        return values[positions]
     index = positions.clamp(min=0)
     picked = values.gather(1, index.view(*index.shape, *([1] * (values.dim() - 2))).expand(-1, -1, *values.shape[2:]))
     keep = (positions >= 0).view(*positions.shape, *([1] * (values.dim() - 2)))

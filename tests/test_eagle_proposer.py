@@ -89,9 +89,11 @@ def test_eagle_greedy_on_a_prompt_it_was_not_trained_on(smollm2, trained_head):
     head, _ = trained_head
     ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "Name two rivers in Europe."}],
                                                 add_generation_prompt=True, return_dict=True)["input_ids"]
-    greedy = plain_decode(smollm2, ids, 16).tokens  # 0.1 s a token here: every rejected draft is still exercised
+    new_tokens = 16  # 0.1 s a token on a CPU; rejected drafts are exercised from the first cycle
+    greedy = plain_decode(smollm2, ids, new_tokens).tokens
     for tree in ("chain", DynamicTree(total_tokens=10, depth=4, top_k=3)):
-        out = SpeculativeDecoder(smollm2, build_proposer(head.proposer, smollm2, draft=head), depth=5, tree=tree).generate(ids, 16)
+        out = SpeculativeDecoder(smollm2, build_proposer(head.proposer, smollm2, draft=head), depth=5,
+                                 tree=tree).generate(ids, new_tokens)
         assert out.tokens == greedy
 
 

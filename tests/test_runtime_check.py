@@ -131,19 +131,19 @@ class Slowed(Scripted):
 @pytest.mark.slow
 def test_on_the_real_target_a_never_accepted_draft_falls_back_and_greedy_output_is_the_targets(smollm2):
     prompt = torch.tensor([prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Name the planets."}])])
-    # 64 tokens: the guard decides after MIN_CYCLES (16) one-token cycles, so most of the answer is decoded after it
-    greedy = plain_decode(smollm2, prompt, 64).tokens
+    new_tokens = 4 * MIN_CYCLES  # the guard decides after MIN_CYCLES one-token cycles: most of the answer comes after
+    greedy = plain_decode(smollm2, prompt, new_tokens).tokens
     step = min(plain_decode(smollm2, prompt, 8).stats.cycle_s)
     guard = RuntimeGuard(Chain(D), None, plain_s=step, predicted=1.3)
     decoder = SpeculativeDecoder(smollm2, Scripted(greedy, right=False), depth=D, guard=guard)
-    out = decoder.generate(prompt, 64)
+    out = decoder.generate(prompt, new_tokens)
     assert out.tokens == greedy
     assert guard.shape is None, guard.summary()
     # after the fallback every step is a plain one: nothing drafted
     fallback_at = guard.summary()["switches"][0]["cycle"]
     assert out.stats.drafted_per_step[fallback_at:] == [0] * (len(out.stats.drafted_per_step) - fallback_at)
     # the next prompt is decoded plainly too, with the same output
-    assert decoder.generate(prompt, 64).tokens == greedy
+    assert decoder.generate(prompt, new_tokens).tokens == greedy
 
 
 @pytest.mark.slow

@@ -423,6 +423,11 @@ class TrainingConfig(Section):
     # compute, and grouping took tokens/s from 296 to 393 and the head past speculators' on both seeds. No effect
     # at batch_size 1 (nothing to pad); false gives the uniformly random order of earlier runs
     group_by_length: bool = True
+    # How an optimizer step's micro-batches weigh: "micro_batch" (each micro-batch's token mean counts alike, the
+    # accumulation averaging them) or "token" (every trained token of the step alike, across micro-batches and
+    # ranks: HF Trainer's num_items_in_batch, what TRL's GKD trainer does). Differs when micro-batches hold unequal
+    # numbers of trained tokens; measured against each other in BENCHMARKS.md (issue 27)
+    loss_reduction: Literal["micro_batch", "token"] = "micro_batch"
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)

@@ -201,6 +201,36 @@ def test_by_default_micro_batches_of_several_rows_group_rows_of_similar_length(t
     assert make_trainer(tmp_path / "off", dataset, batch_size=2, group_by_length=False)._row_lengths() is None
 
 
+def test_token_reduction_weighs_every_trained_token_of_a_step_alike(tmp_path):
+    # Two rows, 2 and 14 trained tokens. One micro-batch of both rows is the token mean over the step; two
+    # micro-batches of one row each match it under loss_reduction "token" and not under "micro_batch" (which
+    # gives the short row's tokens 7 times the weight). The gradient norm before clipping and the weights after
+    # the step compare the gradients themselves.
+    rows = tiny_dataset(2)
+    rows = rows.from_dict({"id": ["short", "long"], "input_ids": [rows[0]["input_ids"][:5], list(range(2, 19))],
+                           "loss_mask": [[0, 0, 0, 1, 1], [0, 0, 0] + [1] * 14]})
+    setup = dict(dataset=rows, draft_kwargs={"dropout": 0.0}, max_steps=1, group_by_length=False, max_grad_norm=1e6)
+    runs = {
+        name: make_trainer(tmp_path / name, **setup, **overrides)
+        for name, overrides in {
+            "one_micro_batch": dict(batch_size=2, gradient_accumulation=1),
+            "token": dict(batch_size=1, gradient_accumulation=2, loss_reduction="token"),
+            "micro_batch": dict(batch_size=1, gradient_accumulation=2, loss_reduction="micro_batch"),
+        }.items()
+    }
+    results = {}
+    for name, trainer in runs.items():
+        reset_accelerate()
+        results[name] = (trainer.train(), trainer.grad_norm)
+    reference_norm = results["one_micro_batch"][1]
+    assert results["token"][1] == pytest.approx(reference_norm, rel=1e-5)
+    assert results["micro_batch"][1] != pytest.approx(reference_norm, rel=1e-2)
+    weights = {name: StandInDraft.from_pretrained(result.last_checkpoint, tiny_target()).state_dict()
+               for name, (result, _) in results.items()}
+    for key, value in weights["one_micro_batch"].items():
+        assert torch.allclose(weights["token"][key], value, atol=1e-6), key
+
+
 def test_pad_collate_pads_right_with_masks():
     batch = pad_collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "row_index": 3},
                          {"input_ids": [8], "loss_mask": [1], "row_index": 9}], pad_id=2)

@@ -130,6 +130,11 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {key: value.to(device) for key, value in batch.items()}
 
 
+def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens a collated batch trains: loss_mask set on a real (attended) position."""
+    return int(((batch["loss_mask"] > 0) * batch["attention_mask"]).sum())
+
+
 def pad_collate(rows: list[dict[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row of the batch; padding has loss_mask 0 and attention_mask 0."""
     longest = max(len(r["input_ids"]) for r in rows)

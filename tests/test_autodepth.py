@@ -71,7 +71,10 @@ class Scripted(Proposer):
 def test_auto_depth_on_the_real_target(smollm2, restore_threads):
     torch.set_num_threads(1)
     prompt = torch.tensor([prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Name the planets."}])])
-    greedy = plain_decode(smollm2, prompt, 100).tokens
+    # 48 calibration tokens: 7 cycles of the whole chain, 48 of one token (the decision needs no more; each token
+    # of SmolLM2 costs about 0.1 s here, and this test decoded twice as many before)
+    budget = 48
+    greedy = plain_decode(smollm2, prompt, budget + 8).tokens
     # always accepted: a long chain (the full depth here, but a noisy machine's wider verification may cost a step
     # more, so only "most of the depth" is asserted); never accepted: plain decoding or one token. The timings are
     # this machine's, so the speedup is only required to be a clear win, not a figure.
@@ -79,7 +82,7 @@ def test_auto_depth_on_the_real_target(smollm2, restore_threads):
         proposer = Scripted(greedy, right)
         costs = measure_costs(smollm2, proposer, prompt, D, repeats=5)
         assert costs.plain_s > 0 and all(s > 0 for s in costs.verify_s[1:])
-        calibration = calibrate(smollm2, proposer, [prompt], D, 90, set(), Sampling())
+        calibration = calibrate(smollm2, proposer, [prompt], D, budget, set(), Sampling())
         if right:  # every step accepts the whole chain (a step cut by the token budget may accept fewer)
             assert calibration.accepted[:-1] == [D] * (len(calibration.accepted) - 1)
         else:

@@ -53,7 +53,8 @@ def main(argv: list[str]) -> int:
     target = load_target("smollm2-135m-instruct")
     rows = list(open_dataset(out / "run" / "data" / "validation"))
     theirs = argmaxes(target.model, rows)  # the target's choices, once for every draft
-    evals = [evaluated(out / f"eval-{name}" / "report.json") for name in ("mt_bench", "heldout")]
+    reports = [out / f"eval-{name}" / "report.json" for name in ("mt_bench", "heldout")]
+    evals = [evaluated(report) if report.exists() else None for report in reports]  # a set not run: "—"
     print("| side | steps | training s | tokens/s | held-out top-1 agreement | MT-Bench τ, speedup | "
           "held-out prompts τ, speedup | ours / vLLM τ (8 MT-Bench × 64) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> int:
         facts = trained(out, label)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         cells = [f"{sides['first' if i == 0 else label][0]:.3f}, {sides['first' if i == 0 else label][1]:.2f}×"
-                 for sides in evals]
+                 if sides else "—" for sides in evals]
         print(f"| {label} | {facts['steps']} | {facts['train_s']:.0f} | {facts['tokens_per_s']} | "
               f"{agreement(argmaxes(model, rows), theirs, rows):.3f} | {' | '.join(cells)} | {served(out, label)} |")
     return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import StandInDraft, tiny_target
+from trainer_helpers import StandInDraft, fresh_accelerate, one_step_on_unequal_rows, tiny_target  # noqa: F401
 
 # integration: several processes, or the real target trained end to end (CI runs them; `-m "not slow"` skips)
 pytestmark = pytest.mark.slow
@@ -57,8 +57,20 @@ def two_process_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero2") / "run"
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", LAUNCH_CONFIG,
           "--main_process_port", str(_free_port()), str(HELPER), str(out),
-          "--max-steps", str(STEPS), "--save-every", "4", "--deepspeed", ZERO2, "--rewind-to", "4"])
+          "--max-steps", str(STEPS), "--save-every", "4", "--deepspeed", ZERO2, "--rewind-to", "4",
+          "--reduction-probe"])
     return out
+
+
+def test_token_reduction_counts_the_trained_tokens_of_every_process(two_process_run, tmp_path, fresh_accelerate):
+    """Two processes, one row each (2 and 14 trained tokens): under loss_reduction "token" the step's gradient is
+    one process's on both rows at once (its norm before clipping, as DeepSpeed reports it); under "micro_batch"
+    each process's mean counts alike, and it is not."""
+    probes = [json.loads((two_process_run / f"rank-{r}-reduction.json").read_text()) for r in (0, 1)]
+    assert probes[0] == probes[1]  # the norm of the one gradient every rank holds
+    one_process = one_step_on_unequal_rows(tmp_path, batch_size=2).grad_norm
+    assert probes[0]["token"] == pytest.approx(one_process, rel=1e-5)
+    assert probes[0]["micro_batch"] != pytest.approx(one_process, rel=1e-2)
 
 
 def test_two_process_zero2_trains_and_saves_a_loadable_checkpoint(two_process_run):

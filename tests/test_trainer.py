@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 from trainer_helpers import (  # noqa: F401  (fresh_accelerate: an autouse fixture)
-    Interrupted, StandInDraft, fresh_accelerate, make_trainer, prepared_run, reset_accelerate, tiny_dataset,
-    tiny_target,
+    Interrupted, StandInDraft, fresh_accelerate, make_trainer, one_step_on_unequal_rows, prepared_run,
+    reset_accelerate, tiny_dataset, tiny_target,
 )
 
 from drafttrain import DrafttrainError
@@ -202,31 +202,21 @@ def test_by_default_micro_batches_of_several_rows_group_rows_of_similar_length(t
 
 
 def test_token_reduction_weighs_every_trained_token_of_a_step_alike(tmp_path):
-    # Two rows, 2 and 14 trained tokens. One micro-batch of both rows is the token mean over the step; two
-    # micro-batches of one row each match it under loss_reduction "token" and not under "micro_batch" (which
-    # gives the short row's tokens 7 times the weight). The gradient norm before clipping and the weights after
-    # the step compare the gradients themselves.
-    rows = tiny_dataset(2)
-    rows = rows.from_dict({"id": ["short", "long"], "input_ids": [rows[0]["input_ids"][:5], list(range(2, 19))],
-                           "loss_mask": [[0, 0, 0, 1, 1], [0, 0, 0] + [1] * 14]})
-    setup = dict(dataset=rows, draft_kwargs={"dropout": 0.0}, max_steps=1, group_by_length=False, max_grad_norm=1e6)
-    runs = {
-        name: make_trainer(tmp_path / name, **setup, **overrides)
-        for name, overrides in {
-            "one_micro_batch": dict(batch_size=2, gradient_accumulation=1),
-            "token": dict(batch_size=1, gradient_accumulation=2, loss_reduction="token"),
-            "micro_batch": dict(batch_size=1, gradient_accumulation=2, loss_reduction="micro_batch"),
-        }.items()
-    }
-    results = {}
-    for name, trainer in runs.items():
+    # One micro-batch of both rows is the token mean over the step; two micro-batches of one row each match it
+    # under loss_reduction "token" and not under "micro_batch". The gradient norm before clipping and the weights
+    # after the step compare the gradients themselves. (Across processes: tests/test_deepspeed.py.)
+    runs = {}
+    for name, training in {"one_micro_batch": dict(batch_size=2, gradient_accumulation=1),
+                           "token": dict(batch_size=1, gradient_accumulation=2, loss_reduction="token"),
+                           "micro_batch": dict(batch_size=1, gradient_accumulation=2, loss_reduction="micro_batch"),
+                           }.items():
         reset_accelerate()
-        results[name] = (trainer.train(), trainer.grad_norm)
-    reference_norm = results["one_micro_batch"][1]
-    assert results["token"][1] == pytest.approx(reference_norm, rel=1e-5)
-    assert results["micro_batch"][1] != pytest.approx(reference_norm, rel=1e-2)
-    weights = {name: StandInDraft.from_pretrained(result.last_checkpoint, tiny_target()).state_dict()
-               for name, (result, _) in results.items()}
+        runs[name] = one_step_on_unequal_rows(tmp_path / name, **training)
+    reference_norm = runs["one_micro_batch"].grad_norm
+    assert runs["token"].grad_norm == pytest.approx(reference_norm, rel=1e-5)
+    assert runs["micro_batch"].grad_norm != pytest.approx(reference_norm, rel=1e-2)
+    weights = {name: StandInDraft.from_pretrained(tmp_path / name / "checkpoints" / "step-000001", tiny_target())
+               .state_dict() for name, run in runs.items()}
     for key, value in weights["one_micro_batch"].items():
         assert torch.allclose(weights["token"][key], value, atol=1e-6), key
 

@@ -132,6 +132,24 @@ class StandInDraft(Drafter):
         return draft
 
 
+def unequal_rows():
+    """Two rows with 2 and 14 trained tokens: under loss_reduction "micro_batch", one row a micro-batch gives the
+    short row's tokens 7 times the weight of the long row's; under "token" every trained token weighs alike."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"id": ["short", "long"], "input_ids": [[5, 7, 9, 11, 13], list(range(2, 19))],
+                                       "loss_mask": [[0, 0, 0, 1, 1], [0, 0, 0] + [1] * 14]})
+
+
+def one_step_on_unequal_rows(output_dir, **training):
+    """One optimizer step of the stand-in (no dropout, no clipping to speak of) on unequal_rows, in row order;
+    returns the trainer, whose grad_norm is the step's gradient norm before clipping."""
+    trainer = make_trainer(output_dir, dataset=unequal_rows(), draft_kwargs={"dropout": 0.0}, max_steps=1,
+                           group_by_length=False, max_grad_norm=1e6, **training)
+    trainer.train()
+    return trainer
+
+
 def tiny_recipe(output_dir, **training) -> Recipe:
     settings = {"batch_size": 4, "learning_rate": 1e-2, "scheduler": "cosine", "warmup_steps": 1, "log_every": 1,
                 "save_every": 100, "keep_last": 2, "max_grad_norm": 1.0, **training}
@@ -177,6 +195,9 @@ def main() -> int:
     parser.add_argument("--rewind-to", type=int, metavar="STEP",
                         help="afterwards, copy the run to <output_dir>-resumed without the checkpoints after STEP "
                              "(as if killed then) and resume it with a new Trainer in the same processes")
+    parser.add_argument("--reduction-probe", action="store_true",
+                        help="last, one step on unequal_rows per loss_reduction, one row a process; each rank writes "
+                             "rank-<i>-reduction.json with the steps' gradient norms")
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = {"max_steps": args.max_steps, "save_every": args.save_every, "batch_size": 2}
@@ -197,7 +218,20 @@ def main() -> int:
         reset_accelerate()  # a new Trainer, as in a fresh process (the process group itself stays up)
         trainer = make_trainer(rewound, **overrides)
         _report(trainer, trainer.train(resume=True), rewound / f"rank-{trainer.accelerator.process_index}.json")
+    if args.reduction_probe:
+        _reduction_probe(output_dir, args.deepspeed)
     return 0
+
+
+def _reduction_probe(output_dir: Path, deepspeed: str | None) -> None:
+    norms, rank = {}, 0
+    for reduction in ("token", "micro_batch"):
+        reset_accelerate()
+        probe = one_step_on_unequal_rows(output_dir.with_name(f"{output_dir.name}-{reduction}"), batch_size=1,
+                                         loss_reduction=reduction, **({"deepspeed": deepspeed} if deepspeed else {}))
+        norms[reduction], rank = probe.grad_norm, probe.accelerator.process_index
+        probe.accelerator.wait_for_everyone()
+    (output_dir / f"rank-{rank}-reduction.json").write_text(json.dumps(norms))
 
 
 def _report(trainer, result, path: Path) -> None:

@@ -362,7 +362,7 @@ class DFlashConfig(DraftConfig):
     several layers as context and predicts a block of tokens after an anchor in one forward."""
 
     kind: Literal["dflash"] = "dflash"
-    training_settings = frozenset({"anchors", "weighting", "dpace_alpha", "decay_gamma", "init_from_target"})
+    training_settings = frozenset({"anchors", "weighting", "dpace_alpha", "decay_gamma", "init_from_target", "labels"})
     num_layers: int = Field(1, ge=1)
     # the block: the anchor (a known token) and block_size - 1 mask tokens, each predicting the token at its position
     block_size: int = Field(8, ge=2)
@@ -376,6 +376,10 @@ class DFlashConfig(DraftConfig):
     weighting: Literal["dpace", "decay"] = "dpace"
     dpace_alpha: float = Field(0.5, ge=0, le=1)  # D-PACE's smoothing: s_k = (1 - alpha) q_k + alpha
     decay_gamma: float = Field(4.0, gt=0)
+    # what each slot learns: "soft" (cross-entropy against the target's distribution over the draft vocabulary: KL's
+    # gradient, the tail included) or "argmax" (cross-entropy on the target's greedy token, all a greedy acceptance
+    # needs: speculators' default beside D-PACE)
+    labels: Literal["soft", "argmax"] = "soft"
     # attention inside the block: "bidirectional" (DFlash) or "causal" (speculators' default sliding layers)
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
     sample_from_anchor: bool = False  # DSpark's mode: every slot predicts, the anchor's included (block_size tokens)

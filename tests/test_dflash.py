@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -108,6 +109,26 @@ def test_a_training_step_has_the_shapes_the_weights_and_the_gradients_it_should(
                  "norm.weight"):
         grad = dict(drafter.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_argmax_labels_are_the_soft_loss_against_the_target_sharpened_to_its_greedy_token():
+    """labels: argmax trains each slot on the target's greedy token at the position before it: the soft loss against
+    the target's logits × 10⁶ (one-hot on the argmax), on the same anchors with the same D-PACE weights; and it is not
+    the soft loss against the target's own distribution."""
+    target = tiny_target()
+    drafter = tiny_dflash(target).train()
+    batch = batch_of(target)
+    outputs = run_target(target, batch, drafter.needs())
+    sharpened = dataclasses.replace(outputs, logits=outputs.logits * 1e6)
+
+    def loss(labels, target_outputs):
+        drafter.config = drafter.config.model_copy(update={"labels": labels})
+        torch.manual_seed(0)  # the same anchors
+        return drafter.training_step(batch, target_outputs).loss.item()
+
+    hard = loss("argmax", outputs)
+    assert hard == pytest.approx(loss("soft", sharpened), rel=1e-5)
+    assert hard != pytest.approx(loss("soft", outputs), rel=1e-2)
 
 
 def test_a_training_step_runs_under_bf16_autocast():

@@ -383,13 +383,17 @@ class DFlashDrafter(Drafter):
         gather = lambda x: x.gather(1, teacher_at.reshape(b, -1)).view(b, -1, k)  # noqa: E731
         mask = loss_mask.gather(1, label_at.reshape(b, -1)).view(b, -1, k) * inside * blocks.valid[:, :, None]
         mask = mask * gather(in_vocab)
-        teacher = target_logits.gather(1, teacher_at.reshape(b, -1, 1).expand(-1, -1, target_logits.shape[-1]))
-        teacher = teacher.view(b, -1, k, target_logits.shape[-1])
-        per_slot = losses.per_position("soft_ce", losses.log_probs(logits), losses.log_probs(teacher))
         wanted = gather(target_ids)
         with torch.no_grad():
             in_draft = target_to_draft(wanted, self.t2d).clamp(min=0)  # slots outside the vocabulary have no label
             confidence = torch.softmax(logits.float(), -1).gather(-1, in_draft.unsqueeze(-1)).squeeze(-1)
+        log_q = losses.log_probs(logits)
+        if self.config.labels == "argmax":
+            per_slot = -log_q.gather(-1, in_draft.unsqueeze(-1)).squeeze(-1)
+        else:
+            teacher = target_logits.gather(1, teacher_at.reshape(b, -1, 1).expand(-1, -1, target_logits.shape[-1]))
+            teacher = teacher.view(b, -1, k, target_logits.shape[-1])
+            per_slot = losses.per_position("soft_ce", log_q, losses.log_probs(teacher))
         weights = self.slot_weights(confidence, mask)
         loss = (per_slot * weights).sum() / mask.sum().clamp(min=1.0)
         return self._step_output(loss, logits, wanted, mask, weights)

@@ -150,7 +150,8 @@ def test_zero3_checkpoints_hold_the_whole_draft_and_resume(zero3_run, two_proces
 
 @pytest.mark.parametrize("draft", [
     pytest.param({"kind": "eagle3", "ttt_steps": 2, "init_from_target": ["lm_head", "layer", "fc"]}, id="eagle3"),
-    pytest.param({"kind": "dflash", "block_size": 4, "anchors": 8, "num_layers": 2}, id="dflash")])
+    pytest.param({"kind": "dflash", "block_size": 4, "anchors": 8, "num_layers": 2, "init_from_target": True},
+                 id="dflash")])
 def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_saves(tmp_path, folder_target, draft):
     """`accelerate launch -m drafttrain train` under ZeRO-3: the target (a saved folder) loads partitioned, the
     draft starts from its gathered weights (lm_head, last layers, norm), and the run's losses and checkpoint equal

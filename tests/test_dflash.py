@@ -277,8 +277,8 @@ def test_a_whole_vocabulary_export_has_no_vocabulary_map_and_loads_back(tmp_path
 def test_greedy_output_is_the_targets_on_smollm2_chain_and_tree(smollm2):
     """A block drafter fitted for a few steps on the target's own answer (it learns: the loss falls), served through
     chains and a static tree: identical tokens to plain greedy decoding."""
-    drafter, prompt, greedy, losses = fitted_on_its_answer(smollm2, DFlashConfig(block_size=4, anchors=32, init_from_target=True),
-                                                           30, 1e-3)
+    config = DFlashConfig(block_size=4, anchors=32, init_from_target=True)
+    drafter, prompt, greedy, losses = fitted_on_its_answer(smollm2, config, 30, 1e-3)
     assert losses[-1] < losses[0] / 2, losses
     for tree in ("chain", StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])):
         out = SpeculativeDecoder(smollm2, build_proposer("block", smollm2, draft=drafter), depth=3,

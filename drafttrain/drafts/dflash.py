@@ -384,12 +384,12 @@ class DFlashDrafter(Drafter):
         mask = loss_mask.gather(1, label_at.reshape(b, -1)).view(b, -1, k) * inside * blocks.valid[:, :, None]
         mask = mask * gather(in_vocab)
         wanted = gather(target_ids)
-        with torch.no_grad():
-            in_draft = target_to_draft(wanted, self.t2d).clamp(min=0)  # slots outside the vocabulary have no label
-            confidence = torch.softmax(logits.float(), -1).gather(-1, in_draft.unsqueeze(-1)).squeeze(-1)
+        in_draft = target_to_draft(wanted, self.t2d).clamp(min=0)  # slots outside the vocabulary have no label
         log_q = losses.log_probs(logits)
+        log_q_wanted = log_q.gather(-1, in_draft.unsqueeze(-1)).squeeze(-1)  # the draft's log-probability of the label
+        confidence = log_q_wanted.detach().exp()
         if self.config.labels == "argmax":
-            per_slot = -log_q.gather(-1, in_draft.unsqueeze(-1)).squeeze(-1)
+            per_slot = -log_q_wanted
         else:
             teacher = target_logits.gather(1, teacher_at.reshape(b, -1, 1).expand(-1, -1, target_logits.shape[-1]))
             teacher = teacher.view(b, -1, k, target_logits.shape[-1])

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,22 @@ def test_builtin_target_is_converted_once_to_a_safetensors_folder(smollm2):
     assert smollm2.num_layers == 30 and smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
     assert not any(p.requires_grad for p in smollm2.model.parameters()) and not smollm2.model.training
     assert "<|im_start|>" in smollm2.tokenizer.chat_template
+
+
+def test_processes_converting_the_builtin_target_at_once_share_one_conversion(smollm2, tmp_path):
+    """Every process of a launch on a fresh machine loads the target at the same moment (the suite's first run
+    on a fresh machine failed this way: one worker's temporary folder removed under another's write)."""
+    convert = "from drafttrain.targets.loading import resolve_model_dir; print(resolve_model_dir('smollm2-135m-instruct'))"
+    env = {**os.environ, "DRAFTTRAIN_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", convert], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    results = [proc.communicate(timeout=600) + (proc.returncode,) for proc in procs]
+    assert [rc for _, _, rc in results] == [0, 0, 0], [err[-2000:] for _, err, _ in results]
+    folders = {out.strip().splitlines()[-1] for out, _, _ in results}
+    assert len(folders) == 1
+    folder = tmp_path / "targets" / smollm2.source_dir.name
+    assert folders == {str(folder)} and not list(tmp_path.glob("targets/*.tmp"))
+    assert load_target(str(folder)).vocab_size == smollm2.vocab_size
 
 
 def test_gguf_file_and_folder_specs_load_the_same_weights(smollm2):

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
@@ -186,9 +187,16 @@ def _gguf_cache_dir(gguf: Path) -> Path:
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF once into a safetensors folder (weights, config, tokenizer, chat template)."""
     out = _gguf_cache_dir(gguf)
-    if (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file():
-        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Every process of a launch (and every test worker) loads the target: one converts while the others wait,
+    # instead of each writing the same temporary folder under the others.
+    with FileLock(str(out) + ".lock"):
+        if not ((out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()):
+            _convert_into(gguf, out)
+    return out
 
+
+def _convert_into(gguf: Path, out: Path) -> None:
     log.info("converting %s to safetensors under %s (once)", gguf.name, out)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -203,7 +211,6 @@ def convert_gguf(gguf: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)  # atomic: a killed conversion never leaves a half-written folder behind
-    return out
 
 
 def resolve_model_dir(spec: str) -> str:

@@ -30,10 +30,16 @@ def test_the_runner_up_is_no_rounding_in_float32_and_bf16_rounds_far_more(smollm
     assert mismatch_rounding(smollm2, ids, expected=first, got=first)["rounding"]  # a tie is within any noise
     bf16_target = load_target("smollm2-135m-instruct", dtype="bfloat16")
     bf16 = mismatch_rounding(bf16_target, ids, expected=first, got=second)
+    assert next(bf16_target.model.parameters()).dtype == torch.bfloat16
+    bf16_rounds_apart = bf16["rounding_noise"] > 100 * max(fp32["rounding_noise"], 1e-7)  # one-token vs 8-wide
     if _bf16_rows_depend_on_each_other(bf16_target):  # MKL's bf16 kernels (AVX2, AVX-512 without AMX), a GPU's
-        assert bf16["rounding_noise"] > 100 * max(fp32["rounding_noise"], 1e-7)  # one-token vs 8-wide, in bf16
-    else:  # oneDNN on AMX computes each row alone: the two ways agree bit for bit, and the check says so
-        assert bf16["rounding_noise"] == 0.0
+        assert bf16_rounds_apart
+    else:  # every linear layer computes each row alone (oneDNN on AMX; an AMD EPYC with AVX-512 BF16): the two ways
+        # agree bit for bit, and the check says so, or they part only in attention, where transformers runs one
+        # query with its GQA heads packed and no mask and eight with the heads repeated and a mask; those kernels
+        # round apart only on some values (on the EPYC: 0.1875 here, from layer 2 of 30, and never on random
+        # tensors), so no probe of ours can tell in advance
+        assert bf16["rounding_noise"] == 0.0 or bf16_rounds_apart
     assert not bf16["rounding"]  # the runner-up's clear gap is no rounding in bf16 either
 
 

@@ -187,13 +187,19 @@ def _gguf_cache_dir(gguf: Path) -> Path:
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF once into a safetensors folder (weights, config, tokenizer, chat template)."""
     out = _gguf_cache_dir(gguf)
+    if _converted(out):  # no lock once converted: a read-only shared cache keeps working
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Every process of a launch (and every test worker) loads the target: one converts while the others wait,
     # instead of each writing the same temporary folder under the others.
     with FileLock(str(out) + ".lock"):
-        if not ((out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()):
+        if not _converted(out):
             _convert_into(gguf, out)
     return out
+
+
+def _converted(out: Path) -> bool:
+    return (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
 
 
 def _convert_into(gguf: Path, out: Path) -> None:

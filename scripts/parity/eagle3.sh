@@ -54,12 +54,14 @@ mkdir -p "$out"
 [ -e "$out/features/rows.json" ] || python "$here/features.py" "$run" "$out/features" >"$out/features.log" 2>&1
 
 # 2. each trainer, each seed, MINUTES of training
-ours() {  # NAME SEED [OVERRIDES...]: a run folder that shares the prepared rows and the offline cache
-    local dest=$out/$1 seed=$2
+ours() {  # NAME SEED [shim:MODULE] [OVERRIDES...]: a run folder that shares the prepared rows and the offline cache
+    local dest=$out/$1 seed=$2 launch=(drafttrain)
     shift 2
+    # an arm may train through scripts/parity/MODULE.py, a wrapper of drafttrain that changes one rule for parity
+    if [[ ${1:-} == shim:* ]]; then launch=(python "$here/${1#shim:}.py") && shift; fi
     if [ ! -e "$dest/checkpoints/latest" ]; then
         share_run "$run" "$dest" "$(realpath "$run/features")"
-        drafttrain train "$recipe" output_dir="$dest" seed="$seed" training.time_budget_minutes="$minutes" \
+        "${launch[@]}" train "$recipe" output_dir="$dest" seed="$seed" training.time_budget_minutes="$minutes" \
             "${ours_kind[@]}" "$@" >"$dest.log" 2>&1
     fi
 }

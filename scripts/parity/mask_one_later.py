@@ -4,7 +4,9 @@ drafttrain's EAGLE-3 step trains the prediction of token t+2 (from the hidden of
 an assistant token: the mask of the token predicted. speculators 0.9.0 (`shift_batch`) uses the mask of the token fed
 in, t+1: one position later at both ends of an answer (it skips the answer's first token and trains the token after
 its end). This wrapper runs `drafttrain` with every batch's loss mask moved one position later (and kept inside the
-row), which is exactly that alignment, and changes nothing else. eagle3.sh runs it for a variant whose overrides
+row), which is that alignment, and changes nothing else. (One exception: a row cut at max_length inside an
+answer loses the prediction from its last position, which speculators would still train; rows that end an answer
+end with an untrained newline.) eagle3.sh runs it for a variant whose overrides
 start with `shim:mask_one_later`.
 """
 

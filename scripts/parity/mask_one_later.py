@@ -6,8 +6,7 @@ in, t+1: one position later at both ends of an answer (it skips the answer's fir
 its end). This wrapper runs `drafttrain` with every batch's loss mask moved one position later (and kept inside the
 row), which is that alignment, and changes nothing else. (One exception: a row cut at max_length inside an
 answer loses the prediction from its last position, which speculators would still train; rows that end an answer
-end with an untrained newline.) eagle3.sh runs it for a variant whose overrides
-start with `shim:mask_one_later`.
+end with an untrained newline.) eagle3.sh runs it for a variant whose overrides start with `shim:mask_one_later`.
 """
 
 import sys
@@ -26,7 +25,6 @@ def _step_with_the_fed_tokens_mask(self, batch, outputs):
     return _own_step(self, {**batch, "loss_mask": later}, outputs)
 
 
-Eagle3Drafter.training_step = _step_with_the_fed_tokens_mask
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # patched only when run, so importing this file changes nothing
+    Eagle3Drafter.training_step = _step_with_the_fed_tokens_mask
     sys.exit(main())

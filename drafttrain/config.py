@@ -6,8 +6,9 @@ dotted path of the offending field. ``key.sub=value`` overrides from the CLI are
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
@@ -16,12 +17,32 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from drafttrain import DrafttrainError
+from drafttrain.packages import check_installed
 from drafttrain.sampling import check_sampling
 
 
 class Section(BaseModel):
     # Unknown keys are errors, and so are inf / nan anywhere: a number that can only fail later fails now.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # the packages a section needs whenever it is present in a recipe (peft for a LoRA section)
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def packages(self) -> list[tuple[str, str]]:
+        """(field, module) for each package this section needs as set ("" names the section itself)."""
+        return [("", module) for module in self.needs]
+
+
+def needed_packages(section: Section, path: str = "") -> list[tuple[str, str]]:
+    """(recipe field, module) for every package a recipe (or any section) needs as set, nested sections included."""
+    out = [(".".join(p for p in (path, field) if p), module) for field, module in section.packages()]
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, child in items:
+            if isinstance(child, Section):
+                where = ".".join(p for p in (path, name, None if index is None else str(index)) if p)
+                out += needed_packages(child, where)
+    return out
 
 
 class TargetConfig(Section):
@@ -36,6 +57,9 @@ class TargetConfig(Section):
     # A fine-tune of ``model`` given as a peft LoRA adapter folder: loaded onto it and merged, so the target is the
     # fine-tuned model (its name and fingerprint say so; a draft trained for the base is re-aligned to it)
     adapter: str | None = None
+
+    def packages(self) -> list[tuple[str, str]]:
+        return [("adapter", "peft")] if self.adapter is not None else []
 
 
 class SourceConfig(Section):
@@ -124,6 +148,8 @@ class DraftVocabConfig(Section):
 class DraftLoraConfig(Section):
     """LoRA adapters (peft) on a draft's own linear layers: a trained draft adapted by few parameters, its other
     weights frozen. Saved merged, so checkpoints and exports keep the kind's layout."""
+
+    needs = ("peft",)
 
     # module names (peft's matching: a name or its last part); None: every linear layer of the draft but its lm_head
     target_modules: list[str] | None = Field(None, min_length=1)
@@ -239,6 +265,8 @@ class EagleConfig(DraftConfig):
 class LoraConfig(Section):
     """LoRA adapters on the target (through peft), trained jointly with the draft (Medusa-2)."""
 
+    needs = ("peft",)
+
     target_modules: list[str] = Field(min_length=1)  # module names in the target, e.g. [q_proj, v_proj]
     rank: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
@@ -278,6 +306,8 @@ class MedusaConfig(DraftConfig):
 class StudentLoraConfig(Section):
     """LoRA adapters on a draft model (through peft) instead of training all its weights (the draft model's own
     draft LoRA: ``draft_lora`` is for the kinds that run on the target's hidden states)."""
+
+    needs = ("peft",)
 
     target_modules: list[str] = Field(min_length=1)
     rank: int = Field(16, gt=0)
@@ -440,6 +470,9 @@ class TrainingConfig(Section):
     max_grad_norm: float = Field(0.5, gt=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     deepspeed: str | None = None  # path to a DeepSpeed JSON config
+
+    def packages(self) -> list[tuple[str, str]]:
+        return [("deepspeed", "deepspeed")] if self.deepspeed is not None else []
     save_every: int = Field(100, gt=0)
     keep_last: int = Field(2, gt=0)
     # Eval metric (returned by the on_checkpoint callbacks) whose highest-scoring checkpoint is kept as "best"
@@ -647,6 +680,23 @@ class WandbConfig(Section):
     # Upload the best checkpoint's draft (not its optimizer state) as a wandb model artifact when training ends.
     log_best_checkpoint: bool = False
 
+    def resolved_mode(self, environ: Mapping[str, str] = os.environ) -> str:
+        """online / offline / disabled. The environment (WANDB_MODE, WANDB_DISABLED) wins over the recipe, so
+        tests and CI can switch it off; ``auto`` is offline unless an API key is present."""
+        env_mode = environ.get("WANDB_MODE", "").strip().lower()
+        if not self.enabled or self.mode == "disabled" or env_mode == "disabled":
+            return "disabled"
+        if environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes"):
+            return "disabled"
+        if env_mode in ("online", "offline"):
+            return env_mode
+        if self.mode == "auto":
+            return "online" if environ.get("WANDB_API_KEY") else "offline"
+        return self.mode
+
+    def packages(self) -> list[tuple[str, str]]:
+        return [] if self.resolved_mode() == "disabled" else [("mode", "wandb")]
+
 
 class Recipe(Section):
     output_dir: str = "runs/default"
@@ -766,5 +816,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not isinstance(raw, dict):
         raise DrafttrainError(f"recipe {path} must be a mapping at the top level")
     raw = apply_overrides(raw, overrides or [])
-    return parse_recipe(raw, str(path))
+    recipe = parse_recipe(raw, str(path))
+    check_installed([(f"{field} in {path}", module) for field, module in needed_packages(recipe)])
+    return recipe
 

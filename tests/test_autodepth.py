@@ -119,6 +119,18 @@ def test_a_cost_table_broken_by_noise_is_clamped_to_what_is_physically_possible(
         assert predicted_speedup(fixed, always, depth) <= depth + 1
 
 
+def test_a_clamp_within_the_timings_own_spread_is_not_warned_of(caplog):
+    """On an idle machine neighbouring verification widths cost nearly alike, and one may time 19% of a plain step
+    below the other; that is the timing's spread, not a busy machine. Only a clamp beyond it warns."""
+    noisy = Costs(plain_s=1.0, verify_s=[0.0, 1.0, 1.3, 1.11, 1.4], draft_s=[0.0, 0.1, 0.2, 0.3], accept_s=0.0)
+    with caplog.at_level("WARNING", logger="drafttrain.decoding.autodepth"):
+        assert physical(noisy, noise=0.25).clamped == pytest.approx(0.19)
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="drafttrain.decoding.autodepth"):
+        physical(noisy, noise=0.05)
+    assert "broke physical bounds by up to 19%" in caplog.text
+
+
 def test_a_gain_inside_the_timings_spread_is_no_gain():
     """Speculation is chosen only when its predicted gain exceeds the measured spread of the timings."""
     steps = [1, 0, 0] * 20

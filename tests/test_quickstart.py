@@ -3,6 +3,8 @@ run folder's quickstart.log, and the final table."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import REPO
@@ -20,9 +22,15 @@ def test_quickstart_prints_stages_and_a_table_and_logs_the_rest(tmp_path, monkey
     assert code == 0, out + err
     for stage in ("[1/3] prepare", "[2/3] train", "[3/3] evaluate"):
         assert stage in out
-    for row in ("depth", "τ (tokens per target forward)", "acceptance per position", "speedup over plain decoding",
-                "report: ", "plot: ", "quickstart.log"):
+    for row in ("the head at depth 2: τ", "tokens per target forward", "acceptance per position",
+                "speedup over plain decoding", "depth auto", "report: ", "plot: ", "quickstart.log"):
         assert row in out
+    # a 3-step head pays nowhere: depth auto serves plain decoding, and the table still shows the head itself
+    assert re.search(r"depth auto\s+│ plain decoding: on this machine no depth pays", out)
+    assert re.search(r"τ\s+│ \d\.\d\d tokens per target forward", out)
+    assert re.search(r"acceptance per position\s+│ d1 \d+%", out)
+    assert "Why plain decoding wins here: a depth-2 cycle costs" in out
+    assert "Projection from the measured τ, not measured" in out
     console = out + err
     for noise in ("[WARNING] [real_accelerator", "wandb:", "Saving current state", "trainable parameters", "step=1 "):
         assert noise not in console, noise

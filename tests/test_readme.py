@@ -19,9 +19,21 @@ def test_readme_opens_with_two_commands_quickstart_then_tests():
     assert "pytest" in commands[1]
 
 
-def test_ci_runs_the_readme_test_command():
-    ci_lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
-    assert ci_lines == [readme_commands()[1]]
+def _commands(script: str) -> list[str]:
+    """The lines of a CI script that run something (not comments, shell settings or set-up)."""
+    return [line for line in (REPO / ".ci" / script).read_text().splitlines()
+            if line and not line.startswith(("#", "set ", "cd "))]
+
+
+def test_ci_runs_the_readme_test_command_then_the_quickstart_in_a_fresh_environment():
+    assert _commands("run") == [readme_commands()[1], ".ci/quickstart_fresh"]
+
+
+def test_the_fresh_environment_runs_the_readme_first_command_verbatim():
+    lines = _commands("quickstart_fresh")
+    assert readme_commands()[0] in lines
+    assert any(line.startswith("python -m venv") for line in lines)  # its own environment, no extras
+    assert not any("[dev]" in line or "--system-site-packages" in line for line in lines)
 
 
 def test_every_recipe_snippet_in_the_readme_is_a_valid_recipe():

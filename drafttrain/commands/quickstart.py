@@ -120,14 +120,28 @@ def _quiet_libraries(chatter) -> None:
         datasets.disable_progress_bars()
 
 
+# The head is always shown at this depth, beside the auto choice: a user who just trained it sees what it does even
+# where this machine's costs make plain decoding the faster choice.
+SHOWN_DEPTH = 3
+AUTO_LABEL = "depth auto"
+
+
 def evaluate_checkpoint(recipe, target, checkpoint: Path, out_dir: Path):
+    """The head at ``SHOWN_DEPTH`` against plain decoding, and, when the recipe asks for depth auto, the auto
+    choice as a second side on the same prompts in the same run."""
     from drafttrain.drafts import load_drafter
     from drafttrain.evaluation.checkpoint_eval import evaluate_drafter
     from drafttrain.evaluation.report import write_report
+    from drafttrain.evaluation.sides import Compared
     from drafttrain.evaluation.suites import load_suite
 
     questions = load_suite(recipe.eval.suite).select(num_prompts=recipe.eval.num_prompts, turns="1")
-    report = evaluate_drafter(recipe, target, load_drafter(checkpoint, target), questions)
+    drafter = load_drafter(checkpoint, target)
+    auto = recipe.eval.depth == "auto"
+    limit = type(drafter).max_draft_depth(drafter.config) or SHOWN_DEPTH
+    shown = min(SHOWN_DEPTH, limit, recipe.eval.max_depth)  # no deeper than the auto side considers
+    report = evaluate_drafter(recipe, target, drafter, questions, depth=shown if auto else None,
+                              compare=[Compared(drafter, depth="auto", label=AUTO_LABEL)] if auto else ())
     write_report(report, out_dir)
     return report
 
@@ -136,27 +150,15 @@ def print_summary(report, checkpoint: Path, run: RunFolder, minutes: float) -> N
     from rich.console import Console
     from rich.table import Table
 
-    from drafttrain.evaluation.report import fmt, runtime_text
+    from drafttrain.evaluation.report import fmt
 
     overall, config = report.overall, report.config
-    auto = config.get("depth_auto")
-    if auto is None:
-        depth = str(config["depth"])
-    elif auto["depth"] == 0:
-        depth = "0: plain decoding (auto: on this machine the draft would cost more than it saves)"
-    else:
-        threshold = f", stop below confidence {auto['min_confidence']:g}" if auto["min_confidence"] else ""
-        depth = f"{auto['depth']}{threshold} (auto: predicted {auto['predicted_speedup']:.2f}x on this machine)"
-        check = config.get("runtime_check")
-        if check and check["switches"]:
-            depth += f"; checked while decoding: {runtime_text(check)}"
-    positions = overall["acceptance_per_position"]["conditional"]
     table = Table(title=f"drafttrain quickstart: done in {minutes:.1f} min", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
     table.add_row("draft", f"{checkpoint.parent.parent.name}/{checkpoint.parent.name}/{checkpoint.name}")
-    table.add_row("depth", depth)
-    table.add_row("τ (tokens per target forward)", fmt(overall["tau"]))
+    table.add_row(f"the head at depth {config['depth']}: τ", f"{fmt(overall['tau'])} tokens per target forward")
+    positions = overall["acceptance_per_position"]["conditional"]
     table.add_row("acceptance per position", "  ".join(
         f"d{i + 1} {'—' if a is None else f'{a:.0%}'}" for i, a in enumerate(positions)) or "—")
     interval = overall.get("speedup_ci95")
@@ -165,9 +167,15 @@ def print_summary(report, checkpoint: Path, run: RunFolder, minutes: float) -> N
                   f"{fmt(overall['speedup'], 2, '×')} ({fmt(overall['tokens_per_s'], 1)} vs "
                   f"{fmt(overall['baseline_tokens_per_s'], 1)} tokens/s, {config['suite']}, {overall['num_prompts']} "
                   f"prompts, same run{spread})")
+    auto = auto_side(report)
+    if auto is not None:
+        table.add_row(AUTO_LABEL, auto_text(*auto))
     table.add_row("greedy output identical", "—" if overall["greedy_match"] is None else f"{overall['greedy_match']:.0%}")
-    console = Console(file=sys.__stdout__)
+    # a log file or CI gets rich's 80 columns; the table's cells read better unwrapped
+    console = Console(file=sys.__stdout__, width=None if on_terminal() else 120)
     console.print(table)
+    for line in plain_wins_lines(report, auto):
+        console.print(line, soft_wrap=True, highlight=False)
     # paths on lines of their own, whole, to copy
     for what, path in (("report", run.eval / "report.md"), ("plot", run.eval / "acceptance.png"),
                        ("log", run.root / LOG_FILE)):
@@ -176,3 +184,47 @@ def print_summary(report, checkpoint: Path, run: RunFolder, minutes: float) -> N
     if note:
         console.print(f"NOTE: {note}. Rerun `drafttrain quickstart` with nothing else running: it continues where "
                       "it stopped and measures again.", soft_wrap=True, highlight=False)
+
+
+def auto_side(report) -> tuple[dict, dict] | None:
+    """(what the report's config says of the depth-auto side, its measured line), or None without one."""
+    described = next((c for c in report.config.get("compare") or [] if c.get("label") == AUTO_LABEL), None)
+    line = report.comparisons.get(AUTO_LABEL)
+    return None if described is None or line is None else (described, line)
+
+
+def auto_text(described: dict, line: dict) -> str:
+    """The auto choice, its reason, and what it measured in this run."""
+    from drafttrain.evaluation.report import fmt, runtime_text
+
+    choice = described["depth_auto"]
+    measured = f"measured {fmt(line['speed_vs_baseline'], 2, '×')} in this run"
+    if choice["depth"] == 0:
+        best = max((s, int(d)) for d, s in choice["predicted_speedup_by_depth"].items() if int(d) > 0)
+        return (f"plain decoding: on this machine no depth pays (best predicted {best[0]:.2f}× at depth {best[1]}); "
+                f"{measured}")
+    threshold = f", stop below confidence {choice['min_confidence']:g}" if choice["min_confidence"] else ""
+    text = f"depth {choice['depth']}{threshold}: predicted {choice['predicted_speedup']:.2f}× here; {measured}"
+    check = described.get("runtime_check")
+    return text + (f"; checked while decoding: {runtime_text(check)}" if check and check["switches"] else "")
+
+
+def plain_wins_lines(report, auto: tuple[dict, dict] | None) -> list[str]:
+    """When plain decoding is the faster choice on this machine: why (a cycle's measured cost against a plain step),
+    and what the head's measured τ would give where a verification costs one plain step, marked as a projection."""
+    overall, depth, tau = report.overall, report.config["depth"], report.overall["tau"]
+    if auto is None or auto[0]["depth_auto"]["depth"] != 0 or tau is None:
+        return []
+    costs = auto[0]["depth_auto"]
+    deepest = min(depth, len(costs["draft_ms"]) - 1)
+    plain, verify, draft = costs["plain_step_ms"], costs["verify_ms"][deepest], costs["draft_ms"][deepest]
+    cycle = verify + draft + costs["cycle_overhead_ms"]
+    return [
+        f"Why plain decoding wins here: a depth-{deepest} cycle costs {cycle:.0f} ms on this machine (verifying "
+        f"{deepest + 1} tokens {verify:.0f} ms, drafting {draft:.0f} ms, the loop {costs['cycle_overhead_ms']:.0f} ms) "
+        f"against a {plain:.0f} ms plain step, so it must yield {cycle / plain:.2f} tokens to pay; the head yields "
+        f"τ {tau:.2f}.",
+        f"Projection from the measured τ, not measured: where verifying {deepest + 1} tokens costs one plain step "
+        f"(a GPU-served target), τ {tau:.2f} would give up to {tau:.2f}× ({tau / (1 + draft / plain):.2f}× with "
+        f"drafting at this machine's {draft / plain:.2f} plain steps).",
+    ]

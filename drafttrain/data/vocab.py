@@ -174,7 +174,7 @@ def build_draft_vocab(dataset, tokenizer, vocab_size: int, size: int, coverage: 
     if coverage is not None:
         size = min(size, size_for_coverage(counts.counts, coverage))
         log.info("draft vocab: %d tokens cover %.1f%% of the trainable tokens", size, 100 * coverage)
-    if counts.distinct < size:
+    if counts.distinct < size and coverage is None:  # with coverage, the ids past the data are its rounding to 64
         log.warning(
             "draft vocab: only %d distinct trainable tokens in the data for a size of %d; the other %d ids are "
             "filled in id order (more data, or a smaller draft_vocab.size, gives a better-founded vocabulary)",

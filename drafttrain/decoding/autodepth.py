@@ -174,11 +174,18 @@ def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: i
     accept_s = median_time(lambda: proposer.accept(two, step_hidden), repeats, device)
     verify_s = [0.0] + [statistics.median(samples[("verify", w)]) for w in widths]
     draft_s = [0.0] + [statistics.median(samples[("draft", d)]) for d in depths]
-    plain = samples[("verify", 1)]  # its interquartile range, relative: how far one timing may be off
-    quartiles = statistics.quantiles(plain, n=4) if len(plain) > 1 else [0.0, 0.0, 0.0]
-    spread = (quartiles[2] - quartiles[0]) / statistics.median(plain) if len(plain) > 1 else 0.0
+    spread = interquartile(samples[("verify", 1)]) / verify_s[1]  # relative: how far one timing may be off
+    noise = max(interquartile(times) for times in samples.values()) / verify_s[1]
     return physical(Costs(plain_s=verify_s[1], verify_s=verify_s, draft_s=draft_s, accept_s=accept_s,
-                          uncertainty=spread, timing_spread=spread))
+                          uncertainty=spread, timing_spread=spread), noise)
+
+
+def interquartile(times: list[float]) -> float:
+    """The interquartile range of ``times`` (0 for a single timing)."""
+    if len(times) < 2:
+        return 0.0
+    quartiles = statistics.quantiles(times, n=4)
+    return quartiles[2] - quartiles[0]
 
 
 def on_the_loop(costs: Costs, calibration: Calibration) -> Costs:
@@ -229,17 +236,18 @@ def interleaved_samples(fns: dict, repeats: int, device: torch.device | str | No
     return samples
 
 
-def physical(costs: Costs) -> Costs:
+def physical(costs: Costs, noise: float = 0.0) -> Costs:
     """The cost table made physically possible: verifying more tokens never costs less than verifying fewer (nor
     than a plain step), and drafting deeper never less than drafting shallower. Timing noise on a busy machine
     breaks both (verifications measured at 0.47 of a plain step); left as measured, they predict speedups no
-    draft can give. A table that needed clamping says so."""
+    draft can give. ``noise``: the widest interquartile range of the timings, in plain steps; a clamp within it
+    is the timing's own spread (an idle machine's neighbouring widths cost nearly alike) and is not warned of."""
     verify = [0.0] + list(itertools.accumulate(costs.verify_s[1:], max))
     draft = list(itertools.accumulate(costs.draft_s, max))
     # how far a cost moved, in plain steps (a microsecond draft's noise is not a busy machine)
     moved = max([abs(a - b) for a, b in zip(verify, costs.verify_s)] + [abs(a - b) for a, b in zip(draft, costs.draft_s)],
                 default=0.0) / max(costs.plain_s, 1e-12)
-    if moved > 0.1:
+    if moved > max(0.1, noise):
         log.warning("depth auto: measured costs broke physical bounds by up to %.0f%% of a plain step (a busy "
                     "machine?): clamped", 100 * moved)
     return dataclasses.replace(costs, verify_s=verify, draft_s=draft, clamped=round(moved, 3))

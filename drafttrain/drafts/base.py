@@ -286,7 +286,7 @@ class Drafter(nn.Module):
 def with_lora(model: nn.Module, lora, owner: str) -> nn.Module:
     """``model`` wrapped in peft LoRA adapters on ``lora.target_modules`` (rank, alpha, dropout from ``lora``);
     module names the model lacks are refused, naming ``owner`` and some names it has."""
-    from peft import LoraConfig, get_peft_model  # optional extra (peft): only for draft.lora
+    from peft import LoraConfig, get_peft_model  # peft imports in seconds: only for draft.lora
 
     present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
     missing = [m for m in lora.target_modules if m not in present]

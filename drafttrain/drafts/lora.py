@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from drafttrain import DrafttrainError
+from drafttrain.packages import require
 from drafttrain.config import DraftLoraConfig
 
 ADAPTER = "default"  # peft's adapter name
@@ -24,10 +25,8 @@ def default_modules(drafter: nn.Module) -> list[str]:
 def add_draft_lora(drafter: nn.Module, lora: DraftLoraConfig) -> None:
     """Wrap the draft's linear layers named by ``lora`` (default: :func:`default_modules`) in LoRA adapters, in
     place; every weight but the adapters' stops training."""
-    try:
-        from peft import LoraConfig, inject_adapter_in_model  # optional extra (peft): only for draft.draft_lora
-    except ImportError:
-        raise DrafttrainError("draft.draft_lora needs peft: pip install 'drafttrain[peft]'") from None
+    peft = require("peft", "draft.draft_lora")
+    LoraConfig, inject_adapter_in_model = peft.LoraConfig, peft.inject_adapter_in_model
     modules = lora.target_modules or default_modules(drafter)
     names = {name for name, _ in drafter.named_modules()}
     missing = [m for m in modules if not any(n == m or n.endswith("." + m) for n in names)]

@@ -340,7 +340,6 @@ def save_lora(target, directory: Path) -> None:
 
 def load_lora(target, directory: Path) -> list[str]:
     """Adapt the target with a saved adapter (or load it into an adapter already there, e.g. while training)."""
-    # optional extra (peft): only for Medusa-2
     from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
     settings = read_json(directory / "adapter_config.json")
@@ -358,7 +357,7 @@ def load_lora(target, directory: Path) -> list[str]:
 @torch.no_grad()
 def save_merged(target, directory: Path) -> None:
     """The adapted target as a plain model folder: each adapted weight is base + the adapter's delta."""
-    from peft.tuners.lora import LoraLayer  # optional extra (peft): only for Medusa-2
+    from peft.tuners.lora import LoraLayer  # peft imports in seconds: only for Medusa-2
 
     model = target.model
     base = model.get_base_model()

@@ -13,12 +13,13 @@ outputs it declares, and the evaluator serves the draft with the proposer its ki
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from drafttrain import DrafttrainError
-from drafttrain.config import Recipe
+from drafttrain.config import DecodeSettings, Recipe
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding import plain_decode
 from drafttrain.decoding.trees import tree_of
@@ -28,6 +29,7 @@ from drafttrain.drafts.layers import shift_left
 from drafttrain.drafts.losses import cross_entropy
 from drafttrain.evaluation.evaluate import EvalReport, evaluate
 from drafttrain.evaluation.report import write_report
+from drafttrain.evaluation.sides import Compared
 from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without_reported
 from drafttrain.runfolder import EVAL_DIR, RunFolder
 from drafttrain.targets import TargetNeeds
@@ -41,10 +43,12 @@ CALIBRATION_PROMPTS = 4  # held-out prompts that depth auto measures acceptance 
 
 
 def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress: bool = True,
-                     calibration: Suite | None = None, time_budget_s: float | None = None) -> EvalReport:
+                     calibration: Suite | None = None, time_budget_s: float | None = None, depth: int | None = None,
+                     compare: Sequence[Compared] = ()) -> EvalReport:
     """The evaluator on ``questions`` with the recipe's eval settings, against plain decoding in the same run.
     With ``eval.depth: auto`` the depth is chosen on ``calibration`` (default: the questions' own suite's prompts
-    that are not reported, the served kind; else the held-out validation prompts)."""
+    that are not reported, the served kind; else the held-out validation prompts). ``depth``: this depth instead of
+    the recipe's; ``compare``: more sides on the same prompts (a depth-auto one is calibrated like the method)."""
     if calibration is None:
         served = served_kind(questions, CALIBRATION_PROMPTS)
         fallback = selection_prompts(recipe)
@@ -52,8 +56,10 @@ def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress
     else:
         chosen = calibration.questions[:CALIBRATION_PROMPTS]
     settings = recipe.eval.fitted_to(type(drafter).max_draft_depth(drafter.config)).decode_settings()
+    if depth is not None:
+        settings = DecodeSettings.of(settings, depth=depth)
     return evaluate(target, drafter, questions, settings, progress=progress, calibration=chosen,
-                    time_budget_s=time_budget_s)
+                    time_budget_s=time_budget_s, compare=compare)
 
 
 def check_eval_shape(recipe: Recipe) -> None:

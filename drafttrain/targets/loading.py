@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from drafttrain import DrafttrainError
+from drafttrain.packages import require
 from drafttrain.config import TargetConfig
 from drafttrain.data.tokenize import tokenizer_fingerprint
 from drafttrain.runfolder import cache_root
@@ -322,10 +323,7 @@ def merged_adapter(model, folder: str) -> tuple[torch.nn.Module, Path]:
         raise DrafttrainError(f"target.adapter {folder}: under ZeRO-3 the target loads partitioned and the adapter "
                               "cannot be merged into it: merge it first (peft's merge_and_unload, then "
                               "save_pretrained) and give that folder as target.model")
-    try:
-        from peft import PeftModel  # optional extra (peft): only for target.adapter
-    except ImportError:
-        raise DrafttrainError("target.adapter needs peft: pip install 'drafttrain[peft]'") from None
+    PeftModel = require("peft", "target.adapter").PeftModel
     try:
         return PeftModel.from_pretrained(model, str(path)).merge_and_unload(), path.resolve()
     except (ValueError, RuntimeError, KeyError) as err:  # modules or shapes of another base model

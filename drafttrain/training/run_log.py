@@ -41,18 +41,8 @@ _SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
 
 
 def resolve_wandb_mode(cfg: WandbConfig, environ: dict[str, str] | os._Environ = os.environ) -> str:
-    """online / offline / disabled. The environment (WANDB_MODE, WANDB_DISABLED) wins over the recipe, so
-    tests and CI can switch it off; ``auto`` is offline unless an API key is present."""
-    env_mode = environ.get("WANDB_MODE", "").strip().lower()
-    if not cfg.enabled or cfg.mode == "disabled" or env_mode == "disabled":
-        return "disabled"
-    if environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes"):
-        return "disabled"
-    if env_mode in ("online", "offline"):
-        return env_mode
-    if cfg.mode == "auto":
-        return "online" if environ.get("WANDB_API_KEY") else "offline"
-    return cfg.mode
+    """online / offline / disabled (the recipe's rule: ``WandbConfig.resolved_mode``)."""
+    return cfg.resolved_mode(environ)
 
 
 def _public_config(value: Any) -> Any:
@@ -201,7 +191,7 @@ class MetricsLog:
         mode = resolve_wandb_mode(recipe.wandb)
         if mode == "disabled":
             return None
-        import wandb  # optional extra (wandb): only when the recipe enables it
+        import wandb  # imported when a run logs to it (its import takes seconds)
 
         id_file = self.run.wandb_id
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:12]
@@ -241,7 +231,7 @@ class MetricsLog:
         self._append({"step": step, **{f"eval/{k}": float(v) for k, v in measured.scalars.items()}})
         if self._wandb is None:
             return
-        import wandb  # optional extra (wandb): only when the recipe enables it
+        import wandb  # imported when a run logs to it (its import takes seconds)
 
         entry: dict[str, Any] = {"eval/step": step,
                                  **{f"eval/{k}": _finite_or_none(float(v)) for k, v in measured.scalars.items()}}
@@ -256,7 +246,7 @@ class MetricsLog:
         """The checkpoint's draft files (not its optimizer state) as a wandb model artifact."""
         if self._wandb is None:
             return
-        import wandb  # optional extra (wandb): only when the recipe enables it
+        import wandb  # imported when a run logs to it (its import takes seconds)
 
         artifact = wandb.Artifact(f"{self.run.root.name}-draft", type="model",
                                   metadata={"checkpoint": checkpoint.name})

@@ -76,7 +76,7 @@ def shard_frozen(model: torch.nn.Module, accelerator):
     config, so its weights stay partitioned over the processes and each layer's are gathered for its forward
     only (the pattern TRL uses for reference and teacher models). A model loaded under zero.Init (see
     ``build_accelerator``) is partitioned already; one built whole is partitioned here."""
-    import deepspeed  # optional extra, heavy: only under a DeepSpeed config
+    import deepspeed  # heavy to import: only under a DeepSpeed config
 
     config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
     config.pop("optimizer", None)
@@ -90,7 +90,7 @@ def gathered(parameters, enabled: bool):
     enters it); nothing to do otherwise."""
     if not enabled:
         return contextlib.nullcontext()
-    import deepspeed  # optional extra, heavy: only under a DeepSpeed config
+    import deepspeed  # heavy to import: only under a DeepSpeed config
 
     return deepspeed.zero.GatheredParameters(list(parameters), modifier_rank=None)
 

@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from drafttrain.decoding import (
     DynamicTree,
@@ -19,7 +18,9 @@ from drafttrain.decoding import (
     build_proposer,
     plain_decode,
 )
-from drafttrain.decoding.trees import ancestor_matrix, cache_argument, cached_forward, tree_position_ids
+from drafttrain.decoding.trees import ancestor_matrix, tree_position_ids
+from drafttrain.targets import TargetCache
+from drafttrain.targets.masks import cache_argument
 from drafttrain.targets import HiddenStateTap, Target
 
 pytestmark = pytest.mark.slow
@@ -82,7 +83,7 @@ def check_stats(out, decoder, prompt_len: int) -> None:
     assert sum(s.position_accepted) == sum(s.accepted_per_step)
     assert s.position_drafted[:1] == [sum(d > 0 for d in s.drafted_per_step)] or not s.position_drafted
     assert s.wall_time_s >= s.prefill_time_s + s.verify_time_s
-    assert decoder.cache.get_seq_length() == prompt_len + s.new_tokens - 1  # the cache invariant
+    assert decoder.cache.length == prompt_len + s.new_tokens - 1  # the cache invariant
 
 
 # -------------------------------------------------------------------------------------------------- baseline
@@ -168,22 +169,22 @@ def test_tree_forward_equals_each_path_run_separately(smollm2, prompts):
     parents = [-1, -1, 0, 0, 1, 2, 4]
     tokens = ids[:, 5 : 5 + 8]  # root + 7 nodes: any tokens will do
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        cached_forward(model, cache, ids)
-        prefix = cache.get_seq_length()
+        cache = TargetCache(model)
+        cache.forward(ids)
+        prefix = cache.length
         pos = tree_position_ids(parents, prefix, ids.device)
-        tree = cached_forward(model, cache, tokens, position_ids=pos, allowed=ancestor_matrix(tuple(parents)))[0]
-        cache.crop(-len(tokens[0]))
-        causal = cached_forward(model, cache, tokens, position_ids=pos)[0]
-        cache.crop(-len(tokens[0]))
+        tree = cache.forward(tokens, position_ids=pos, allowed=ancestor_matrix(tuple(parents)))[0]
+        cache.keep(prefix, [])
+        causal = cache.forward(tokens, position_ids=pos)[0]
+        cache.keep(prefix, [])
         for node in range(-1, len(parents)):
             path, n = [], node
             while n >= 0:
                 path.insert(0, n + 1)
                 n = parents[n]
             seq = tokens[:, [0] + path]
-            alone = cached_forward(model, cache, seq)[0, -1]
-            cache.crop(-seq.shape[1])
+            alone = cache.forward(seq)[0, -1]
+            cache.keep(prefix, [])
             torch.testing.assert_close(tree[node + 1], alone, atol=2e-4, rtol=1e-4)
     assert not torch.allclose(causal[2], tree[2], atol=1e-2)  # node 1 would otherwise see node 0
 
@@ -196,10 +197,10 @@ def test_the_cache_goes_under_the_name_the_models_forward_takes(smollm2, prompts
     model, ids = smollm2.model, torch.tensor([prompts["travel"][:12]])
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        cache = DynamicCache(config=model.config)
-        cached_forward(model, cache, ids)
-        cached_forward(model, cache, ids[:, :3], logits_to_keep=1, head=model.lm_head)
-    assert cache.get_seq_length() == 15
+        cache = TargetCache(model)
+        cache.forward(ids)
+        cache.forward(ids[:, :3], logits_to_keep=1, head=model.lm_head)
+    assert cache.length == 15 and cache.cache.get_seq_length() == 15
 
     class OldName(torch.nn.Module):
         def forward(self, input_ids, past_key_values=None, use_cache=None):
@@ -213,14 +214,14 @@ def test_the_cache_goes_under_the_name_the_models_forward_takes(smollm2, prompts
 
 def fresh_cache_and_hidden(model, ids: list[int], layers: list[int]):
     with torch.inference_mode(), HiddenStateTap(model, layers) as tap:
-        cache = DynamicCache(config=model.config)
-        cached_forward(model, cache, torch.tensor([ids]))
+        cache = TargetCache(model)
+        cache.forward(torch.tensor([ids]))
         return cache, tap.stacked()
 
 
 def assert_cache_matches(cache, fresh) -> None:
-    assert cache.get_seq_length() == fresh.get_seq_length()
-    for ours, ref in zip(cache.layers, fresh.layers):
+    assert cache.length == fresh.length
+    for ours, ref in zip(cache.cache.layers, fresh.cache.layers):
         torch.testing.assert_close(ours.keys, ref.keys, atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(ours.values, ref.values, atol=2e-4, rtol=1e-4)
 
@@ -276,7 +277,7 @@ def test_truncated_step_and_stop_token_keep_the_cache_consistent(smollm2, prompt
     decoder = SpeculativeDecoder(smollm2, build_proposer("prompt_lookup", smollm2), depth=6)
     out = decoder.generate(ids, NEW, stop_token_ids={stop})
     assert out.tokens == ref[: first + 1]
-    assert decoder.cache.get_seq_length() == len(ids) + first
+    assert decoder.cache.length == len(ids) + first
 
 
 # ------------------------------------------------------------------------------------------ sampling smoke

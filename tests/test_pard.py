@@ -56,7 +56,7 @@ def test_the_pard_proposer_drafts_what_training_computes(monkeypatch):
     proposer.prefill(ids[:, :anchor], None, ids[:, anchor: anchor + 1])
     draft = proposer.propose(DraftRequest(Chain(4), Sampling()))
     assert draft.tokens[0].tolist() == trained.tolist()
-    assert proposer.cache.get_seq_length() == anchor + 1  # the masks are forgotten
+    assert proposer.cache.length == anchor + 1  # the masks are forgotten
 
 
 @pytest.mark.parametrize("tree", [pytest.param([[0], [1], [0, 0], [1, 0], [0, 0, 0]], id="static-tree"),

@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DecodeSettings
@@ -54,14 +53,12 @@ from drafttrain.decoding.trees import (
     ancestor_matrix,
     as_shape,
     build_static_tree,
-    cached_forward,
-    compact_cache,
     expected_tree_tokens,
     tree_of,
     tree_position_ids,
 )
 from drafttrain.sampling import Sampling
-from drafttrain.targets import HiddenStateTap, synchronize
+from drafttrain.targets import HiddenStateTap, TargetCache, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +142,14 @@ def median_time(fn, repeats: int, device: torch.device | str | None = None) -> f
 def prefilled(target, proposer: Proposer, prompt: torch.Tensor):
     """The target's KV cache after ``prompt``, its length, the next (greedy) token, and the proposer prefilled."""
     model = target.model
-    cache = DynamicCache(config=model.config)
+    cache = TargetCache(model)
     layers = proposer.hidden_layers
     with HiddenStateTap(model, layers) if layers else contextlib.nullcontext() as tap:
-        logits = cached_forward(model, cache, prompt)
+        logits = cache.forward(prompt)
         hidden = tap.stacked() if layers else None
     next_token = logits[:, -1:].argmax(-1)
     proposer.prefill(prompt, hidden, next_token)
-    return cache, cache.get_seq_length(), next_token, hidden
+    return cache, cache.length, next_token, hidden
 
 
 @torch.inference_mode()
@@ -391,12 +388,12 @@ def verify_once(model, cache, prefix: int, root: torch.Tensor, tree=None, width:
     """One verification forward after the ``prefix`` cached tokens, of the root and ``tree``'s nodes, or without a
     tree of ``width`` tokens (a chain's), then the cache cropped back: a cycle's cost, repeatable on one cache."""
     if tree is None:
-        cached_forward(model, cache, root.expand(1, width).contiguous())
+        cache.forward(root.expand(1, width).contiguous())
     else:
         ids = root.expand(1, len(tree) + 1).contiguous()
-        cached_forward(model, cache, ids, position_ids=tree_position_ids(tree.parents, prefix, root.device),
-                allowed=ancestor_matrix(tuple(tree.parents)))
-    compact_cache(cache, prefix, [])
+        cache.forward(ids, position_ids=tree_position_ids(tree.parents, prefix, root.device),
+                      allowed=ancestor_matrix(tuple(tree.parents)))
+    cache.keep(prefix, [])
 
 
 # ------------------------------------------------------------------------------------------------ the one call

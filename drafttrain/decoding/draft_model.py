@@ -11,17 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from drafttrain import DrafttrainError
 from drafttrain.data.vocab import draft_ids, read_vocab_mapping, scatter_to_vocab
 from drafttrain.decoding.expand import TreeDrafter
 from drafttrain.decoding.positional import positional_draft
 from drafttrain.decoding.proposers import DraftRequest, register_proposer, trained_draft
-from drafttrain.decoding.trees import Chain, Draft, StaticTree, cached_forward, compact_cache, feed_mask
+from drafttrain.decoding.trees import Chain, Draft, StaticTree, feed_mask
 from drafttrain.drafts import Drafter
 from drafttrain.runfolder import drafttrain_checkpoint
-from drafttrain.targets import Target, check_same_tokenizer, load_target
+from drafttrain.targets import Target, TargetCache, check_same_tokenizer, load_target
 from drafttrain.targets.outputs import plain_lm_head
 
 
@@ -69,7 +68,7 @@ class DraftModelProposer(TreeDrafter):
     def prefill(self, input_ids, hidden, next_token) -> None:
         self.device = input_ids.device
         self.ids = torch.cat([input_ids, next_token], dim=1)
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = TargetCache(self.model)
 
     def accept(self, tokens, hidden) -> None:
         self.ids = torch.cat([self.ids, tokens], dim=1)
@@ -85,7 +84,7 @@ class DraftModelProposer(TreeDrafter):
         rows = [self._root_logits()[None]]
         if k > 1:
             masks = torch.full((1, k - 1), self.mask_token_id, dtype=torch.long, device=self.device)
-            rows.append(self._aligned(cached_forward(self.model, self.cache, masks, head=self.head)[0]))
+            rows.append(self._aligned(self.cache.forward(masks, head=self.head)[0]))
             self._forget_draft()
         draft, self.last_confidences = positional_draft(torch.cat(rows), request.shape, request.sampling, self.device)
         return draft
@@ -98,24 +97,24 @@ class DraftModelProposer(TreeDrafter):
         self.ctx = self.ids.shape[1]
         # A proposal repeated without an accept in between (autodepth times proposals) finds the root already in
         # the cache: re-feed it, since its logits are what the proposal starts from.
-        start = min(self.cache.get_seq_length(), self.ctx - 1)
-        compact_cache(self.cache, start, [])
+        start = min(self.cache.length, self.ctx - 1)
+        self.cache.keep(start, [])
         new = self.ids[:, start:]
-        return self._aligned(cached_forward(self.model, self.cache, new, logits_to_keep=1, head=self.head)[0, -1])
+        return self._aligned(self.cache.forward(new, logits_to_keep=1, head=self.head)[0, -1])
 
     def _feed(self, nodes, tokens, parents, depths) -> torch.Tensor:
         ids = torch.tensor([[tokens[n] for n in nodes]], device=self.device)
         allowed = feed_mask(parents, self.fed, nodes)
         if bool(allowed.all()):  # a chain: plain causal attention at the next positions, no mask to build
-            logits = cached_forward(self.model, self.cache, ids, head=self.head)
+            logits = self.cache.forward(ids, head=self.head)
         else:
             pos = torch.tensor([[self.ctx - 1 + depths[n] for n in nodes]], device=self.device)
-            logits = cached_forward(self.model, self.cache, ids, position_ids=pos, allowed=allowed, head=self.head)
+            logits = self.cache.forward(ids, position_ids=pos, allowed=allowed, head=self.head)
         self.fed.extend(nodes)
         return self._aligned(logits[0])
 
     def _forget_draft(self) -> None:
-        compact_cache(self.cache, self.ctx, [])
+        self.cache.keep(self.ctx, [])
 
     def _aligned(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits over the target's vocabulary size (same tokenizer, differently padded heads; -inf

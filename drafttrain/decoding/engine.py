@@ -13,20 +13,12 @@ import dataclasses
 import time
 
 import torch
-from transformers import DynamicCache
 
 from drafttrain import DrafttrainError
 from drafttrain.config import DecodeSettings
 from drafttrain.decoding.guard import Cycle, RuntimeGuard
 from drafttrain.decoding.proposers import DraftRequest, NoDraft, Proposer, build_proposer
-from drafttrain.decoding.trees import (
-    Draft,
-    ancestor_matrix,
-    as_shape,
-    cached_forward,
-    compact_cache,
-    tree_position_ids,
-)
+from drafttrain.decoding.trees import Chain, Draft, ancestor_matrix, as_shape, tree_position_ids
 from drafttrain.decoding.verify import (
     verify_chain,
     verify_chain_greedy,
@@ -34,7 +26,7 @@ from drafttrain.decoding.verify import (
     verify_tree_greedy,
 )
 from drafttrain.sampling import Sampling, probabilities
-from drafttrain.targets import HiddenStateTap, synchronize
+from drafttrain.targets import HiddenStateTap, TargetCache, synchronize
 
 
 @dataclasses.dataclass
@@ -106,6 +98,10 @@ class SpeculativeDecoder:
                 f"proposer {self.proposer.name!r} cannot fill a {type(self.shape).__name__} draft "
                 f"(it supports: {', '.join(s.__name__ for s in self.proposer.shapes)})"
             )
+        if not isinstance(self.shape, Chain):  # a recurrent target verifies chains only (targets.cache)
+            probe = TargetCache(self.model)
+            if not probe.supports_trees:
+                raise DrafttrainError(probe.tree_refusal())
         limit = self.proposer.max_depth
         if limit is not None and self.shape.depth > limit:
             raise DrafttrainError(f"a draft of depth {self.shape.depth} is deeper than proposer "
@@ -142,7 +138,7 @@ class SpeculativeDecoder:
                     out.append(tok)
                     if tok in stop or len(out) == max_new_tokens:
                         break
-            compact_cache(self.cache, ids.shape[1] + len(out) - 1, [])  # drop a truncated step's tail
+            self.cache.keep(ids.shape[1] + len(out) - 1, [])  # drop a truncated step's tail
         stats.new_tokens, stats.wall_time_s = len(out), time.perf_counter() - start
         return DecodeOutput(out, stats)
 
@@ -168,7 +164,7 @@ class SpeculativeDecoder:
                               drafted=draft.depth)
 
     def _prefill(self, ids: torch.Tensor):
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = TargetCache(self.model)
         return self._forward(ids, logits_to_keep=1)
 
     def _first_token(self, logits: torch.Tensor, generator) -> int:
@@ -178,7 +174,7 @@ class SpeculativeDecoder:
     def _verify(self, draft: Draft, root: int, generator, stats: DecodeStats):
         """One target forward over [root, draft...]; returns the emitted tokens and the accepted positions'
         hidden states (root first) for the proposer."""
-        prefix = self.cache.get_seq_length()
+        prefix = self.cache.length
         inputs = torch.cat([self._tensor([[root]]), draft.tokens.to(self.target.device)], dim=1)
         if draft.is_chain:
             logits, hidden = self._forward(inputs)
@@ -187,7 +183,7 @@ class SpeculativeDecoder:
             logits, hidden = self._forward(inputs, position_ids=pos, allowed=ancestor_matrix(tuple(draft.parents)))
         path, nxt = self._accept(draft, logits[0], generator)
         keep = [0] + [1 + node for node in path]
-        compact_cache(self.cache, prefix, keep)
+        self.cache.keep(prefix, keep)
         self._record(stats, draft, path)
         emitted = draft.tokens[0, path].tolist() + [nxt]
         return emitted, None if hidden is None else hidden[:, keep]
@@ -210,7 +206,7 @@ class SpeculativeDecoder:
         return verify_tree(draft.tokens[0], draft.parents, p, q, generator)
 
     def _forward(self, input_ids: torch.Tensor, **kwargs):
-        logits = cached_forward(self.model, self.cache, input_ids, **kwargs)
+        logits = self.cache.forward(input_ids, **kwargs)
         if self.tap is None:
             return logits, None
         hidden = self.tap.stacked()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-import inspect
 import json
 from pathlib import Path
 from typing import Any, Union
@@ -19,7 +18,6 @@ from typing import Any, Union
 import torch
 
 from drafttrain import DrafttrainError
-from drafttrain.targets.masks import additive_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,56 +288,3 @@ def tree_position_ids(parents: list[int], prefix_len: int, device) -> torch.Tens
     """position_ids [1, N+1] for (root, nodes...): prefix_len + depth, the root at depth 0."""
     return torch.tensor([[prefix_len] + [prefix_len + d for d in node_depths(tuple(parents))]], device=device)
 
-
-def cached_forward(
-    model: torch.nn.Module,
-    cache,
-    input_ids: torch.Tensor,
-    *,
-    position_ids: torch.Tensor | None = None,
-    allowed: torch.Tensor | None = None,
-    logits_to_keep: int = 0,
-    head: torch.nn.Linear | None = None,
-) -> torch.Tensor:
-    """The one forward path (prefill, plain decoding, verification, draft models): append ``input_ids`` [B, n]
-    to ``cache`` and return logits [B, n or logits_to_keep, V].
-
-    ``allowed`` None means plain causal attention (transformers builds the mask). Otherwise ``allowed`` [n, m]
-    says which of the last m keys (earlier tree nodes still in the cache, then these n tokens) each new token
-    may see; everything before them in the cache is visible to all. Pass ``position_ids`` with it (depths).
-    ``head`` (H -> V'): logits over these output rows only (a draft vocabulary), from the decoder's last hidden
-    state, instead of the model's own full-vocabulary lm_head.
-    """
-    mask = None
-    if allowed is not None:
-        prefix = cache.get_seq_length() + input_ids.shape[1] - allowed.shape[1]
-        mask = additive_mask(allowed, prefix, model.dtype, input_ids.device)
-    inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True)
-    if head is None:
-        return model(**inputs, **{cache_argument(type(model)): cache}, logits_to_keep=logits_to_keep).logits
-    decoder = model.get_decoder()
-    hidden = decoder(**inputs, **{cache_argument(type(decoder)): cache}).last_hidden_state
-    return head(hidden[:, -logits_to_keep:])  # 0 keeps all, as in HF
-
-
-@functools.cache
-def cache_argument(model_class: type) -> str:
-    """The name under which ``model_class.forward`` takes its KV cache. transformers renamed ``past_key_values``
-    to ``cache`` (5.24 warns; the old name goes in 5.40) and drafttrain supports 5.0 on, so it asks the model."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def compact_cache(cache, start: int, keep: list[int]) -> None:
-    """Keep, of the cache positions from ``start`` on, only the offsets ``keep`` (increasing), moved to
-    start, start+1, ...: the accepted root-to-leaf path of a verified tree. A prefix (a chain) is a plain crop."""
-    n = len(keep)
-    if keep != list(range(n)):
-        idx = torch.tensor(keep, device=cache.layers[0].keys.device) + start
-        for layer in cache.layers:
-            if getattr(layer, "is_sliding", False):
-                raise DrafttrainError("tree verification does not support sliding-window KV caches yet; use a chain")
-            layer.keys[..., start : start + n, :] = layer.keys[..., idx, :]
-            layer.values[..., start : start + n, :] = layer.values[..., idx, :]
-    extra = cache.get_seq_length() - start - n
-    if extra > 0:
-        cache.crop(-extra)

@@ -42,7 +42,7 @@ from drafttrain.drafts.layers import (
     resolve_mask_token,
 )
 from drafttrain.runfolder import RunFolder
-from drafttrain.targets.hidden import decoder_layers, final_norm
+from drafttrain.targets.hidden import decoder_layers, final_norm_scale
 from drafttrain.targets.loading import verifier_path
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
@@ -250,7 +250,7 @@ class DFlashDrafter(Drafter):
                                           f"{tuple(own[name].shape) if name in own else 'none'} (set intermediate_size "
                                           "to the target's, or init_from_target: false)")
                 own[name].copy_(value)
-        self.norm.weight.copy_(final_norm(self.target.model).weight)
+        self.norm.weight.copy_(final_norm_scale(self.target.model))
         h = self.layer_config.hidden_size
         self.fc.weight.zero_()
         self.fc.weight[:, -h:] = torch.eye(h)

@@ -30,7 +30,7 @@ from drafttrain.drafts.layers import (
 )
 from drafttrain.drafts.peagle import ParallelMask, cod_rollouts
 from drafttrain.runfolder import RunFolder
-from drafttrain.targets.hidden import final_norm
+from drafttrain.targets.hidden import final_norm_scale
 from drafttrain.targets.loading import verifier_path
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
@@ -177,7 +177,7 @@ class Eagle3Drafter(EagleHead):
         super().init_from_target(parts)
         if "lm_head" in parts:  # the target's own output rows for the draft vocabulary, behind its final norm
             self.lm_head.weight.copy_(self.target.model.get_output_embeddings().weight[self.draft_to_target])
-            self.norm.weight.copy_(final_norm(self.target.model).weight)
+            self.norm.weight.copy_(final_norm_scale(self.target.model))
         return self
 
     def adopt_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

@@ -15,10 +15,9 @@ that noise, or whose order the two computations disagree on, is rounding.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
-from drafttrain.decoding.trees import cached_forward, compact_cache
 from drafttrain.evaluation.records import SideRun, first_mismatch
+from drafttrain.targets import TargetCache
 
 WINDOW = 8  # tokens verified together in the wide computation (a chain of depth 7 verifies 8)
 
@@ -29,14 +28,14 @@ def _both_ways(model, ids: torch.Tensor, wide: int) -> tuple[torch.Tensor, torch
     (those tokens then in one forward, as a verification computes it; then, the cache cropped back, all but the
     last of them in one forward and the last alone, as plain decoding's step ends)."""
     prefix = ids.shape[1] - wide
-    cache = DynamicCache(config=model.config)
+    cache = TargetCache(model)
     if prefix:
-        cached_forward(model, cache, ids[:, :prefix])
-    verified = cached_forward(model, cache, ids[:, prefix:])[0, -1].float()
-    compact_cache(cache, prefix, [])  # back to the prefill (an empty cache when there was none)
+        cache.forward(ids[:, :prefix])
+    verified = cache.forward(ids[:, prefix:])[0, -1].float()
+    cache.keep(prefix, [])  # back to the prefill (an empty cache when there was none)
     if wide > 1:
-        cached_forward(model, cache, ids[:, prefix:-1])
-    return cached_forward(model, cache, ids[:, -1:])[0, -1].float(), verified
+        cache.forward(ids[:, prefix:-1])
+    return cache.forward(ids[:, -1:])[0, -1].float(), verified
 
 
 def mismatch_rounding(target, context: list[int], expected: int, got: int) -> dict:

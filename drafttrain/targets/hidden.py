@@ -2,7 +2,7 @@
 
 Layer indices follow HF's ``output_hidden_states`` convention, so they mean the same thing everywhere:
 index i in [0, L) is the *input* of decoder layer i (0 = token embeddings), index L is the final, normed
-output that feeds the lm_head. Hooks keep only the requested tensors instead of all L+1.
+output that feeds the lm_head (the decoder stack's output, whatever the family calls its last norm). Hooks keep only the requested tensors instead of all L+1.
 """
 
 from __future__ import annotations
@@ -12,20 +12,46 @@ import torch
 from drafttrain import DrafttrainError
 
 
-def _decoder_part(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    part = getattr(base, name, None)
-    if part is None:
-        raise DrafttrainError(f"{type(model).__name__}: cannot find .model.{name} (not a decoder-only HF model?)")
-    return part
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a causal LM (what its lm_head reads the output of)."""
+    if hasattr(model, "get_base_model"):  # peft's wrapper
+        model = model.get_base_model()
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    return _decoder_part(model, "layers")
+    """The decoder's layers: ``.layers`` where the family names them so, else its one list of
+    ``num_hidden_layers`` modules."""
+    stack = decoder(model)
+    layers = getattr(stack, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        return layers
+    count = model.config.get_text_config(decoder=True).num_hidden_layers
+    lists = [m for m in stack.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if len(lists) != 1:
+        raise DrafttrainError(f"{type(model).__name__}: cannot find its decoder layers (not a decoder-only HF model?)")
+    return lists[0]
 
 
-def final_norm(model: torch.nn.Module) -> torch.nn.Module:
-    return _decoder_part(model, "norm")
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "embedding_norm", "ln_f", "final_norm")
+
+
+def final_norm_scale(model: torch.nn.Module) -> torch.Tensor:
+    """The per-channel scale of the decoder's final RMS norm as it acts (Gemma's ``1 + weight`` included): what a
+    draft's own Llama-style final norm starts from. Found by the names families give it."""
+    stack = decoder(model)
+    norm = next((getattr(stack, n) for n in FINAL_NORM_NAMES if isinstance(getattr(stack, n, None), torch.nn.Module)),
+                None)
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        raise DrafttrainError(f"{type(model).__name__}: cannot find the decoder's final norm (looked for "
+                              f"{', '.join(FINAL_NORM_NAMES)})")
+    if getattr(norm, "bias", None) is not None:  # a LayerNorm: its weight is the scale
+        return weight.detach().clone()
+    with torch.no_grad():  # an RMS norm of a vector whose RMS is 1 is its scale (over sqrt(1 + eps))
+        scale = norm(torch.ones(1, weight.shape[-1], dtype=weight.dtype, device=weight.device))[0].detach()
+    # a plain ``weight`` scale is taken exactly, not through the epsilon
+    return weight.detach().clone() if torch.allclose(scale, weight, rtol=1e-4, atol=1e-6) else scale
 
 
 def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -64,8 +90,8 @@ class HiddenStateTap:
         return hook
 
     def _post_hook(self, index: int):
-        def hook(module, args, output):
-            self.captured[index] = output
+        def hook(module, args, output):  # the decoder's output: its final (normed) hidden state
+            self.captured[index] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
         return hook
 
@@ -73,7 +99,7 @@ class HiddenStateTap:
         layers = decoder_layers(self.model)
         for index in set(self.layers):
             if index == len(layers):
-                handle = final_norm(self.model).register_forward_hook(self._post_hook(index))
+                handle = decoder(self.model).register_forward_hook(self._post_hook(index))
             else:
                 handle = layers[index].register_forward_pre_hook(self._pre_hook(index), with_kwargs=True)
             self._handles.append(handle)

@@ -143,6 +143,16 @@ def rows_and_argmax(outputs: TargetOutputs, rows: torch.Tensor) -> tuple[torch.T
     return outputs.logits.argmax(-1), outputs.logits.index_select(-1, rows)
 
 
+class _DecoderOutput(BaseModelOutputWithPast):
+    """The decoder's output as every causal LM head reads it: what an MoE head asks of it besides the hidden state
+    (``router_logits`` for its auxiliary loss) is absent, as when the router's outputs are not requested."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _GivenHidden(nn.Module):
     """Stands in for the decoder stack: returns hidden states computed earlier."""
 
@@ -151,7 +161,7 @@ class _GivenHidden(nn.Module):
         self.hidden = hidden
 
     def forward(self, *args, **kwargs):
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        return _DecoderOutput(last_hidden_state=self.hidden)
 
 
 def plain_lm_head(model: nn.Module, rows: torch.Tensor) -> nn.Module:

@@ -1,0 +1,200 @@
+"""The cache of a model being decoded, rolled back exactly after each verification, whatever the family.
+
+A verification feeds [root, draft tokens...] in one forward and keeps only the accepted path. Afterwards every layer
+must hold exactly what it would hold had the refused tokens never been fed:
+
+* full attention (and MLA, whose cache holds per-position keys and values too): positions are dropped, or moved
+  into place for a tree's accepted path;
+* sliding-window and chunked attention: transformers' past-state recording keeps the positions a window would have
+  dropped until the rollback, which then trims the layer back to its window;
+* short convolutions (LFM2): past-state recording keeps the convolution's inputs likewise;
+* recurrent states (linear attention and SSM layers: Qwen3-Next, Qwen3.5, Falcon-H1) have no positions to drop:
+  before each forward their states are copied, and a rollback that drops fed tokens restores the copy and feeds the
+  kept tokens again (one forward of at most depth + 1 tokens, its outputs unused).
+
+A tree is verified in one forward through attention alone: each layer type gets the ancestor mask in its own shape
+(the keys its cache returns, its window or chunk applied at the nodes' depth positions). A recurrent or convolution
+layer would mix the branches in feed order, so those caches refuse trees (``supports_trees``), as engines do.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
+
+from drafttrain import DrafttrainError
+from drafttrain.targets.masks import model_forward
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                 "is_recurrent_states_initialized", "conv_kernel_size")
+
+
+class TargetCache:
+    """A model's cache for speculative decoding (batch of one): ``forward`` appends tokens, ``keep`` rolls back to
+    a prefix plus chosen positions after it. ``length`` counts the positions held."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        text_config = model.config.get_text_config(decoder=True)
+        self.layer_types, kwargs = get_layer_types_and_kwargs(text_config)
+        self.windows = [k.get("sliding_window") for k in kwargs]
+        self.cache = self._new_cache()
+        self.stateful = [i for i, layer in enumerate(self.cache.layers)
+                         if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.tokens = torch.zeros(1, 0, dtype=torch.long)  # what each held position was fed (a recurrent replay)
+        self.positions = torch.zeros(0, dtype=torch.long)  # each held position's position id (window masks)
+        self.snapshots: dict[int, dict] = {}  # length -> copies of the recurrent states at that length
+
+    def _new_cache(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        cache.activate_past_recording()
+        return cache
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def supports_trees(self) -> bool:
+        """Whether one forward can verify a tree: attention layers only (see the module docstring)."""
+        return not self.stateful
+
+    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                allowed: torch.Tensor | None = None, logits_to_keep: int = 0,
+                head: torch.nn.Linear | None = None) -> torch.Tensor:
+        """Append ``input_ids`` [1, n] and return logits [1, n or logits_to_keep, V].
+
+        ``allowed`` None means plain causal attention (transformers builds the masks). Otherwise ``allowed`` [n, m]
+        says which of the last m keys (earlier tree nodes still in the cache, then these n tokens) each new token may
+        see; everything before them is visible to all, within each layer's window. Pass ``position_ids`` with it.
+        ``head``: logits over these output rows only (a draft vocabulary) instead of the model's own lm_head."""
+        n = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(self.length, self.length + n, device=input_ids.device)[None]
+        mask = None
+        if allowed is not None:
+            if not self.supports_trees:
+                raise DrafttrainError(self.tree_refusal())
+            mask = self._tree_masks(allowed, position_ids[0].cpu(), input_ids.device)
+        if self.stateful and self.length not in self.snapshots:
+            self.snapshots[self.length] = self._copy_states()
+        logits = model_forward(self.model, self.cache, input_ids, position_ids, mask, logits_to_keep, head)
+        self.tokens = torch.cat([self.tokens, input_ids.cpu()], dim=1)
+        self.positions = torch.cat([self.positions, position_ids[0].cpu()])
+        return logits
+
+    def tree_refusal(self) -> str:
+        kinds = sorted({self.layer_types[i] for i in self.stateful})
+        return (f"{type(self.model).__name__} has {'/'.join(kinds)} layers, which run the fed tokens in order: one "
+                "forward cannot verify a tree's branches side by side. Use a chain (--tree chain)")
+
+    def keep(self, start: int, keep: list[int]) -> None:
+        """Keep, of the positions from ``start`` on, only the offsets ``keep`` (increasing), moved to start,
+        start+1, ...: a verified tree's accepted path; a chain's accepted prefix is ``range(n)``."""
+        n, held = len(keep), self.length
+        chain = keep == list(range(n))
+        if not chain:
+            if not self.supports_trees:
+                raise DrafttrainError(self.tree_refusal())
+            self._move(start, keep)
+        kept = torch.cat([torch.arange(start), start + torch.as_tensor(keep, dtype=torch.long)])
+        self.tokens, self.positions = self.tokens[:, kept], self.positions[kept]
+        dropped = held - start - n
+        if dropped > 0 and self.stateful and not self._croppable():
+            self._restore_and_replay(start + n, held)
+        else:
+            self._crop(dropped)
+        self.snapshots = {length: s for length, s in self.snapshots.items() if length <= self.length}
+
+    # ------------------------------------------------------------------------------------------ attention layers
+
+    def _move(self, start: int, keep: list[int]) -> None:
+        """A tree's accepted nodes moved into place in every attention layer (a layer holding fewer positions
+        than were fed, a window, is indexed from its end)."""
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
+                continue
+            offset = layer.keys.shape[-2] - (self.length - start)  # where position ``start`` lies in this layer
+            idx = torch.tensor(keep, device=layer.keys.device) + offset
+            layer.keys[..., offset: offset + len(keep), :] = layer.keys[..., idx, :]
+            layer.values[..., offset: offset + len(keep), :] = layer.values[..., idx, :]
+
+    def _crop(self, dropped: int) -> None:
+        """Drop the last ``dropped`` positions from every layer (0: only trim what past-state recording kept)."""
+        for layer in self.cache.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and not any(layer.is_conv_states_initialized.values()):
+                continue
+            if not isinstance(layer, LinearAttentionCacheLayerMixin) and not getattr(layer, "is_initialized", False):
+                continue
+            layer.crop(-dropped)
+
+    def _tree_masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, device) -> torch.Tensor | dict:
+        """The ancestor mask in each attention layer type's own shape: one 4D mask, or a mask per layer type."""
+        masks = {}
+        for kind in dict.fromkeys(t for t in self.layer_types if t in ATTENTION_TYPES):
+            index = self.layer_types.index(kind)
+            kv_length, kv_offset = self.cache.get_mask_sizes(len(query_positions), index)
+            masks[kind] = _window_tree_mask(allowed, self.positions, query_positions, kv_length, kv_offset, kind,
+                                            self.windows[index], self.model.dtype, device)
+        if len(masks) == 1 and len(set(self.layer_types)) == 1:
+            return next(iter(masks.values()))
+        return masks
+
+    # ------------------------------------------------------------------------------------------ recurrent layers
+
+    def _croppable(self) -> bool:
+        return all(self.cache.layers[i].is_croppable for i in self.stateful)
+
+    def _copy_states(self) -> dict:
+        copies = {}
+        for i in self.stateful:
+            layer = self.cache.layers[i]
+            copies[i] = {field: {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                 for k, v in getattr(layer, field).items()} for field in _STATE_FIELDS}
+        return copies
+
+    def _restore_and_replay(self, length: int, held: int) -> None:
+        """The cache at ``length`` of the ``held`` positions: back to the newest copy of the states at or before
+        it, every attention layer cropped to the same point, then the kept tokens after it fed again."""
+        base = max(s for s in self.snapshots if s <= length)
+        tokens = self.tokens
+        if base == 0:
+            self.cache = self._new_cache()
+        else:
+            self._crop(held - base)
+            for i, fields in self.snapshots[base].items():
+                for field, values in fields.items():
+                    setattr(self.cache.layers[i], field, {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                                          for k, v in values.items()})
+        self.snapshots = {base: self.snapshots[base]}
+        if length > base:
+            device = next(self.model.parameters()).device
+            ids = tokens[:, base:length].to(device)
+            positions = torch.arange(base, length, device=device)[None]
+            model_forward(self.model, self.cache, ids, positions, None, 1, None)
+        self._crop(0)
+
+
+def _window_tree_mask(allowed: torch.Tensor, held_positions: torch.Tensor, query_positions: torch.Tensor,
+                      kv_length: int, kv_offset: int, kind: str, window: int | None, dtype, device) -> torch.Tensor:
+    """A 4D additive mask [1, 1, n, kv_length] over the keys a layer returns (held positions from ``kv_offset``,
+    then the n new ones): a key is seen when it is before the tree's last m keys or an allowed one of them, and
+    within the layer's window (sliding: fewer than ``window`` positions back; chunked: the same chunk of
+    ``window``), at the position ids the nodes have (their depths), so each branch sees what its chain would."""
+    n, m = allowed.shape
+    keys = torch.cat([held_positions, query_positions])[kv_offset: kv_offset + kv_length]
+    slots = torch.arange(kv_offset, kv_offset + kv_length)
+    first_tree_slot = len(held_positions) + n - m
+    seen = torch.ones(n, kv_length, dtype=torch.bool)
+    in_tree = slots >= first_tree_slot
+    seen[:, in_tree] = allowed.cpu()[:, slots[in_tree] - first_tree_slot]
+    q = query_positions[:, None]
+    if kind == "sliding_attention":
+        seen &= (q - keys[None]) < window
+    elif kind == "chunked_attention":
+        seen &= (q // window) == (keys[None] // window)
+    mask = torch.zeros(n, kv_length, dtype=dtype)
+    mask.masked_fill_(~seen, torch.finfo(dtype).min)
+    return mask[None, None].to(device)

@@ -245,10 +245,12 @@ class DFlashDrafter(Drafter):
             own = dict(mine.named_parameters())
             for name, value in theirs.named_parameters():
                 if name not in own or own[name].shape != value.shape:
+                    advice = "set intermediate_size to the target's, or" if name in own and name.startswith("mlp.") \
+                        else "the target's layers are not dense Llama-style layers:"
                     raise DrafttrainError(f"draft.init_from_target: the target's layer has {name} "
                                           f"{tuple(value.shape)}, the DFlash layer "
-                                          f"{tuple(own[name].shape) if name in own else 'none'} (set intermediate_size "
-                                          "to the target's, or init_from_target: false)")
+                                          f"{tuple(own[name].shape) if name in own else 'none'} ({advice} "
+                                          "set init_from_target: false)")
                 own[name].copy_(value)
         self.norm.weight.copy_(final_norm_scale(self.target.model))
         h = self.layer_config.hidden_size

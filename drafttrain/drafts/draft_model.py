@@ -45,7 +45,7 @@ from drafttrain.drafts.layers import resolve_mask_token, shift_left
 from drafttrain.drafts.peagle import cod_rollouts, parallel_mask
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets import check_same_tokenizer, load_target
-from drafttrain.targets.hidden import decoder_layers
+from drafttrain.targets.hidden import decoder, decoder_layers
 from drafttrain.targets.masks import additive_mask
 from drafttrain.targets.outputs import (TargetNeeds, TargetOutputs, head_logits, plain_lm_head, rows_and_argmax,
                                        run_target)
@@ -200,7 +200,7 @@ class DraftModelDrafter(Drafter):
         divergence cost more than a small student's decoder, and about half of a batch's positions are prompt or
         padding, which no loss reads."""
         inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
-        hidden = self.student.get_decoder()(**inputs).last_hidden_state[at]
+        hidden = decoder(self.student)(**inputs).last_hidden_state[at]
         if rows is None:
             return self.aligned(head_logits(self.student, hidden[None])[0])
         # build checked the lm_head is plain
@@ -293,7 +293,7 @@ class DraftModelDrafter(Drafter):
             if rows is None:
                 outs.append(self.aligned(self.student(**inputs).logits)[0])
             else:
-                hidden = self.student.get_decoder()(**inputs).last_hidden_state
+                hidden = decoder(self.student)(**inputs).last_hidden_state
                 outs.append(torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])[0])
             places.append(positions)
             levels.append(torch.cat([torch.zeros(t, dtype=torch.long, device=ids.device), rollouts.depths]))

@@ -11,6 +11,7 @@ vLLM / SGLang without renaming.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
 
 from drafttrain import DrafttrainError
+
+log = logging.getLogger(__name__)
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -271,8 +274,15 @@ def copy_target_layer(draft: DraftDecoderLayer, source: nn.Module) -> None:
     renamed = {"input_layernorm.weight": "hidden_norm.weight" if draft.fuse_embedding else "input_layernorm.weight"}
     for name, value in theirs.items():
         mine = own.get(renamed.get(name, name))
-        if mine is None:  # EAGLE-1's first layer has no input norm
+        if mine is None and name == "input_layernorm.weight":  # EAGLE-1's first layer has no input norm
             continue
+        if mine is None and name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3's per-head q/k norms
+            log.info("draft.init_from_target 'layer': the draft layer has no %s; the rest is copied", name)
+            continue
+        if mine is None:  # an MoE, MLA or gated-attention layer: no Llama-style draft layer computes it
+            raise DrafttrainError(f"draft.init_from_target 'layer': the target's last layer is not a dense "
+                                  f"Llama-style layer ({name} {tuple(value.shape)} has no counterpart in the draft "
+                                  "layer): leave 'layer' out of init_from_target for this target")
         if mine.shape == value.shape:
             mine.copy_(value)
         elif draft.fuse_embedding and name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) \
@@ -280,8 +290,10 @@ def copy_target_layer(draft: DraftDecoderLayer, source: nn.Module) -> None:
             mine.zero_()
             mine[:, value.shape[1]:] = value
         else:
-            raise DrafttrainError(f"draft.init_from_target 'layer': cannot start from the target's layer: {name} is {tuple(value.shape)} there, "
-                             f"{tuple(mine.shape)} in the draft (set intermediate_size to the target's)")
+            advice = "set intermediate_size to the target's" if name.startswith("mlp.") else \
+                "leave 'layer' out of init_from_target for this target"
+            raise DrafttrainError(f"draft.init_from_target 'layer': cannot start from the target's layer: {name} is "
+                                  f"{tuple(value.shape)} there, {tuple(mine.shape)} in the draft ({advice})")
 
 
 def llama_config_like(target_config, **overrides) -> LlamaConfig:

@@ -16,7 +16,10 @@ def decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack of a causal LM (what its lm_head reads the output of)."""
     if hasattr(model, "get_base_model"):  # peft's wrapper
         model = model.get_base_model()
-    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    stack = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if stack is None or stack is model:  # Llama 4's causal LM names itself its decoder
+        stack = getattr(model, getattr(model, "base_model_prefix", "model"), None) or model.model
+    return stack
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

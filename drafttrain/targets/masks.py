@@ -7,6 +7,8 @@ import inspect
 
 import torch
 
+from drafttrain.targets.hidden import decoder
+
 
 def additive_mask(allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A 4D float mask [1, 1, q, prefix_len + k] from ``allowed`` [q, k]: every query sees the whole cached
@@ -26,8 +28,8 @@ def model_forward(model: torch.nn.Module, cache, input_ids: torch.Tensor, positi
     inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True)
     if head is None:
         return model(**inputs, **{cache_argument(type(model)): cache}, logits_to_keep=logits_to_keep).logits
-    decoder = model.get_decoder()
-    hidden = decoder(**inputs, **{cache_argument(type(decoder)): cache}).last_hidden_state
+    stack = decoder(model)
+    hidden = stack(**inputs, **{cache_argument(type(stack)): cache}).last_hidden_state
     return head(hidden[:, -logits_to_keep:])  # 0 keeps all, as in HF
 
 

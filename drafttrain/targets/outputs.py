@@ -20,6 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from drafttrain import DrafttrainError
 from drafttrain.targets.hidden import HiddenStateTap
+from drafttrain.targets.hidden import decoder as decoder_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +155,19 @@ class _DecoderOutput(BaseModelOutputWithPast):
 
 
 class _GivenHidden(nn.Module):
-    """Stands in for the decoder stack: returns hidden states computed earlier."""
+    """Stands in for the decoder stack: returns hidden states computed earlier. What the head reads of the decoder
+    besides its output (Falcon-H1's ``lm_head_multiplier``) is the real decoder's."""
 
-    def __init__(self, hidden: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, decoder: nn.Module):
         super().__init__()
         self.hidden = hidden
+        object.__setattr__(self, "_decoder", decoder)  # not a submodule: nothing of it is registered twice
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_decoder"), name)
 
     def forward(self, *args, **kwargs):
         return _DecoderOutput(last_hidden_state=self.hidden)
@@ -202,10 +211,10 @@ def head_logits(model: nn.Module, final: torch.Tensor) -> torch.Tensor:
     of it: how logits are computed for some positions alone."""
     if hasattr(model, "get_base_model"):  # peft's wrapper (Medusa-2's adapters): its attributes are not the model's
         model = model.get_base_model()
-    prefix = model.base_model_prefix
-    decoder = getattr(model, prefix)
+    decoder = decoder_of(model)
+    prefix = next(name for name, child in model.named_children() if child is decoder)
     dummy_ids = torch.zeros(final.shape[:2], dtype=torch.long, device=final.device)
-    setattr(model, prefix, _GivenHidden(final))
+    setattr(model, prefix, _GivenHidden(final, decoder))
     try:
         return model(input_ids=dummy_ids, use_cache=False).logits
     finally:

@@ -54,7 +54,8 @@ def _bf16_packing() -> bool:
 
 def _packable(layer: torch.nn.Linear, devices: tuple[str, ...] = ("cpu",)) -> bool:
     weight = layer.weight
-    return (weight.device.type in devices and weight.layout == torch.strided and weight.dim() == 2
+    # a subclass with a forward of its own computes something else (Llama 4's router returns scores and logits)
+    return (type(layer).forward is torch.nn.Linear.forward and weight.device.type in devices and weight.layout == torch.strided and weight.dim() == 2
             and weight.numel() > 0  # a ZeRO-3 partitioned weight is an empty placeholder
             and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _bf16_packing()))
             and (layer.bias is None or layer.bias.dtype == weight.dtype))

@@ -85,7 +85,11 @@ def family_config(family: str, **changes):
 
 
 def family_model(family: str, seed: int = 0, **changes) -> torch.nn.Module:
-    """The family's tiny random causal LM (float32, eval mode), seeded."""
+    """The family's tiny random causal LM (float32, eval mode, frozen as a loaded target is), seeded."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family, **changes)).eval()
+    model = AutoModelForCausalLM.from_config(family_config(family, **changes)).eval().requires_grad_(False)
+    with torch.no_grad():  # every matrix at unit gain: each layer (a state, a window) changes the logits
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0, param.shape[-1] ** -0.5)
     return model

@@ -21,6 +21,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
 
 from drafttrain import DrafttrainError
+from drafttrain.targets.family import draft_layer_fields
 
 log = logging.getLogger(__name__)
 
@@ -297,26 +298,8 @@ def copy_target_layer(draft: DraftDecoderLayer, source: nn.Module) -> None:
 
 
 def llama_config_like(target_config, **overrides) -> LlamaConfig:
-    """A Llama config for a draft layer shaped like the target's (heads, widths, RoPE)."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    fields = dict(
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-        max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-        vocab_size=text.vocab_size,
-        hidden_act=getattr(text, "hidden_act", "silu"),
-        num_hidden_layers=1,
-        tie_word_embeddings=False,
-    )
-    head_dim = getattr(text, "head_dim", None)
-    if head_dim:
-        fields["head_dim"] = head_dim
-    rope = getattr(text, "rope_parameters", None)
-    if rope:
-        fields["rope_parameters"] = dict(rope)
+    """A Llama config for a draft layer shaped like the target's (heads, widths, RoPE: targets.family)."""
+    fields = dict(draft_layer_fields(target_config), num_hidden_layers=1, tie_word_embeddings=False)
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return LlamaConfig(**fields)
 

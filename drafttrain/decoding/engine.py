@@ -44,6 +44,7 @@ class DecodeStats:
     position_accepted: list[int] = dataclasses.field(default_factory=list)  # [i]: steps accepting depth i+1
     proposer_time_s: float = 0.0  # proposer prefill + propose + accept
     verify_time_s: float = 0.0  # verification forwards + acceptance + cache update
+    rollback_time_s: float = 0.0  # of verify_time_s: the cache's rollback to the accepted tokens (targets.cache)
     cycle_s: list[float] = dataclasses.field(default_factory=list)  # per step: draft + verify + the proposer's accept
 
 
@@ -183,7 +184,10 @@ class SpeculativeDecoder:
             logits, hidden = self._forward(inputs, position_ids=pos, allowed=ancestor_matrix(tuple(draft.parents)))
         path, nxt = self._accept(draft, logits[0], generator)
         keep = [0] + [1 + node for node in path]
+        started = time.perf_counter()
         self.cache.keep(prefix, keep)
+        synchronize(self.target.device)
+        stats.rollback_time_s += time.perf_counter() - started
         self._record(stats, draft, path)
         emitted = draft.tokens[0, path].tolist() + [nxt]
         return emitted, None if hidden is None else hidden[:, keep]

@@ -227,10 +227,13 @@ def summarize(records: Sequence[dict[str, Any]], depth: int | None = None) -> di
 
 def step_time_split(records: Sequence[dict[str, Any]], steps: int) -> dict[str, float] | None:
     """Mean milliseconds per speculative step, split into drafting (the proposer), verification (the target's
-    forward and the acceptance rule) and the rest of the loop; the prefills are left out."""
+    forward, the acceptance rule and the cache's rollback, also given alone) and the rest of the loop; the prefills
+    are left out."""
     if not steps or any("proposer_time_s" not in r for r in records):
         return None
     draft = sum(r["proposer_time_s"] for r in records)
     verify = sum(r["verify_time_s"] for r in records)
     other = sum(r["wall_time_s"] - r["prefill_time_s"] for r in records) - draft - verify
-    return {"draft": 1e3 * draft / steps, "verify": 1e3 * verify / steps, "other": 1e3 * max(other, 0.0) / steps}
+    rollback = sum(r.get("rollback_time_s", 0.0) for r in records)
+    return {"draft": 1e3 * draft / steps, "verify": 1e3 * verify / steps, "other": 1e3 * max(other, 0.0) / steps,
+            "rollback": 1e3 * rollback / steps}

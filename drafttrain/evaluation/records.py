@@ -121,6 +121,7 @@ def prompt_record(question: Question, method: SideRun, base: SideRun | None, tem
         "prefill_time_s": sum(float(s.prefill_time_s) for s in stats),
         "proposer_time_s": sum(float(s.proposer_time_s) for s in stats),
         "verify_time_s": sum(float(s.verify_time_s) for s in stats),
+        "rollback_time_s": sum(float(s.rollback_time_s) for s in stats),
         "baseline_new_tokens": None,
         "baseline_wall_time_s": None,
         "baseline_tokens_per_s": None,

@@ -209,7 +209,8 @@ def render_markdown(report: EvalReport) -> str:
     split = report.overall.get("step_ms")
     if split:
         parts.append(f"\nTime per speculative step: drafting {split['draft']:.1f} ms, verification "
-                     f"{split['verify']:.1f} ms, the rest of the loop {split['other']:.1f} ms.\n")
+                     f"{split['verify']:.1f} ms (of which the cache's rollback {split.get('rollback', 0.0):.2f} ms), "
+                     f"the rest of the loop {split['other']:.1f} ms.\n")
     parts.append("\n## Per-position acceptance (overall)\n")
     pos = report.overall["acceptance_per_position"]
     parts.append(_table(
@@ -373,8 +374,8 @@ def print_report(report: EvalReport, console=None) -> None:
         console.print(f"NOTE: {mismatch_text(report)}", style="bold yellow")
     split = report.overall.get("step_ms")
     if split:
-        console.print(f"per step: drafting {split['draft']:.1f} ms, verification {split['verify']:.1f} ms, "
-                      f"other {split['other']:.1f} ms")
+        console.print(f"per step: drafting {split['draft']:.1f} ms, verification {split['verify']:.1f} ms (rollback "
+                      f"{split.get('rollback', 0.0):.2f} ms), other {split['other']:.1f} ms")
     for auto in auto_choices(report):
         console.print(f"auto choice of {auto['side']}: {auto['chose']}, predicted {fmt(auto['predicted'], 2, '×')}, "
                       f"measured {fmt(auto['measured'], 2, '×')}; runtime check: {auto['runtime_check']}")

@@ -39,18 +39,24 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "embedding_norm", "ln_f", "final_norm")
 
 
-def final_norm_scale(model: torch.nn.Module) -> torch.Tensor:
-    """The per-channel scale of the decoder's final RMS norm as it acts (Gemma's ``1 + weight`` included): what a
-    draft's own Llama-style final norm starts from. Found by the names families give it."""
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder's final norm, found by the names families give it."""
     stack = decoder(model)
     norm = next((getattr(stack, n) for n in FINAL_NORM_NAMES if isinstance(getattr(stack, n, None), torch.nn.Module)),
                 None)
-    weight = getattr(norm, "weight", None)
-    if weight is None:
+    if getattr(norm, "weight", None) is None:
         raise DrafttrainError(f"{type(model).__name__}: cannot find the decoder's final norm (looked for "
                               f"{', '.join(FINAL_NORM_NAMES)})")
-    if getattr(norm, "bias", None) is not None:  # a LayerNorm: its weight is the scale
-        return weight.detach().clone()
+    return norm
+
+
+def final_norm_scale(model: torch.nn.Module) -> torch.Tensor:
+    """The per-channel scale of the decoder's final RMS norm as it acts (Gemma's ``1 + weight`` included): what a
+    draft's own Llama-style final norm starts from."""
+    norm = final_norm(model)
+    weight = norm.weight
+    if getattr(norm, "bias", None) is not None or weight.is_meta or hasattr(weight, "ds_numel"):
+        return weight.detach().clone()  # a LayerNorm's weight is its scale; on the meta device only shapes matter
     with torch.no_grad():  # an RMS norm of a vector whose RMS is 1 is its scale (over sqrt(1 + eps))
         scale = norm(torch.ones(1, weight.shape[-1], dtype=weight.dtype, device=weight.device))[0].detach()
     # a plain ``weight`` scale is taken exactly, not through the epsilon

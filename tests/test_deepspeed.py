@@ -156,6 +156,17 @@ def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_
     """`accelerate launch -m drafttrain train` under ZeRO-3: the target (a saved folder) loads partitioned, the
     draft starts from its gathered weights (lm_head, last layers, norm), and the run's losses and checkpoint equal
     those of the same run under ZeRO-2; the checkpoint loads in one process."""
+    zero3_against_zero2(tmp_path, folder_target, draft)
+
+
+def test_zero3_partitions_an_moe_target_and_computes_what_zero2_computes(tmp_path, moe_folder_target):
+    """The same for a Qwen3-MoE target: every expert partitioned over the two processes, gathered layer by layer
+    for the forward; the head starts from the target's lm_head and fc (an MoE layer is no Llama-style layer)."""
+    zero3_against_zero2(tmp_path, moe_folder_target, {"kind": "eagle3", "ttt_steps": 2,
+                                                      "init_from_target": ["lm_head", "fc"]})
+
+
+def zero3_against_zero2(tmp_path, target_folder, draft) -> None:
     from conftest import small_recipe
     from safetensors.torch import load_file
 
@@ -167,7 +178,7 @@ def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_
     for name, launch, config in (("zero3", "recipes/accelerate/cpu_2proc_zero3.yaml", ZERO3),
                                  ("zero2", LAUNCH_CONFIG, ZERO2)):
         (tmp_path / name).mkdir()
-        recipe = small_recipe(tmp_path / name, draft, target={"model": str(folder_target)},
+        recipe = small_recipe(tmp_path / name, draft, target={"model": str(target_folder)},
                               eval={"every_checkpoint": False},
                               training={"batch_size": 2, "max_steps": 4, "save_every": 4, "log_every": 1,
                                         "deepspeed": str(REPO / config)})
@@ -186,7 +197,7 @@ def test_zero3_train_command_partitions_the_target_at_load_and_saves_what_zero2_
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in expected.items()}
     for key in expected:
         torch.testing.assert_close(saved[key], expected[key], rtol=0, atol=1e-5)
-    assert load_drafter(runs["zero3"], load_target(str(folder_target))).kind == draft["kind"]
+    assert load_drafter(runs["zero3"], load_target(str(target_folder))).kind == draft["kind"]
 
 
 def test_launched_prepare_splits_the_offline_cache_over_the_processes(tmp_path, folder_target):

@@ -17,7 +17,7 @@ from drafttrain.targets import Target
 
 V = 6
 PROMPT = [0, 3, 1, 4, 1, 5, 2, 0, 3, 5, 4]  # longer than the window: the cache slides while it decodes
-SAMPLES = 800
+SAMPLES = 600  # the broken sampler's bias shows far sooner: 300 draws
 
 
 def tiny(family: str, seed: int) -> Target:
@@ -39,7 +39,7 @@ def exact_joint(target: Target, sampling: Sampling) -> np.ndarray:
     return exact.numpy()
 
 
-def engine_pvalue(family: str) -> tuple[float, int]:
+def engine_pvalue(family: str, samples: int = SAMPLES) -> tuple[float, int]:
     """The chi-squared p-value of the engine's tokens 2 and 3, and how many verifications refused a draft token."""
     target, draft = tiny(family, 0), tiny(family, 1)
     sampling = Sampling(1.0, 1.0, 0)
@@ -48,7 +48,7 @@ def engine_pvalue(family: str) -> tuple[float, int]:
                                  temperature=1.0)
     counts = np.zeros((V, V), dtype=np.int64)
     refused = 0
-    for seed in range(SAMPLES):
+    for seed in range(samples):
         decoder.seed = seed
         out = decoder.generate(PROMPT, 3)
         counts[out.tokens[1], out.tokens[2]] += 1
@@ -84,4 +84,4 @@ def test_a_sampler_that_keeps_every_draft_token_fails(family, monkeypatch):
         return torch.tensor(k), int(torch.multinomial(p[0, k], 1, generator=generator))
 
     monkeypatch.setattr(engine, "verify_chain", accept_everything)
-    assert engine_pvalue(family)[0] < BROKEN_THRESHOLD
+    assert engine_pvalue(family, samples=SAMPLES // 2)[0] < BROKEN_THRESHOLD

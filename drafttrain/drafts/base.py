@@ -300,7 +300,10 @@ def with_lora(model: nn.Module, lora, owner: str) -> nn.Module:
 
 def target_identity(target) -> dict[str, Any]:
     """What a draft records of the target it was trained for, so it is never served by another."""
+    config = target.model.config
     return {"name": target.name, "vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
+            "num_hidden_layers": target.num_layers, "model_type": getattr(config, "model_type", None),
+            "architectures": list(getattr(config, "architectures", None) or [type(target.model).__name__]),
             "tokenizer": getattr(target, "tokenizer_fingerprint", None)}
 
 

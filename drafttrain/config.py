@@ -48,10 +48,10 @@ def needed_packages(section: Section, path: str = "") -> list[tuple[str, str]]:
 class TargetConfig(Section):
     # A built-in name (see drafttrain.targets.BUILTIN_TARGETS), a Hub id, a local folder, or a .gguf file.
     model: str = "smollm2-135m-instruct"
-    revision: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    device: str = "cpu"
-    trust_remote_code: bool = False
+    revision: str | None = None  # a Hub revision (branch, tag or commit)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # the dtype the target's weights load in
+    device: str = "cpu"  # cpu, cuda, cuda:N, or "auto" (spread over the GPUs, then CPU)
+    trust_remote_code: bool = False  # run the model's own code from the Hub (off unless asked)
     # Override the tokenizer's chat template: a Jinja string or a path to a .jinja file.
     chat_template: str | None = None
     # A fine-tune of ``model`` given as a peft LoRA adapter folder: loaded onto it and merged, so the target is the
@@ -95,28 +95,28 @@ class ReplayConfig(Section):
 
 
 class DataConfig(Section):
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[SourceConfig] = Field(min_length=1)  # the sources mixed by weight
     num_samples: int | None = Field(None, gt=0)  # total conversations after mixing; None = all
-    dedupe: bool = True
-    validation_fraction: float = Field(0.05, ge=0, lt=1)
-    max_length: int = Field(2048, gt=8)
+    dedupe: bool = True  # drop a conversation that occurs twice in the pool
+    validation_fraction: float = Field(0.05, ge=0, lt=1)  # held out: chooses checkpoints by real τ
+    max_length: int = Field(2048, gt=8)  # tokens per row; longer rows are cut
     # Conversations longer than max_length are cut (keeping what fits) or dropped (counted in the summary).
     overlength: Literal["truncate", "drop"] = "truncate"
     packing: bool = False  # pack several conversations per row (document-aware position ids)
     cache_dir: str | None = None  # default: <output_dir>/cache
-    replay: ReplayConfig | None = None
+    replay: ReplayConfig | None = None  # rows of an earlier run mixed back in (continuing a draft)
 
 
 class RegenerateConfig(Section):
-    enabled: bool = True
-    backend: Literal["hf", "openai"] = "hf"
+    enabled: bool = True  # the target answers every conversation again (its own distribution)
+    backend: Literal["hf", "openai"] = "hf"  # hf: in this process; openai: a vLLM or SGLang server
     base_url: str | None = None  # OpenAI-compatible server (vLLM / SGLang), backend=openai
     api_key_env: str = "OPENAI_API_KEY"  # the key is read from this variable, never from the recipe
     served_model: str | None = None  # model name on the server; default: target.model
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(256, gt=0)
-    batch_size: int = Field(8, gt=0)
+    temperature: float = Field(0.0, ge=0)  # 0: greedy answers
+    top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling of the answers
+    max_new_tokens: int = Field(256, gt=0)  # the longest answer
+    batch_size: int = Field(8, gt=0)  # conversations answered together
     # hf backend: a batch also holds at most this many tokens, rows x (its longest prompt + max_new_tokens), what its
     # KV cache holds: long prompts then share smaller batches instead of running out of memory. None: no limit.
     max_batch_tokens: int | None = Field(None, gt=0)
@@ -153,20 +153,20 @@ class DraftLoraConfig(Section):
 
     # module names (peft's matching: a name or its last part); None: every linear layer of the draft but its lm_head
     target_modules: list[str] | None = Field(None, min_length=1)
-    rank: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(16, gt=0)  # the adapters' rank
+    alpha: float = Field(32.0, gt=0)  # their scale (alpha / rank)
+    dropout: float = Field(0.0, ge=0, lt=1)  # dropout on their input
 
 
 class DraftConfig(Section):
     """Base of every draft kind's section; ``kind`` picks the section (and the registry entry in drafttrain.drafts)."""
 
-    kind: str
+    kind: str  # the draft kind: eagle3, eagle, medusa, draft_model, dflash
     # Continue training a saved draft of this kind (a checkpoint, a run folder, an export or what `drafttrain
     # import` wrote) instead of a fresh one: its architecture and draft vocabulary are kept; of this section only
     # the settings that shape the loss (``training_settings``) may differ from it, the rest must agree or be left out.
     init_from: str | None = None
-    draft_lora: DraftLoraConfig | None = None
+    draft_lora: DraftLoraConfig | None = None  # train LoRA adapters on a continued draft instead of all its weights
     # the settings a continued draft may change: they shape the training loss, not the weights
     training_settings: ClassVar[frozenset[str]] = frozenset()
 
@@ -191,20 +191,20 @@ class Eagle3Config(DraftConfig):
     kind: Literal["eagle3"] = "eagle3"
     training_settings = frozenset({"ttt_steps", "step_decay", "noise", "cod_ratio", "cod_min", "init_from_target",
                                    "train_out_of_vocab"})
-    num_layers: int = Field(1, ge=1)
+    num_layers: int = Field(1, ge=1)  # decoder layers in the head
     # Target taps in HF hidden_states numbering (i = the input of layer i), ascending and unique, each below the
     # target's layer count: the order vLLM and SGLang concatenate them in. Default: inputs of 2, L/2, L-3.
     layers: list[int] | None = Field(None, min_length=1)
     # d2t/t2d mapping from `drafttrain prepare`; default <output_dir>/draft_vocab.safetensors when it exists,
     # else the full target vocabulary.
     draft_vocab: str | None = None
-    ttt_steps: int = Field(7, ge=1)
+    ttt_steps: int = Field(7, ge=1)  # training-time test: draft positions unrolled in training
     step_decay: float = Field(0.8, gt=0, le=1)  # loss weight of unrolled step i is step_decay**i
     # Positions whose target argmax is outside the draft vocabulary can never be accepted: left out of the loss by
     # default (EAGLE-3's and SpecForge's choice); true trains them too, towards the target's distribution
     # renormalised over the draft vocabulary (speculators' choice)
     train_out_of_vocab: bool = False
-    intermediate_size: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)  # the head's MLP width (None: the target's)
     # Start from the target instead of noise: "lm_head" (the target's lm_head rows of the draft vocabulary and its
     # final norm), "layer" (the decoder layer from the target's last layer), "fc" (a pass-through of the last tap).
     init_from_target: list[Literal["lm_head", "layer", "fc"]] = []
@@ -213,13 +213,13 @@ class Eagle3Config(DraftConfig):
     # instead of the training-time test (ttt_steps and step_decay are then not used); 0: sequential EAGLE-3
     parallel_depths: int = Field(0, ge=0)
     cod_ratio: float = Field(0.7, gt=0, le=1)  # COD: depth d keeps max(cod_ratio**d, cod_min) of the rollouts
-    cod_min: float = Field(0.2, ge=0, le=1)
+    cod_min: float = Field(0.2, ge=0, le=1)  # P-EAGLE: the least share of positions COD sampling keeps per depth
     mask_token_id: int | None = None  # P-EAGLE's mask token (default as for dflash)
     # EAGLE-3.1 (speculators' fc_norm / norm_output, served by vLLM): an RMSNorm on each target tap before fc, so
     # taps of very different magnitudes reach fc alike; and the final norm's output, not the raw residual, fed back
     # as the next step's hidden, against the hidden's magnitude drifting over the unrolled steps and long contexts
     fc_norm: bool = False
-    norm_output: bool = False
+    norm_output: bool = False  # EAGLE-3.1: a norm on the head's output hidden state
     # a sliding-window draft attention: each draft position reads the last sliding_window positions only (its own
     # included), so acceptance depends less on how long the context is; None: the whole context
     sliding_window: int | None = Field(None, ge=2)
@@ -252,11 +252,11 @@ class Eagle3Config(DraftConfig):
 class EagleConfig(DraftConfig):
     kind: Literal["eagle"] = "eagle"
     training_settings = frozenset({"regression_weight", "ce_weight", "noise", "init_from_target"})
-    num_layers: int = Field(1, ge=1)
-    regression_weight: float = Field(1.0, ge=0)
-    ce_weight: float = Field(0.1, ge=0)
+    num_layers: int = Field(1, ge=1)  # decoder layers in the head
+    regression_weight: float = Field(1.0, ge=0)  # weight of the hidden-state regression loss
+    ce_weight: float = Field(0.1, ge=0)  # weight of the token cross-entropy loss
     noise: float = Field(0.2, ge=0)  # width of the uniform noise added to input features (EAGLE-1: 0.2)
-    intermediate_size: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)  # the head's MLP width (None: the target's)
     # Start from the target: "layer" (the decoder layer from its last layer), "fc" (a pass-through of the hidden
     # state); EAGLE-1 uses the target's own lm_head already.
     init_from_target: list[Literal["layer", "fc"]] = []
@@ -268,9 +268,9 @@ class LoraConfig(Section):
     needs = ("peft",)
 
     target_modules: list[str] = Field(min_length=1)  # module names in the target, e.g. [q_proj, v_proj]
-    rank: int = Field(8, gt=0)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)
+    rank: int = Field(8, gt=0)  # the adapters' rank
+    alpha: float = Field(16.0, gt=0)  # their scale (alpha / rank)
+    dropout: float = Field(0.05, ge=0, lt=1)  # dropout on their input
     learning_rate: float = Field(1e-4, gt=0)  # the adapters' (the heads use training.learning_rate, higher)
     heads_only_steps: int = Field(0, ge=0)  # stage 1: only the heads train for this many steps
     # The target's own loss: KL(original target || adapted target) on the training tokens, so its answers stay
@@ -287,12 +287,12 @@ class MedusaConfig(DraftConfig):
     num_heads: int = Field(4, ge=1)  # head i predicts the token i+2 positions ahead (the target itself: +1)
     num_layers: int = Field(1, ge=1)  # residual blocks (Linear + SiLU, with a skip) per head
     loss_weight: float = Field(0.2, gt=0)  # head i's loss weight is loss_weight * decay**i
-    decay: float = Field(0.8, gt=0, le=1)
+    decay: float = Field(0.8, gt=0, le=1)  # loss weight of head k is decay ** k
     self_distill: bool = False  # soft targets: the target's own distribution instead of the data's token
     draft_vocab: str | None = None  # as for eagle3: default the run's draft_vocab.safetensors when it exists
     init_lm_head_from_target: bool = True  # each head's lm_head starts as the target's (its rows of the vocab)
     top_k: int = Field(5, ge=1)  # the k of the logged top-k accuracy per head (what tree candidates need)
-    lora: LoraConfig | None = None
+    lora: LoraConfig | None = None  # Medusa-2: LoRA adapters on the target, trained with the heads
 
     @property
     def trains_target(self) -> bool:
@@ -309,10 +309,10 @@ class StudentLoraConfig(Section):
 
     needs = ("peft",)
 
-    target_modules: list[str] = Field(min_length=1)
-    rank: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] = Field(min_length=1)  # module names in the student, e.g. [q_proj, v_proj]
+    rank: int = Field(16, gt=0)  # the adapters' rank
+    alpha: float = Field(32.0, gt=0)  # their scale (alpha / rank)
+    dropout: float = Field(0.05, ge=0, lt=1)  # dropout on their input
 
 
 class DraftModelConfig(DraftConfig):
@@ -330,16 +330,16 @@ class DraftModelConfig(DraftConfig):
     # answers, when regenerated)
     divergence: Literal["fkl", "rkl", "jsd", "tvd", "sft"] = "fkl"
     beta: float = Field(0.5, gt=0, lt=1)  # JSD(β): the mixture β·target + (1-β)·draft, as TRL's GKD defines it
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0)  # the temperature of both distributions in the divergence
     # λ of DistillSpec / GKD: this share of batches is answered by the current draft (sampled), scored by the target
     on_policy: float = Field(0.0, ge=0, le=1)
-    on_policy_max_new_tokens: int = Field(128, gt=0)
-    on_policy_temperature: float = Field(1.0, ge=0)
+    on_policy_max_new_tokens: int = Field(128, gt=0)  # the length of the student's own answers (on-policy batches)
+    on_policy_temperature: float = Field(1.0, ge=0)  # the student's sampling temperature for them
     # AdaSPEC-style selective distillation: leave out this share of each batch's tokens, those the draft finds
     # hardest (largest divergence), so its capacity goes to the tokens it can learn
     token_filter: float = Field(0.0, ge=0, lt=1)
     teacher_top_k: int = Field(64, gt=0)  # an offline teacher cache keeps this many logits per position
-    lora: StudentLoraConfig | None = None
+    lora: StudentLoraConfig | None = None  # LoRA adapters on the student instead of all its weights
     # Served with a draft vocabulary: the draft_model proposer computes logits for these rows only (a cheaper
     # draft step; verification keeps it lossless). Default: the run's draft_vocab.safetensors when prepare wrote one.
     # The saved model stays a whole-vocabulary HF model for other engines.
@@ -353,7 +353,7 @@ class DraftModelConfig(DraftConfig):
     # trained with the same divergence on COD-sampled mask slots (AMD's PARD); 0: one token per forward
     parallel: int = Field(0, ge=0)
     cod_ratio: float = Field(0.7, gt=0, le=1)  # COD: depth d keeps max(cod_ratio**d, cod_min) of the rollouts
-    cod_min: float = Field(0.2, ge=0, le=1)
+    cod_min: float = Field(0.2, ge=0, le=1)  # PARD: the least share of positions COD sampling keeps per depth
     mask_token_id: int | None = None  # PARD's mask token (default as for dflash)
 
     @model_validator(mode="after")
@@ -393,7 +393,7 @@ class DFlashConfig(DraftConfig):
 
     kind: Literal["dflash"] = "dflash"
     training_settings = frozenset({"anchors", "weighting", "dpace_alpha", "decay_gamma", "init_from_target", "labels"})
-    num_layers: int = Field(1, ge=1)
+    num_layers: int = Field(1, ge=1)  # decoder layers in the block drafter
     # the block: the anchor (a known token) and block_size - 1 mask tokens, each predicting the token at its position
     block_size: int = Field(8, ge=2)
     # target taps (HF hidden_states numbering, as for eagle3); default: inputs of layers 2, L/2 and L-3
@@ -405,7 +405,7 @@ class DFlashConfig(DraftConfig):
     # "decay" (w_k = exp(-(k-1)/decay_gamma), the paper's)
     weighting: Literal["dpace", "decay"] = "dpace"
     dpace_alpha: float = Field(0.5, ge=0, le=1)  # D-PACE's smoothing: s_k = (1 - alpha) q_k + alpha
-    decay_gamma: float = Field(4.0, gt=0)
+    decay_gamma: float = Field(4.0, gt=0)  # loss weight of slot k is exp(-(k-1) / gamma) (the decayed weighting)
     # what each slot learns: "soft" (cross-entropy against the target's distribution over the draft vocabulary: KL's
     # gradient, the tail included) or "argmax" (cross-entropy on the target's greedy token, all a greedy acceptance
     # needs: speculators' default beside D-PACE)
@@ -414,7 +414,7 @@ class DFlashConfig(DraftConfig):
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
     sample_from_anchor: bool = False  # DSpark's mode: every slot predicts, the anchor's included (block_size tokens)
     mask_token_id: int | None = None  # default: the tokenizer's mask token, else an unused embedding row, else unk/pad
-    intermediate_size: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)  # the drafter's MLP width (None: the target's)
     # start the draft layers as copies of the target's last layers (q/k norms at one), its final norm, and fc passing
     # the last tap through, instead of noise. Off, as the references train: on the same rows and 15 minutes, from
     # noise was ahead on both seeds (held-out top-1 at slot 2 0.28/0.26 against 0.19/0.18; BENCHMARKS.md)
@@ -440,18 +440,19 @@ DraftSection = _draft_section()
 
 
 class TrainingConfig(Section):
+    # online: the target runs every step; offline: prepare caches its states
     hidden_states: Literal["online", "offline"] = "online"
     # dtype of the offline cache's hidden states; auto = the target's own dtype (nothing lost)
     # the offline cache's hidden states: the target's dtype (auto), another, or float8 with a per-token scale
     feature_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8"] = "auto"
     cache_shard_rows: int = Field(256, gt=0)  # rows per offline-cache shard: the unit a rerun after a crash redoes
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, gt=0)
+    epochs: float = Field(1.0, gt=0)  # passes over the train split
+    max_steps: int | None = Field(None, gt=0)  # stop after this many optimizer steps (None: the epochs)
     # Train for this many minutes (training time: checkpoints and their evaluation not counted), the learning-rate
     # schedule running over the budget; epochs / max_steps still cap the run, and end the schedule if they come first.
     time_budget_minutes: float | None = Field(None, gt=0)
     batch_size: int = Field(1, gt=0)  # per device
-    gradient_accumulation: int = Field(1, gt=0)
+    gradient_accumulation: int = Field(1, gt=0)  # micro-batches per optimizer step
     # micro-batches of rows of similar length, in a seeded order that still changes every epoch (HF Trainer's
     # group_by_length): less padding to compute when rows differ in length and a micro-batch holds several. On by
     # default since the EAGLE-3 parity runs (BENCHMARKS.md, issue 27): random pairs of rows padded 24% of the
@@ -463,23 +464,23 @@ class TrainingConfig(Section):
     # ranks: HF Trainer's num_items_in_batch, what TRL's GKD trainer does). Differs when micro-batches hold unequal
     # numbers of trained tokens; measured against each other in BENCHMARKS.md (issue 27)
     loss_reduction: Literal["micro_batch", "token"] = "micro_batch"
-    learning_rate: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: float = Field(0.5, gt=0)
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    learning_rate: float = Field(1e-4, gt=0)  # AdamW's peak learning rate
+    weight_decay: float = Field(0.0, ge=0)  # AdamW's weight decay
+    warmup_steps: int = Field(0, ge=0)  # linear warm-up from 0
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"  # the learning rate after warm-up
+    max_grad_norm: float = Field(0.5, gt=0)  # gradients clipped to this norm
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # bf16 or fp16 autocast (no: float32)
     deepspeed: str | None = None  # path to a DeepSpeed JSON config
 
     def packages(self) -> list[tuple[str, str]]:
         return [("deepspeed", "deepspeed")] if self.deepspeed is not None else []
-    save_every: int = Field(100, gt=0)
-    keep_last: int = Field(2, gt=0)
+    save_every: int = Field(100, gt=0)  # a checkpoint every this many steps (and at the end)
+    keep_last: int = Field(2, gt=0)  # checkpoints kept besides the best
     # Eval metric (returned by the on_checkpoint callbacks) whose highest-scoring checkpoint is kept as "best"
     # and never pruned; None: no best tracking.
     best_metric: str | None = None
-    log_every: int = Field(10, gt=0)
-    num_workers: int = Field(0, ge=0)
+    log_every: int = Field(10, gt=0)  # a metrics record every this many steps
+    num_workers: int = Field(0, ge=0)  # data loader worker processes
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -520,10 +521,10 @@ class DecodeSettings(Section):
     tree: Any = "chain"
     total_tokens: int = 60  # dynamic tree: nodes verified per step
     tree_top_k: int = 10  # dynamic tree: children expanded per node
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float = 0.0  # 0: greedy (lossless token for token); above: sampling (Leviathan/Chen)
+    top_p: float = 1.0  # sampling's nucleus
     top_k: int = 0  # sampling's top-k (0: off)
-    seed: int = 0
+    seed: int = 0  # sampling's seed per prompt
     max_new_tokens: int = 64  # per turn
     # an auto choice that speculates is checked while decoding and falls back (to a shallower chain, or plain
     # decoding) when it does not pay on this machine now (drafttrain.decoding.guard); a fixed depth is never changed
@@ -606,7 +607,7 @@ class DecodeSettings(Section):
 class EvalConfig(DecodeSettings):
     """The recipe's eval section: the prompts, and how to decode them."""
 
-    suite: str = "mt_bench"
+    suite: str = "mt_bench"  # the prompts reported on: a built-in suite or a FastChat .jsonl
     num_prompts: int | None = 8  # None: every question of the suite
 
     @field_validator("num_prompts", mode="before")
@@ -614,7 +615,7 @@ class EvalConfig(DecodeSettings):
     def _num_prompts(cls, value: Any) -> Any:
         return None if value is None else _positive_int(value)
 
-    every_checkpoint: bool = True
+    every_checkpoint: bool = True  # measure τ and speedup on held-out prompts at every checkpoint
     # a checkpoint evaluation during training starts no new prompt after this many minutes, and says it ran over
     # (a busy machine once made a 4-prompt evaluation take 15 minutes); None: no budget
     checkpoint_budget_minutes: float | None = Field(5.0, gt=0)
@@ -673,8 +674,8 @@ class BenchConfig(Section):
 
 
 class WandbConfig(Section):
-    enabled: bool = True
-    project: str = "drafttrain"
+    enabled: bool = True  # log to Weights & Biases
+    project: str = "drafttrain"  # its project name
     # "offline" unless WANDB_API_KEY is set; "disabled" turns it off.
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     # Upload the best checkpoint's draft (not its optimizer state) as a wandb model artifact when training ends.
@@ -699,16 +700,16 @@ class WandbConfig(Section):
 
 
 class Recipe(Section):
-    output_dir: str = "runs/default"
-    seed: int = 0
-    target: TargetConfig = TargetConfig()
-    data: DataConfig | None = None
-    regenerate: RegenerateConfig = RegenerateConfig(enabled=False)
-    draft_vocab: DraftVocabConfig = DraftVocabConfig()
-    draft: DraftSection | None = None
-    training: TrainingConfig = TrainingConfig()
-    eval: EvalConfig = EvalConfig()
-    wandb: WandbConfig = WandbConfig()
+    output_dir: str = "runs/default"  # the run folder: data, checkpoints, reports, logs
+    seed: int = 0  # seeds data order, sampling and initialisation
+    target: TargetConfig = TargetConfig()  # the model the draft serves
+    data: DataConfig | None = None  # the conversations to train on (prepare); None for a recipe that only evaluates
+    regenerate: RegenerateConfig = RegenerateConfig(enabled=False)  # answers regenerated by the target
+    draft_vocab: DraftVocabConfig = DraftVocabConfig()  # the draft vocabulary (d2t / t2d) built from the data
+    draft: DraftSection | None = None  # the draft: its kind and that kind's settings
+    training: TrainingConfig = TrainingConfig()  # the trainer
+    eval: EvalConfig = EvalConfig()  # the evaluation of every checkpoint and of the final draft
+    wandb: WandbConfig = WandbConfig()  # logging to Weights & Biases
 
     @model_validator(mode="after")
     def _trained_target_runs_online(self) -> "Recipe":

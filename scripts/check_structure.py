@@ -20,7 +20,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
 LAYERS = ["foundation", "data", "targets", "drafts", "training", "decoding", "evaluation", "export", "serving", "commands",
           "main"]
-FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.packages", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear",
+FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.packages", "drafttrain.userfiles", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear",
               "drafttrain.progress"}
 MAX_FUNCTION_LINES = 80
 MAX_EVALUATE_LINES = 60

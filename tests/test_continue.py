@@ -216,6 +216,9 @@ def test_replay_appends_an_earlier_runs_rows_as_they_were_tokenised(tmp_path):
 
     with pytest.raises(DrafttrainError, match="another tokenizer"):
         with_replay(new, replay, "tok-B", max_length=14, seed=0)
+    # every row already here: that is the cause named, not a length every row fits
+    with pytest.raises(DrafttrainError, match=r"nothing to replay of its 40 rows: 40 are already in this run's data \("):
+        with_replay(old_rows, replay, "tok-A", max_length=1000, seed=0)
     with pytest.raises(DrafttrainError, match="no prepared data there"):
         with_replay(new, ReplayConfig(run=str(tmp_path / "nothing"), fraction=0.25), "tok-A", 14, 0)
     tokenised_rows(40, seed=9).save_to_disk(str(tmp_path / "other"))  # the split changed after its prepare

@@ -480,3 +480,24 @@ def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_pa
     result = json.loads((tmp_path / "check" / "speculators_check.json").read_text())
     assert result["draft_tokens_equal"] == result["positions"] > 0 and not result["embed_zero"]
 
+
+
+def test_a_p_eagle_head_names_the_formats_it_exports_to(tmp_path):
+    """Asked for hf, a P-EAGLE head answered "a eagle3 draft exports to vllm, sglang, speculators", and then vllm
+    and sglang were refused for it: the formats named are the ones this draft can be written in."""
+    target = tiny_target()
+    checkpoint = checkpoint_of(build_drafter(Eagle3Config(parallel_depths=3), target), tmp_path)
+    with pytest.raises(DrafttrainError, match=r"exports to speculators, not hf \(--format speculators\)"):
+        export_draft(checkpoint, "hf", tmp_path / "hf", target)
+    with pytest.raises(DrafttrainError, match="P-EAGLE head .* is served from speculators' format"):
+        export_draft(checkpoint, "vllm", tmp_path / "vllm", target)
+
+
+def test_an_export_that_cannot_be_written_is_one_line_naming_the_place(tmp_path):
+    target = tiny_target()
+    checkpoint = checkpoint_of(build_drafter(EagleConfig(), target), tmp_path)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    with pytest.raises(DrafttrainError, match=r"cannot write the export's staging folder .*blocker/out.partial: a "
+                                              r"(part of the path is a file|file is there)"):
+        export_draft(checkpoint, "vllm", blocker / "out", target)

@@ -344,3 +344,37 @@ def tiny_target_of(hidden: int = 32, rope_theta: float = 10000.0):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
     return Target("tiny", LlamaForCausalLM(config).eval().requires_grad_(False), None)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("past", "outside the target's vocabulary of 64"),
+    ("inverse", "t2d is not the inverse of d2t"),
+    ("twice", "two draft ids to the same target id"),
+])
+def test_an_eagle3_draft_whose_vocabulary_maps_are_wrong_is_refused_at_import_and_at_load(tmp_path, change, reason):
+    """The values are checked, not only the shapes: a d2t mapping past the target's vocabulary (eval then died in
+    an IndexError), a t2d that disagrees with d2t, or two draft ids on one target id would train and draft wrong
+    tokens with exit 0. Refused at import, and at every load of a checkpoint changed afterwards."""
+    from safetensors.torch import save_file
+
+    target = tiny_target()
+    other = tmp_path / "changed"
+    shutil.copytree(EAGLE3 / "eagle31_draft_vocab", other)
+    tensors = load_file(str(other / "model.safetensors"))
+    d2t, t2d = tensors["d2t"].clone(), tensors["t2d"].clone()
+    if change == "past":
+        d2t[-1] += 64
+    elif change == "inverse":
+        t2d[int(torch.nonzero(~t2d)[0])] = True
+        t2d[int(torch.nonzero(t2d)[-1])] = False
+    else:
+        d2t[1] = d2t[0] - 1  # draft id 1 names draft id 0's target id
+    save_file({**tensors, "d2t": d2t, "t2d": t2d}, str(other / "model.safetensors"))
+    with pytest.raises(DrafttrainError, match=reason):
+        import_draft(other, target, tmp_path / "imported")
+    good, _ = import_draft(EAGLE3 / "eagle31_draft_vocab", target, tmp_path / "good")
+    saved = load_file(str(good / "model.safetensors"))
+    save_file({**saved, "d2t": d2t, "t2d": t2d}, str(good / "model.safetensors"))
+    (good / "manifest.json").unlink(missing_ok=True)  # an edit the manifest would catch first; the maps must too
+    with pytest.raises(DrafttrainError, match=reason):
+        load_drafter(good, target)

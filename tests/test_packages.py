@@ -27,7 +27,7 @@ def test_every_package_the_product_uses_is_a_plain_dependency():
     names = dependency_names()
     assert [p for p in PRODUCT_PACKAGES if p not in names] == []
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert set(extras) == {"dev"}  # test tools only
+    assert set(extras) == {"dev"}  # test tools (and a test target) only
 
 
 def test_the_install_command_carries_our_own_pin():

@@ -256,3 +256,48 @@ def test_regenerating_long_prompts_is_planned_and_an_uncapped_batch_refused_befo
     served = load_recipe(long, ["regenerate.max_batch_tokens=null", "regenerate.backend=openai",
                                 "regenerate.base_url=http://127.0.0.1:8000/v1"])
     assert "KV cache (widest regen batch)" not in plan(served, stage="prepare").memory  # the server's own
+
+
+def test_a_target_config_of_another_model_is_refused(capsys, tmp_path):
+    """`plan` of a Llama recipe with Qwen3-8B's config planned Qwen3's sizes and said "verdict: fits"."""
+    from drafttrain.commands import main
+
+    code = main(["plan", str(REPO / "recipes" / "eagle3_llama3.1_8b.yaml"), "--gpu-memory", "80",
+                 "--target-config", str(CONFIGS / "Qwen--Qwen3-8B.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "describes a qwen3 model, but the recipe's target meta-llama/Llama-3.1-8B-Instruct is a " \
+                          "llama model" in err
+    # a target whose own config can be read here is compared size for size
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "config.json").write_text((CONFIGS / "meta-llama--Llama-3.2-1B-Instruct.json").read_text())
+    code = main(["plan", str(REPO / "recipes" / "eagle3_llama3.1_8b.yaml"), f"target.model={own}",
+                 "--target-config", str(CONFIGS / "meta-llama--Llama-3.1-8B-Instruct.json")])
+    assert code == 2 and "is not the recipe's target" in capsys.readouterr().err
+
+
+def test_a_prepare_only_recipe_plans_its_prepare(capsys):
+    """`plan --stage prepare` refused the shipped prepare-only recipe as "nothing to plan"."""
+    out = drafttrain(capsys, "plan", str(REPO / "recipes" / "smollm2_prepare_demo.yaml"), "--stage", "prepare")
+    assert "target weights" in out and "verdict: fits" in out
+
+
+def test_a_distilled_drafts_student_is_planned_from_its_shipped_config(capsys, monkeypatch):
+    """Offline, the 70B-to-1B recipe's student cannot be fetched: the error names it as the draft model and the
+    flag that takes its config; with that config the plan counts the student's weights."""
+    import huggingface_hub.constants
+
+    from drafttrain.commands import main
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    recipe = str(REPO / "recipes" / "distill_llama70b_to_1b.yaml")
+    target = ["--target-config", str(CONFIGS / "meta-llama--Llama-3.3-70B-Instruct.json"), "--gpu-memory", "80"]
+    capsys.readouterr()
+    assert main(["plan", recipe, *target]) == 2
+    err = capsys.readouterr().err
+    assert "could not load draft model (draft.student) 'meta-llama/Llama-3.2-1B-Instruct'" in err
+    assert "--model-config NAME=CONFIG.json" in err
+    code = main(["plan", recipe, *target, "--model-config",
+                 f"meta-llama/Llama-3.2-1B-Instruct={CONFIGS / 'meta-llama--Llama-3.2-1B-Instruct.json'}"])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "optimizer" in out and "verdict:" in out  # a plan (one GPU of 80 GiB: it does not fit)

@@ -152,3 +152,33 @@ def test_a_mixture_names_the_lines_it_skipped_and_counts_what_it_redacted(tmp_pa
     assert stats["skipped"] == {"not JSON": 1, "duplicate request": 1}
     assert any("line 2: not JSON" in r.getMessage() for r in caplog.records)
     assert all(SECRETS["api key"][2] not in json.dumps(c) for c in mixture.train)
+
+
+PHRASED = {"aws": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "password": "Tr0ub4dor&3x",
+           "json key": "sk-proj-AbCdEfGhIjKlMnOpQrStUvWx0123"}
+
+
+def test_secrets_in_ordinary_phrasing_never_reach_any_file_prepare_writes(tmp_path, smollm2, monkeypatch):
+    """"my AWS secret access key is <40 chars>", "my password is <pw>", and a key used as a JSON object key passed
+    redaction and were written in clear into the run folder and the answer store every later run reads. Every
+    file prepare writes, the answer store's included, is read byte for byte."""
+    store = tmp_path / "answers"
+    monkeypatch.setenv("DRAFTTRAIN_ANSWER_STORE", str(store))
+    lines = [json.dumps({"request": request(f"My AWS secret access key is {PHRASED['aws']}. Store it safely.")}),
+             json.dumps({"request": request(f"Reset it: my password is {PHRASED['password']}, thanks.")}),
+             json.dumps({"request": {**request("Summarise the config."), "metadata": {PHRASED["json key"]: "x"}},
+                         "response": answer("A config with one key.", "smollm2-135m-instruct")})]
+    (tmp_path / "traffic.jsonl").write_text("\n".join(lines) + "\n")
+    recipe = parse_recipe({
+        "output_dir": str(tmp_path / "run"), "target": {"model": "smollm2-135m-instruct"},
+        "data": {"sources": [{"path": str(tmp_path / "traffic.jsonl"), "format": "request_log"}],
+                 "validation_fraction": 0.0, "max_length": 256},
+        "regenerate": {"enabled": True, "max_new_tokens": 8, "batch_size": 4}})
+    result = prepare(recipe, target=smollm2, progress=False, show_summary=False)
+    assert result.summary["regenerate"]["regenerated_now"] == 2
+    written = [p for folder in (tmp_path / "run", store) for p in folder.rglob("*") if p.is_file()]
+    assert any(p.is_relative_to(store) for p in written)  # the answer store was written
+    for path in written:
+        data = path.read_bytes()
+        for name, secret in PHRASED.items():
+            assert secret.encode() not in data, f"{name} in {path}"

@@ -75,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chain | dynamic | a named static tree (medusa-16, ...) | a .json file of paths | "
                              "static:PATHS_JSON (inline, Medusa's format: [[0], [1], [0, 0]]) | auto (a static tree "
                              "built from the draft's measured accuracies, sized for this machine)")
-    parser.add_argument("--total-tokens", type=int, default=60, help="dynamic tree: nodes verified per step")
-    parser.add_argument("--top-k", type=int, default=10, help="dynamic tree: children expanded per node")
+    parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree: nodes verified per step (60)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="dynamic tree only: children expanded per node (10); not sampling's top-k")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", default="cpu")
@@ -167,11 +168,13 @@ def eval_settings(args: argparse.Namespace) -> EvalConfig:
     cpu_linear_mode(args.cpu_linear)  # a bad DRAFTTRAIN_CPU_LINEAR fails here, before the target loads
     if args.threads is not None and args.threads <= 0:
         raise DrafttrainError(f"--threads must be positive, got {args.threads}")
+    _dynamic_tree_flags_only_with_it(args)
     values = dict(suite=args.questions or args.suite, num_prompts=args.num_prompts,
                   max_depth=args.max_depth, min_confidence=args.min_confidence, tree=args.tree,
-                  total_tokens=args.total_tokens, tree_top_k=args.top_k, temperature=args.temperature,
-                  top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
                   runtime_check=not args.no_runtime_check)
+    values.update({field: value for field, value in (("total_tokens", args.total_tokens), ("tree_top_k", args.top_k))
+                   if value is not None})
     if args.depth is not None:  # left out otherwise, so the default can fit the draft (EvalConfig.fitted_to)
         values["depth"] = args.depth
     try:
@@ -179,6 +182,17 @@ def eval_settings(args: argparse.Namespace) -> EvalConfig:
     except ValidationError as err:
         flag = lambda loc: FLAG_OF.get(loc[0], "--" + loc[0].replace("_", "-")) if loc else ""  # noqa: E731
         raise DrafttrainError(describe_errors(err, flag)) from None
+
+
+def _dynamic_tree_flags_only_with_it(args: argparse.Namespace) -> None:
+    """--top-k and --total-tokens shape the dynamic tree; on any other shape they cannot act, and a user who means
+    sampling's top-k (as in every other LLM tool) would silently sample without it."""
+    given = [flag for flag, value in (("--top-k", args.top_k), ("--total-tokens", args.total_tokens))
+             if value is not None]
+    if given and args.tree != "dynamic":
+        raise DrafttrainError(f"{' and '.join(given)} shape the dynamic tree (--tree dynamic) and cannot act on "
+                              f"--tree {args.tree}; --top-k is not sampling's top-k, which has no flag: set eval.top_k "
+                              "in a recipe")
 
 
 def _calibration(args: argparse.Namespace, suite: Suite) -> tuple:

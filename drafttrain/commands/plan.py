@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import torch
 
+from drafttrain import DrafttrainError
 from drafttrain.config import load_recipe
+from drafttrain.targets.loading import models_from_configs
 from drafttrain.training.plan import GIB, Cluster, plan, read_hostfile
 
 
@@ -53,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the regeneration server's throughput, for the expected regeneration time")
     parser.add_argument("--target-config", metavar="CONFIG.json",
                         help="the target's config.json, instead of fetching it for the recipe's target")
+    parser.add_argument("--model-config", action="append", default=[], metavar="NAME=CONFIG.json",
+                        help="a model the recipe loads besides the target (a distilled draft's student) that is not "
+                             "on this machine, by its config.json (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -64,7 +70,19 @@ def run(args: argparse.Namespace) -> int:
         memory = torch.cuda.get_device_properties(0).total_memory
     cluster = Cluster(gpus=args.gpus or next(iter(hosts.values())), nodes=args.nodes or len(hosts), gpu_memory=memory,
                       disk_free=int(args.disk * GIB) if args.disk else None)
-    result = plan(recipe, cluster, stage=args.stage, config_path=args.target_config,
-                  regen_throughput=args.regen_throughput)
+    with models_from_configs(_model_configs(args.model_config)):
+        result = plan(recipe, cluster, stage=args.stage, config_path=args.target_config,
+                      regen_throughput=args.regen_throughput)
     print(json.dumps(result.as_dict(), indent=1) if args.json else result.render())
     return 0 if result.fits else 1
+
+
+def _model_configs(pairs: list[str]) -> dict[str, str]:
+    configs = {}
+    for pair in pairs:
+        name, equals, path = pair.rpartition("=")
+        if not equals or not name or not Path(path).is_file():
+            raise DrafttrainError(f"--model-config {pair}: give NAME=CONFIG.json, the model's name as the recipe "
+                                  "writes it and an existing config.json")
+        configs[name] = path
+    return configs

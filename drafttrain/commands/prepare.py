@@ -35,6 +35,7 @@ from rich.table import Table
 from transformers import AutoConfig
 
 from drafttrain import DrafttrainError
+from drafttrain.userfiles import make_folder
 from drafttrain.config import DataConfig, Recipe, load_recipe
 from drafttrain.data.regenerate import regenerate_conversations
 from drafttrain.data.sources import load_mixture
@@ -51,7 +52,7 @@ from drafttrain.drafts import drafter_class
 from drafttrain.drafts.registry import check_vocabulary_choice, resolved_section, saved_draft_ids
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset, write_text_atomic
 from drafttrain.targets import load_target, load_tokenizer
-from drafttrain.targets.loading import resolve_model_dir, target_name
+from drafttrain.targets.loading import missing_model_message, resolve_model_dir, target_name
 from drafttrain.training.features import (
     cache_dtype,
     cache_settings,
@@ -104,9 +105,12 @@ def check_data_files(data: DataConfig) -> None:
 def target_vocab_size_from_config(recipe: Recipe) -> int:
     """The target's vocabulary size (lm_head rows) from its config, without loading the weights."""
     target = recipe.target
-    config = AutoConfig.from_pretrained(
-        resolve_model_dir(target.model), revision=target.revision, trust_remote_code=target.trust_remote_code
-    )
+    try:
+        config = AutoConfig.from_pretrained(
+            resolve_model_dir(target.model), revision=target.revision, trust_remote_code=target.trust_remote_code
+        )
+    except (OSError, ValueError) as err:  # not built in, no folder, not in the offline cache (huggingface_hub)
+        raise DrafttrainError(missing_model_message(target.model, err)) from None
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text_config.vocab_size)
 
@@ -394,6 +398,7 @@ def prepare(
     if recipe.draft_vocab.enabled:
         vocab_size = target.vocab_size if target is not None else target_vocab_size_from_config(recipe)
         check_draft_vocab_size(recipe, vocab_size)
+    make_folder(run.root, "the run folder (output_dir)")  # before any work: a read-only or misplaced output_dir
 
     seconds: dict[str, float] = {}
     with _timed(seconds, "load"):
@@ -401,7 +406,6 @@ def prepare(
         log.info("%s", mixture.summary())
     if needs_model and target is None:
         target = load_target(recipe.target)
-    run.root.mkdir(parents=True, exist_ok=True)
     train, validation, regen = mixture.train, mixture.validation, None
     _warn_unanswered(recipe, mixture)
     if recipe.regenerate.enabled:

@@ -212,7 +212,7 @@ def auto_text(described: dict, line: dict) -> str:
 def plain_wins_lines(report, auto: tuple[dict, dict] | None) -> list[str]:
     """When plain decoding is the faster choice on this machine: why (a cycle's measured cost against a plain step),
     and what the head's measured τ would give where a verification costs one plain step, marked as a projection."""
-    overall, depth, tau = report.overall, report.config["depth"], report.overall["tau"]
+    depth, tau = report.config["depth"], report.overall["tau"]
     if auto is None or auto[0]["depth_auto"]["depth"] != 0 or tau is None:
         return []
     costs = auto[0]["depth_auto"]

@@ -57,7 +57,18 @@ def with_replay(train: Dataset, replay: ReplayConfig, tokenizer_id: str | None, 
     stats = {"run": str(run.root), "split_fingerprint": fingerprint, "asked": asked, "rows": len(chosen),
              "too_long": len(old) - len(fitting), "already_here": len(fitting) - len(fresh)}
     if not chosen:
-        raise DrafttrainError(f"data.replay.run {replay.run}: none of its {len(old)} rows fits data.max_length "
-                              f"{max_length}")
+        raise DrafttrainError(f"data.replay.run {replay.run}: nothing to replay of its {len(old)} rows: "
+                              + _why_none(stats, max_length))
     replayed = old.select(chosen).cast(train.features)
     return concatenate_datasets([train, replayed]), stats
+
+
+def _why_none(stats: dict, max_length: int) -> str:
+    """Why no row of the earlier run is replayed, naming each cause that applies (a row too long for
+    data.max_length, a row this run already holds)."""
+    causes = []
+    if stats["too_long"]:
+        causes.append(f"{stats['too_long']} are longer than data.max_length {max_length}")
+    if stats["already_here"]:
+        causes.append(f"{stats['already_here']} are already in this run's data (replay adds only rows it lacks)")
+    return " and ".join(causes) or "data.replay.fraction asks for none"

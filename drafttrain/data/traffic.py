@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
+from drafttrain.userfiles import read_text
 from drafttrain.data.conversations import FormatMismatch, LoadedSource, SkipRecord, normalize_record
 
 REQUEST_KEYS = ("request", "body")  # where a logged line nests the request, when it does
@@ -59,6 +60,13 @@ SECRET_PATTERNS: dict[str, re.Pattern] = {
     "password": re.compile(_KEY_NAME + r"[\"']?\s*[:=]\s*(?P<q>[\"'])(?P<s>(?!\[REDACTED\])[^\"'\s]{6,})(?P=q)", re.I),
     "password value": re.compile(_KEY_NAME + r"[\"']?\s*[:=]\s*(?P<s>(?=[^\s\"',;]*\d)[A-Za-z0-9_\-+/=!@#$%^&*~]{6,})"
                                  r"(?![^\s\"',;])", re.I),
+    # prose: "my password is Tr0ub4dor&3", "the AWS secret access key is wJal...", "api key for prod: x9..."; the value
+    # counts when it has a digit or a symbol, or is one long run of letters ("the password is required" is prose)
+    "password phrase": re.compile(
+        r"\b(?:pass(?:word|phrase|wd|code)|pwd|pin|secret(?:\s+access)?(?:\s+key)?|private\s+key|(?:api|access|"
+        r"auth(?:entication)?|bearer|refresh|session)\s*[_-]?\s*(?:key|token)|credentials?)\b"
+        r"(?:\s+(?:for|to|of|on)\s+[\w.@-]+)?\s+(?:is|was|are)\s*:?\s*[\"'`]?"
+        r"(?P<s>(?=[^\s\"'`,;]*[\d!@#$%^&*+=/_-])[^\s\"'`,;]{5,}[^\s\"'`,;.!?:)]|[A-Za-z]{16,})", re.I),
 }
 
 
@@ -73,7 +81,7 @@ def redact(text: str, found: Counter) -> str:
     """``text`` with every secret-looking string replaced (counted in ``found`` by kind)."""
     for kind, pattern in SECRET_PATTERNS.items():
         text, n = pattern.subn(_replaced, text)
-        found[kind.removesuffix(" value")] += n
+        found[kind.removesuffix(" value").removesuffix(" phrase")] += n
     return text
 
 
@@ -82,8 +90,8 @@ def _redacted(value: Any, found: Counter) -> Any:
         return redact(value, found)
     if isinstance(value, list):
         return [_redacted(v, found) for v in value]
-    if isinstance(value, dict):
-        return {k: _redacted(v, found) for k, v in value.items()}
+    if isinstance(value, dict):  # keys too: a key used as a JSON object's key is still a key
+        return {(redact(k, found) if isinstance(k, str) else k): _redacted(v, found) for k, v in value.items()}
     return value
 
 
@@ -111,7 +119,7 @@ def read_request_log(path: str | Path) -> RequestLog:
     """Every distinct prompt of a request log, in file order, with the lines it could not use and why."""
     path = _existing(path, "request log")
     prompts, skipped, redacted = [], [], Counter()
-    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+    for number, line in enumerate(read_text(path, "request log").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -130,7 +138,7 @@ def read_prompts_file(path: str | Path) -> RequestLog:
     """A prompts file (see the module docstring) as user prompts, each once."""
     path = _existing(path, "prompts file")
     prompts, skipped, redacted = [], [], Counter()
-    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+    for number, line in enumerate(read_text(path, "prompts file").splitlines(), 1):
         text = line.strip()
         if path.suffix.lower() != ".txt" and text:
             try:

@@ -266,17 +266,30 @@ def _check_consistent(vocab: DraftVocab, path: Path) -> None:
     _check_mapping(vocab.d2t, vocab.t2d, path)
 
 
-def _check_mapping(d2t: torch.Tensor, t2d: torch.Tensor, path: Path) -> None:
+def mapping_problem(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int | None = None) -> str | None:
+    """What is wrong with a draft vocabulary's maps, or None: the values are checked, not only the shapes. Every
+    draft id must name a target id inside the target's vocabulary, no two the same (ascending, as every writer
+    orders them), and t2d must be exactly the set d2t names (its inverse), over the target's whole vocabulary."""
+    d2t, t2d = d2t.detach().cpu(), t2d.detach().cpu()
+    if d2t.dtype not in (torch.int64, torch.int32) or t2d.dtype != torch.bool or d2t.dim() != 1 or t2d.dim() != 1:
+        return f"d2t must be integers and t2d booleans, one dimension each (got {d2t.dtype}, {t2d.dtype})"
+    if target_vocab_size is not None and t2d.numel() != target_vocab_size:
+        return f"t2d covers {t2d.numel()} target ids, the target has {target_vocab_size}"
     target_ids = torch.arange(d2t.numel(), dtype=torch.long) + d2t.long()
-    ok = (
-        d2t.dtype == torch.int64
-        and t2d.dtype == torch.bool
-        and int(t2d.sum()) == d2t.numel()
-        and bool((target_ids[1:] > target_ids[:-1]).all())
-        and torch.equal(torch.nonzero(t2d).flatten(), target_ids)
-    )
-    if not ok:
-        raise damaged(path, "holds d2t and t2d that do not describe the same draft vocabulary")
+    if d2t.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= t2d.numel()):
+        return (f"d2t maps draft ids to target ids {int(target_ids.min())}..{int(target_ids.max())}, outside the "
+                f"target's vocabulary of {t2d.numel()}")
+    if not bool((target_ids[1:] > target_ids[:-1]).all()):
+        return "d2t maps two draft ids to the same target id (or out of order)"
+    if not torch.equal(torch.nonzero(t2d).flatten(), target_ids):
+        return "t2d is not the inverse of d2t: it marks other target ids than d2t names"
+    return None
+
+
+def _check_mapping(d2t: torch.Tensor, t2d: torch.Tensor, path: Path, target_vocab_size: int | None = None) -> None:
+    problem = mapping_problem(d2t, t2d, target_vocab_size)
+    if problem is not None:
+        raise damaged(path, f"holds d2t and t2d that do not describe one draft vocabulary: {problem}")
 
 
 def read_vocab_mapping(path: str | Path, target_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from torch import nn
 
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DraftConfig
+from drafttrain.data.vocab import mapping_problem
 from drafttrain.drafts.lora import has_lora, merged_state
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
@@ -275,6 +276,16 @@ class Drafter(nn.Module):
                                 f"({str(err).splitlines()[-1].strip()[:200]})") from None
         if missing or unexpected:
             raise damaged(path, f"does not match a {self.kind} draft: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def check_vocabulary(self, directory: str | Path) -> None:
+        """A draft vocabulary's maps (d2t, t2d buffers) must describe one vocabulary of the target's, whoever wrote
+        them: a map past the target's vocabulary, or a t2d that disagrees with d2t, trains and drafts wrong tokens."""
+        d2t, t2d = getattr(self, "d2t", None), getattr(self, "t2d", None)
+        if isinstance(d2t, torch.Tensor) and isinstance(t2d, torch.Tensor):
+            problem = mapping_problem(d2t, t2d, self.target.vocab_size)
+            if problem is not None:
+                raise damaged(Path(directory) / WEIGHTS_NAME, f"holds a draft vocabulary the target "
+                                                              f"{self.target.name!r} cannot use: {problem}")
 
     def check_finite(self, directory: str | Path) -> None:
         """Refuse weights that hold NaN or inf (a damaged file, or training that diverged)."""

@@ -97,7 +97,7 @@ class DraftModelDrafter(Drafter):
             student = cut_from_target(target, config.cut)
         else:
             named = load_target(config.student, dtype=str(target.model.dtype).removeprefix("torch."),
-                                device=str(target.device))
+                                device=str(target.device), role="draft model (draft.student)")
             if getattr(target, "tokenizer", None) is not None:
                 check_same_tokenizer(target, named)
             student = named.model

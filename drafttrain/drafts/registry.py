@@ -248,6 +248,7 @@ def load_drafter(path: str | Path, target, *, as_saved: bool = False) -> Drafter
     if not as_saved:
         _params_to(drafter, target.model.dtype)
     drafter.check_finite(directory)  # after the cast: an fp16 target would turn a large weight into inf
+    drafter.check_vocabulary(directory)
     _check_engine_config(drafter, config, directory)
     weights = directory / WEIGHTS_NAME
     sha = (checked.get(WEIGHTS_NAME) or {}).get("sha256") or (file_sha256(weights) if weights.is_file() else None)

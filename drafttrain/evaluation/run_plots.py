@@ -10,6 +10,7 @@ from typing import Any
 from drafttrain import DrafttrainError
 from drafttrain.runfolder import RunFolder
 from drafttrain.training.run_log import read_metrics
+from drafttrain.userfiles import make_folder
 
 
 def _numbered(records: list[dict[str, Any]], pattern: str) -> dict[int, list[tuple[int, float]]]:
@@ -79,8 +80,7 @@ def write_run_plots(run: RunFolder) -> list[Path]:
     train, evals = read_metrics(run)
     if not train:
         raise DrafttrainError(f"{run.metrics} holds no training records yet")
-    out = run.plots
-    out.mkdir(exist_ok=True)
+    out = make_folder(run.plots, "the plots folder")
     written = [out / "training.png"]
     plot_training(train, written[0])
     if evals:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from drafttrain import DrafttrainError
+from drafttrain.userfiles import read_text
 
 # copied byte for byte from public files; long_context is built by scripts/build_long_context_suite.py from
 # Python's own standard library and language reference (PSF licence): 24 prompts of 2k-8k tokens
@@ -105,10 +106,9 @@ def load_suite(name_or_path: str | Path) -> Suite:
 
 def _read_questions(path: Path, fallback_category: str) -> tuple[Question, ...]:
     questions = []
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if line.strip():
-                questions.append(_parse_question(line, f"{path}:{line_no}", fallback_category))
+    for line_no, line in enumerate(read_text(path, "question file").splitlines(), start=1):
+        if line.strip():
+            questions.append(_parse_question(line, f"{path}:{line_no}", fallback_category))
     if not questions:
         raise DrafttrainError(f"question file {path} holds no prompts (empty prompt set)")
     return tuple(questions)

@@ -17,6 +17,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
+from drafttrain.userfiles import make_folder, writing
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter, read_draft_config
 from drafttrain.evaluation.evaluate import EvalReport
@@ -82,10 +83,22 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
     staging = staging_for(out, overwrite)
     checkpoint = find_draft(source)
     drafter = load_drafter(checkpoint, target, as_saved=True)
-    if fmt not in drafter.formats:  # the kind's formats; an option that narrows them says why in exported()
-        raise DrafttrainError(f"a {drafter.kind} draft exports to {', '.join(drafter.formats)}, not {fmt}")
+    if fmt not in drafter.export_formats():
+        if fmt in drafter.formats:
+            drafter.exported(fmt)  # an option of this draft narrows its kind's formats: that says why
+        raise DrafttrainError(f"a {drafter.kind} draft exports to {', '.join(drafter.export_formats())}, not {fmt} "
+                              f"(--format {' or '.join(drafter.export_formats())})")
     measured = _measured(drafter, checkpoint, report)
-    staging.mkdir(parents=True)
+    make_folder(staging, "the export's staging folder")  # beside --out: a read-only place fails here
+    with writing(out, "the export"):
+        _write_export(drafter, fmt, staging, checkpoint, measured, verifier)
+        publish(staging, out)
+    return out
+
+
+def _write_export(drafter, fmt: str, staging: Path, checkpoint: Path, measured, verifier: str | None) -> None:
+    """Every file of the export into ``staging``: the draft in ``fmt``, its sub-folders, the measured report and
+    plots, the bench, the card and the manifest."""
     exported = drafter.exported(fmt)
     if verifier is not None and "speculators_config" in exported.config:
         exported.config["speculators_config"]["verifier"]["name_or_path"] = verifier
@@ -112,8 +125,6 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
     # the card is left out of the checksums: editing it is the usual step before publishing
     write_manifest(staging, {"checkpoint": str(checkpoint), "format": fmt, **drafter.identity(),
                              **{k: v for k, v in built_from.items() if k != "recipe"}}, skip=("README.md",))
-    publish(staging, out)
-    return out
 
 
 def staging_for(out: Path, overwrite: bool) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from drafttrain import DrafttrainError
+from drafttrain.userfiles import cause
 from drafttrain.evaluation.serving_report import PLAIN
 from drafttrain.serving.metrics import SpecCounters, by_label, counter_samples, total
 
@@ -142,7 +143,11 @@ def check_exists(engine: Engine, python: str) -> None:
 def check_python(engine: Engine, python: str) -> str:
     """The engine's version in ``python`` (which exists: ``check_exists``); refused, before anything starts, when
     that Python cannot run the engine's server and the load generator."""
-    done = subprocess.run([python, "-c", engine.requirement], capture_output=True, text=True)
+    try:
+        done = subprocess.run([python, "-c", engine.requirement], capture_output=True, text=True)
+    except OSError as err:  # a file that is no program (Exec format error), or not executable
+        raise DrafttrainError(f"--{engine.name}-python {python} cannot be run: {cause(err)}; give the Python "
+                              f"(bin/python) of an environment with {engine.name} installed") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise DrafttrainError(f"{python} cannot run {engine.name} and its load generator ({engine.requirement}): "

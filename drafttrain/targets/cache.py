@@ -27,6 +27,9 @@ from drafttrain import DrafttrainError
 from drafttrain.targets.masks import model_forward
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# positions a window or convolution layer keeps beyond what its next forward reads: a rollback that follows a trim
+# (a proposal timed again, the end of a generate call) still finds them
+RECORDED_MARGIN = 64
 _STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
                  "is_recurrent_states_initialized", "conv_kernel_size")
 
@@ -122,13 +125,21 @@ class TargetCache:
             layer.values[..., offset: offset + len(keep), :] = layer.values[..., idx, :]
 
     def _crop(self, dropped: int) -> None:
-        """Drop the last ``dropped`` positions from every layer (0: only trim what past-state recording kept)."""
+        """Drop the last ``dropped`` positions from every layer, then trim what past-state recording kept to what
+        the next forward reads plus ``RECORDED_MARGIN`` positions (transformers' own crop trims to exactly what the
+        next forward reads, so a second rollback before a forward, as at the end of a generate call, would lose one
+        position the window still needs)."""
         for layer in self.cache.layers:
-            if isinstance(layer, LinearAttentionCacheLayerMixin) and not any(layer.is_conv_states_initialized.values()):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                _crop_conv(layer, dropped)
+            if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", False):
                 continue
-            if not isinstance(layer, LinearAttentionCacheLayerMixin) and not getattr(layer, "is_initialized", False):
-                continue
-            layer.crop(-dropped)
+            if dropped:
+                layer.keys, layer.values = layer.keys[..., :-dropped, :], layer.values[..., :-dropped, :]
+            if hasattr(layer, "cumulative_length"):  # a sliding or chunked layer
+                layer.cumulative_length -= dropped
+                kept = layer.sliding_window - 1 + RECORDED_MARGIN
+                layer.keys, layer.values = layer.keys[..., -kept:, :], layer.values[..., -kept:, :]
 
     def _tree_masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, device) -> torch.Tensor | dict:
         """The ancestor mask in each attention layer type's own shape: one 4D mask, or a mask per layer type."""
@@ -175,6 +186,15 @@ class TargetCache:
             positions = torch.arange(base, length, device=device)[None]
             model_forward(self.model, self.cache, ids, positions, None, 1, None)
         self._crop(0)
+
+
+def _crop_conv(layer, dropped: int) -> None:
+    """A convolution's recorded inputs: the last ``dropped`` dropped, the rest trimmed to its reach plus the margin."""
+    for i, initialized in layer.is_conv_states_initialized.items():
+        if not initialized:
+            continue
+        states = layer.conv_states[i][..., :-dropped] if dropped else layer.conv_states[i]
+        layer.conv_states[i] = states[..., -(layer.conv_kernel_size[i] + RECORDED_MARGIN):]
 
 
 def _window_tree_mask(allowed: torch.Tensor, held_positions: torch.Tensor, query_positions: torch.Tensor,

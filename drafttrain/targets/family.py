@@ -1,8 +1,8 @@
 """What a draft layer mirrors of its target's config, read the way each family names it.
 
 A draft layer (EAGLE's, DFlash's) is a dense Llama-style layer shaped like the target's attention: its heads, head
-size, RoPE, norm epsilon and activation. Families name and nest these differently: Gemma's activation is
-``hidden_activation`` and its RoPE is given per layer type (local and global); LFM2's epsilon is ``norm_eps``;
+size, RoPE and norm epsilon (its activation is SiLU, the one engines serve). Families name and nest these
+differently: Gemma's RoPE is given per layer type (local and global); LFM2's epsilon is ``norm_eps``;
 MLA's ``head_dim`` is only the rotary part of a head (DeepSeek-V3, Kimi-K2), so the draft takes the Llama split
 of the hidden size instead."""
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 EPSILON_NAMES = ("rms_norm_eps", "norm_eps", "layer_norm_eps")
-ACTIVATION_NAMES = ("hidden_act", "hidden_activation")
 
 
 def text_config(config):
@@ -35,7 +34,9 @@ def draft_layer_fields(config) -> dict[str, Any]:
         rms_norm_eps=next((getattr(text, n) for n in EPSILON_NAMES if getattr(text, n, None)), 1e-6),
         max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
         vocab_size=text.vocab_size,
-        hidden_act=next((getattr(text, n) for n in ACTIVATION_NAMES if getattr(text, n, None)), "silu"),
+        # the draft layer's own activation, not the target's: engines' EAGLE layers compute SiLU only (vLLM's
+        # LlamaMLP refuses Gemma's gelu_pytorch_tanh)
+        hidden_act="silu",
     )
     head_dim = getattr(text, "head_dim", None)
     if head_dim and not is_mla(text):

@@ -12,6 +12,7 @@ A target spec is one of:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -23,11 +24,13 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
+from safetensors import SafetensorError
 from huggingface_hub import ModelCard
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from drafttrain import DrafttrainError
+from drafttrain.userfiles import cause
 from drafttrain.packages import require
 from drafttrain.config import TargetConfig
 from drafttrain.data.tokenize import tokenizer_fingerprint
@@ -48,6 +51,8 @@ class BuiltinTarget:
     # the GGUF ships in chunk packages: the package's own assemble() joins them and checks their sha256, once, into
     # drafttrain's cache
     chunked: bool = False
+    # the chat format a GGUF without a chat template is given (a file in drafttrain/targets/templates/)
+    chat_template: str | None = None
 
 
 BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
@@ -67,6 +72,7 @@ BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
         hub_id="google/gemma-3-270m",
         license="gemma",
         chunked=True,
+        chat_template="gemma3.jinja",  # the base model's GGUF carries none: Gemma 3's turn format
     ),
 }
 
@@ -201,15 +207,20 @@ def builtin_gguf_path(name: str) -> Path:
     return path
 
 
-def _gguf_cache_dir(gguf: Path) -> Path:
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def _gguf_cache_dir(gguf: Path, chat_template: str | None = None) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}" + (f"|{chat_template}" if chat_template else "")
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return cache_root() / "targets" / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF once into a safetensors folder (weights, config, tokenizer, chat template)."""
-    out = _gguf_cache_dir(gguf)
+def convert_gguf(gguf: Path, chat_template: str | None = None) -> Path:
+    """Dequantise a GGUF once into a safetensors folder (weights, config, tokenizer, chat template). A GGUF
+    without a chat template gets ``chat_template`` (Jinja text), when given."""
+    out = _gguf_cache_dir(gguf, chat_template)
     if _converted(out):  # no lock once converted: a read-only shared cache keeps working
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,7 +228,7 @@ def convert_gguf(gguf: Path) -> Path:
     # instead of each writing the same temporary folder under the others.
     with FileLock(str(out) + ".lock"):
         if not _converted(out):
-            _convert_into(gguf, out)
+            _convert_into(gguf, out, chat_template)
     return out
 
 
@@ -225,10 +236,12 @@ def _converted(out: Path) -> bool:
     return (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
 
 
-def _convert_into(gguf: Path, out: Path) -> None:
+def _convert_into(gguf: Path, out: Path, chat_template: str | None = None) -> None:
     log.info("converting %s to safetensors under %s (once)", gguf.name, out)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if not tokenizer.chat_template and chat_template:
+        tokenizer.chat_template = chat_template
     # A GGUF-loaded model is flagged as quantised and save_pretrained refuses it; the weights are already
     # dequantised to fp32, so drop the flag.
     model.hf_quantizer = None
@@ -249,7 +262,8 @@ def resolve_model_dir(spec: str) -> str:
                               "an engine needs the merged model: merge it (peft's merge_and_unload, then "
                               "save_pretrained) and give that folder")
     if spec in BUILTIN_TARGETS:
-        return str(convert_gguf(builtin_gguf_path(spec)))
+        template = BUILTIN_TARGETS[spec].chat_template
+        return str(convert_gguf(builtin_gguf_path(spec), (TEMPLATES / template).read_text() if template else None))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -257,7 +271,7 @@ def resolve_model_dir(spec: str) -> str:
         return str(convert_gguf(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise DrafttrainError(_missing_model_message(spec, FileNotFoundError(f"no config.json in {path}")))
+            raise DrafttrainError(missing_model_message(spec, FileNotFoundError(f"no config.json in {path}")))
         return str(path)
     if path.exists() or spec.startswith((".", "/", "~")):
         raise DrafttrainError(f"target {spec!r} is neither a model folder nor a .gguf file")
@@ -289,6 +303,13 @@ def target_config(spec: str, **settings) -> TargetConfig:
     model, plus, adapter = spec.rpartition("+")
     if plus and model and (Path(adapter).expanduser() / "adapter_config.json").is_file():
         return TargetConfig(model=model, adapter=adapter, **settings)
+    if plus and model and (adapter.startswith((".", "/", "~")) or Path(adapter).expanduser().exists()):
+        folder = Path(adapter).expanduser()
+        why = "is not a folder" if not folder.is_dir() else "has no adapter_config.json (not a peft adapter)"
+        if not folder.exists():
+            why = "does not exist"
+        raise DrafttrainError(f"target {spec!r}: the adapter folder {folder} {why}; a fine-tune is given as "
+                              "MODEL+ADAPTER_FOLDER, the folder peft's save_pretrained wrote")
     return TargetConfig(model=spec, **settings)
 
 
@@ -300,15 +321,40 @@ def load_tokenizer(cfg: TargetConfig | str):
             where, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
         )
     except OSError as err:
-        raise DrafttrainError(_missing_model_message(cfg.model, err)) from None
+        raise DrafttrainError(missing_model_message(cfg.model, err)) from None
     _apply_chat_template_override(tokenizer, cfg.chat_template)
     return tokenizer
+
+
+# config.json files standing in for models that cannot be loaded here: see ``models_from_configs``
+_STAND_INS: dict[str, Path] = {}
+
+
+@contextlib.contextmanager
+def models_from_configs(configs: dict[str, str | Path]):
+    """Inside the block, ``load_target(name)`` for a name in ``configs`` builds that model on the meta device from
+    the given config.json (shapes, no weights, no tokenizer): what a plan needs of a model the machine lacks."""
+    _STAND_INS.update({name: Path(path) for name, path in configs.items()})
+    try:
+        yield
+    finally:
+        for name in configs:
+            _STAND_INS.pop(name, None)
+
+
+def _stand_in(cfg: TargetConfig) -> Target:
+    config = AutoConfig.from_pretrained(str(_STAND_INS[cfg.model]))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[cfg.dtype] if cfg.dtype != "auto" else None)
+    return Target(cfg.model, model.eval().requires_grad_(False), tokenizer=None)
 
 
 def load_target(cfg: TargetConfig | str, *, role: str = "target", **overrides) -> Target:
     """Load a frozen target (eval mode, no gradients) and its tokenizer. ``role``: what the model is to the user
     ("target", "draft model"), for the error when it cannot be loaded."""
     cfg = target_config(cfg, **overrides) if isinstance(cfg, str) else cfg.model_copy(update=overrides)
+    if cfg.model in _STAND_INS:
+        return _stand_in(cfg)
     where = resolve_model_dir(cfg.model)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -322,7 +368,7 @@ def load_target(cfg: TargetConfig | str, *, role: str = "target", **overrides) -
             device_map="auto" if cfg.device == "auto" else None,
         )
     except OSError as err:
-        raise DrafttrainError(_missing_model_message(cfg.model, err, role)) from None
+        raise DrafttrainError(missing_model_message(cfg.model, err, role)) from None
     if _partitioned_at_load():
         log.info("target %s loaded partitioned over the processes (ZeRO-3)", cfg.model)
     elif cfg.device != "auto":
@@ -348,6 +394,11 @@ def merged_adapter(model, folder: str) -> tuple[torch.nn.Module, Path]:
     PeftModel = require("peft", "target.adapter").PeftModel
     try:
         return PeftModel.from_pretrained(model, str(path)).merge_and_unload(), path.resolve()
+    except SafetensorError as err:  # a truncated or damaged adapter_model.safetensors
+        raise DrafttrainError(f"target.adapter {folder}: its weights cannot be read ({str(err).splitlines()[0][:200]}):"
+                              " copy the adapter folder again") from None
+    except OSError as err:
+        raise DrafttrainError(f"target.adapter {folder}: its files cannot be read ({cause(err)})") from None
     except (ValueError, RuntimeError, KeyError) as err:  # modules or shapes of another base model
         raise DrafttrainError(f"target.adapter {folder} does not fit the target's model "
                               f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
@@ -384,7 +435,7 @@ def check_same_tokenizer(target, draft) -> None:
         )
 
 
-def _missing_model_message(spec: str, err: Exception, role: str = "target") -> str:
+def missing_model_message(spec: str, err: Exception, role: str = "target") -> str:
     return (
         f"could not load {role} {spec!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}). "
         "Without the Hub, download it elsewhere (huggingface-cli download ORG/NAME --local-dir DIR), copy DIR here "

@@ -56,7 +56,7 @@ from drafttrain.drafts.registry import resolved_section, saved_draft_vocab_size
 from drafttrain.runfolder import RunFolder, open_dataset
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
-from drafttrain.targets.outputs import LOGITS_CHUNK, TargetOutputs
+from drafttrain.targets.outputs import LOGITS_CHUNK, TargetNeeds, TargetOutputs
 from drafttrain.training.features import cache_dtype, keeps_argmax
 from drafttrain.training.runtime import configured_zero_stage, read_deepspeed_config
 
@@ -229,6 +229,36 @@ def target_config(recipe: Recipe, config_path: str | None = None):
     except (OSError, ValueError) as err:
         raise DrafttrainError(f"cannot read the target's config from {source!r} ({str(err).splitlines()[0]}): "
                               "give --target-config CONFIG.json") from None
+
+
+FAMILY_WORDS = ("llama", "qwen", "mistral", "mixtral", "gemma", "phi", "deepseek", "olmo", "glm", "falcon", "cohere",
+                "exaone", "smollm", "granite", "gpt_oss", "lfm")
+
+
+def _family_word(name: str) -> str | None:
+    name = name.lower().replace("-", "_")
+    return next((word for word in FAMILY_WORDS if word in name), None)
+
+
+def check_config_is_the_target(recipe: Recipe, config, config_path: str) -> None:
+    """``--target-config`` must describe the recipe's target: its own config when it can be read here (the sizes
+    must agree), else a model of the family the target's name says."""
+    name, model_type = recipe.target.model, getattr(config, "model_type", "?")
+    try:
+        own = target_config(recipe)
+    except DrafttrainError:
+        own = None
+    if own is not None:
+        sizes = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+        theirs, ours = ([getattr(c.get_text_config(), k, None) for k in sizes] for c in (config, own))
+        if theirs != ours:
+            raise DrafttrainError(f"--target-config {config_path} is not the recipe's target {name}: "
+                                  f"{dict(zip(sizes, theirs))} against {dict(zip(sizes, ours))}")
+        return
+    named, given = _family_word(name), _family_word(model_type)
+    if named is not None and given is not None and named != given:
+        raise DrafttrainError(f"--target-config {config_path} describes a {model_type} model, but the recipe's target "
+                              f"{name} is a {named} model: give that model's config.json")
 
 
 def meta_target(recipe: Recipe, config):
@@ -439,17 +469,22 @@ def cache_bytes_per_token(recipe: Recipe, target, needs) -> int:
 def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", config_path: str | None = None,
          regen_throughput: float | None = None) -> Plan:
     """The plan for ``recipe`` on ``cluster`` (default: this machine as launched)."""
-    if recipe.draft is None:
-        raise DrafttrainError("the recipe has no draft section: nothing to plan")
+    if recipe.draft is None and stage != "prepare":  # a prepare-only recipe plans its prepare
+        raise DrafttrainError("the recipe has no draft section: nothing to train, so nothing to plan for train "
+                              "(--stage prepare plans its data stage)")
     runtime = _runtime_bytes(recipe)  # first, before anything else is loaded
     cluster = cluster or this_machine(recipe)
-    target = meta_target(recipe, target_config(recipe, config_path))
+    config = target_config(recipe, config_path)
+    if config_path:
+        check_config_is_the_target(recipe, config, config_path)
+    target = meta_target(recipe, config)
     zero = configured_zero_stage(recipe.training)
     bf16 = recipe.training.mixed_precision == "bf16"
     target_bytes = sum(_nbytes(p) for p in target.model.parameters())
 
-    needs = drafter_class(recipe.draft.kind).target_needs(resolved_section(recipe.draft), target)
-    offline = recipe.training.hidden_states == "offline"
+    needs = drafter_class(recipe.draft.kind).target_needs(resolved_section(recipe.draft), target) \
+        if recipe.draft is not None else TargetNeeds()
+    offline = recipe.training.hidden_states == "offline" and recipe.draft is not None
     memory = {"runtime": runtime}
     if stage == "prepare":
         memory["target weights"] = target_bytes
@@ -461,7 +496,13 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
             memory["packed weight copies (regen)"] = packed_weight_bytes(target.model)
         where = f"1 process on {'GPU' if _on_gpu(recipe) else 'CPU'}"
     else:
-        footprint = draft_footprint(recipe, target)
+        try:
+            footprint = draft_footprint(recipe, target)
+        except DrafttrainError as err:
+            if "could not load draft model" not in str(err):
+                raise
+            raise DrafttrainError(f"{err} `drafttrain plan` takes a model this machine lacks by its config: "
+                                  "--model-config NAME=CONFIG.json") from None
         sharded = zero == 3 and not offline
         memory["target weights" + (" (ZeRO-3 shard)" if sharded else "")] = \
             target_bytes // cluster.world if sharded else target_bytes

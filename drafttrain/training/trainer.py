@@ -22,6 +22,7 @@ from accelerate.utils import gather_object, set_seed
 from torch import nn
 
 from drafttrain import DrafttrainError
+from drafttrain.userfiles import writing
 from drafttrain.config import Recipe
 from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged, step_dir_name, write_manifest
@@ -398,13 +399,17 @@ class Trainer:
             self.checkpoints.begin(state.step)
         acc.wait_for_everyone()
         tmp = self.checkpoints.tmp_dir(state.step)
-        acc.save_state(str(tmp / ACCELERATE_DIR))  # every rank: RNG states, and ZeRO shards under DeepSpeed
-        acc.wait_for_everyone()
-        with gathered(self.module.parameters(), self.zero3):  # ZeRO-3: the whole draft, whatever the world size
-            if acc.is_main_process:
-                acc.unwrap_model(self.module).drafter.save_pretrained(tmp)
-                (tmp / STATE_FILE).write_text(state.to_json())
-                write_manifest(tmp, self.built_from)  # last: checksums of every file, and what they were built from
+        latest = self.checkpoints.latest()
+        intact = (f"; the last complete checkpoint, {latest}, is intact: make room and continue with --resume"
+                  if latest else "; no checkpoint was complete yet")
+        with writing(tmp, "the checkpoint", after=intact):  # a full disk: one line, not torch's "unexpected pos"
+            acc.save_state(str(tmp / ACCELERATE_DIR))  # every rank: RNG states, and ZeRO shards under DeepSpeed
+            acc.wait_for_everyone()
+            with gathered(self.module.parameters(), self.zero3):  # ZeRO-3: the whole draft, whatever the world size
+                if acc.is_main_process:
+                    acc.unwrap_model(self.module).drafter.save_pretrained(tmp)
+                    (tmp / STATE_FILE).write_text(state.to_json())
+                    write_manifest(tmp, self.built_from)  # last: checksums of every file, what they were built from
         acc.wait_for_everyone()
         if acc.is_main_process:
             final = self.checkpoints.commit(state.step)

@@ -455,15 +455,18 @@ class TrainingConfig(Section):
     gradient_accumulation: int = Field(1, gt=0)  # micro-batches per optimizer step
     # micro-batches of rows of similar length, in a seeded order that still changes every epoch (HF Trainer's
     # group_by_length): less padding to compute when rows differ in length and a micro-batch holds several. On by
-    # default since the EAGLE-3 parity runs (BENCHMARKS.md, issue 27): random pairs of rows padded 24% of the
-    # compute, and grouping took tokens/s from 296 to 393 and the head past speculators' on both seeds. No effect
+    # default since the EAGLE-3 parity runs (docs/studies/eagle3_vs_references.md): random pairs of rows padded 24%
+    # of the compute, and grouping took tokens/s from 296 to 393 and the head past speculators' on both seeds. No effect
     # at batch_size 1 (nothing to pad); false gives the uniformly random order of earlier runs
     group_by_length: bool = True
     # How an optimizer step's micro-batches weigh: "micro_batch" (each micro-batch's token mean counts alike, the
     # accumulation averaging them) or "token" (every trained token of the step alike, across micro-batches and
     # ranks: HF Trainer's num_items_in_batch, what TRL's GKD trainer does). Differs when micro-batches hold unequal
-    # numbers of trained tokens; measured against each other in BENCHMARKS.md (issue 27)
+    # numbers of trained tokens; measured against each other in docs/studies/eagle3_vs_references.md
     loss_reduction: Literal["micro_batch", "token"] = "micro_batch"
+    # The loss mask moved this many positions later before the kind's loss: 0 trains a prediction when the token
+    # predicted is an answer token (drafttrain's alignment); 1 when the token fed in is (speculators' alignment)
+    loss_mask_shift: int = Field(0, ge=0, le=1)
     learning_rate: float = Field(1e-4, gt=0)  # AdamW's peak learning rate
     weight_decay: float = Field(0.0, ge=0)  # AdamW's weight decay
     warmup_steps: int = Field(0, ge=0)  # linear warm-up from 0

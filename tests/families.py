@@ -93,3 +93,17 @@ def family_model(family: str, seed: int = 0, **changes) -> torch.nn.Module:
             if param.dim() >= 2:
                 param.normal_(0, param.shape[-1] ** -0.5)
     return model
+
+
+def noised(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """A copy with Gaussian noise (``scale`` of each matrix's std) on its decoder matrices: a draft that accepts
+    some of the model's tokens and refuses others."""
+    import copy
+
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in out.named_parameters():
+            if param.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                param.add_(torch.randn(param.shape, generator=g) * scale * param.std())
+    return out

@@ -1,7 +1,7 @@
 """The package's layers: data -> targets -> drafts -> training -> decoding -> evaluation -> export -> commands,
 on a foundation of shared rules (config, runfolder, sampling, cpu_linear). A module may import its own layer and
 the layers below it, never one above, and no imports may go in a circle. Every import counts: module level,
-inside functions, and module names given to importlib as strings. The checks are scripts/check_structure.py's
+inside functions, and module names given to importlib as strings. The checks are scripts/tools/check_structure.py's
 (a developer runs the same scan by hand)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from drafttrain.config import DRAFT_SECTIONS, DraftConfig
 from drafttrain.drafts.registry import KINDS
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_structure.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tools" / "check_structure.py"
 _spec = importlib.util.spec_from_file_location("check_structure", SCRIPT)
 structure = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(structure)

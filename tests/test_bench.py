@@ -224,9 +224,9 @@ def test_a_missing_engine_is_named_before_anything_starts(tmp_path, capsys):
 
 
 def test_check_serving_names_a_missing_vllm_python_before_it_decodes(tmp_path, monkeypatch):
-    """scripts/check_serving.py decodes every prompt with our evaluator before vLLM runs: a wrong --vllm-python is
+    """scripts/tools/check_serving.py decodes every prompt with our evaluator before vLLM runs: a wrong --vllm-python is
     refused first, not minutes later."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "check_serving.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tools" / "check_serving.py"
     spec = importlib.util.spec_from_file_location("check_serving", script)
     check_serving = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "check_serving", check_serving)  # its dataclasses look their module up

@@ -1,7 +1,7 @@
 """``drafttrain export``: each kind in each engine's format, read the way that engine reads it, and loaded back.
 
 The engines' reading rules the tests encode (checked against their sources, and for vLLM and speculators by
-scripts/check_serving.py serving the exports): vLLM's aux layer id i is the input of layer i (drafttrain's
+scripts/tools/check_serving.py serving the exports): vLLM's aux layer id i is the input of layer i (drafttrain's
 numbering), SGLang adds 1 to explicit ids, both default to (2, L/2, L-3); vLLM's EAGLE-1 fc has no bias and
 ``bias: true`` means attention biases; SGLang's EAGLE-1 fc always has one; vLLM's Medusa reads ``token_map``.
 """
@@ -472,7 +472,7 @@ def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_pa
             if param.requires_grad:
                 param.add_(torch.randn_like(param) * 0.02)
     checkpoint = drafter.save_pretrained(tmp_path / "checkpoint")
-    script = Path(__file__).resolve().parents[1] / "scripts" / "check_speculators_load.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tools" / "check_speculators_load.py"
     done = subprocess.run([sys.executable, str(script), str(checkpoint), "--speculators-python", SPECULATORS_PYTHON,
                            "--num-prompts", "1", "--max-new-tokens", "24", "--out", str(tmp_path / "check")],
                           capture_output=True, text=True)

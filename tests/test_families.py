@@ -8,12 +8,11 @@ noised draft both accepts and refuses tokens, so every rollback kind is exercise
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
-from families import CACHE_KIND, FAMILIES, MOE_FAMILIES, WINDOW, family_config, family_model
+from families import CACHE_KIND, FAMILIES, MOE_FAMILIES, WINDOW, family_config, family_model, noised
 
 from drafttrain import DrafttrainError
 from drafttrain.config import parse_recipe
@@ -45,17 +44,6 @@ def prompt(tokenizer) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert len(ids) > 3 * WINDOW  # the prompt alone passes every window and chunk
     return ids
-
-
-def noised(model: torch.nn.Module, scale: float) -> torch.nn.Module:
-    """A copy with Gaussian noise on its decoder matrices."""
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in out.named_parameters():
-            if param.dim() == 2 and "embed" not in name and "lm_head" not in name:
-                param.add_(torch.randn(param.shape, generator=g) * scale * param.std())
-    return out
 
 
 def mixed_draft(target: Target, prompt: list[int]) -> Target:

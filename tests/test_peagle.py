@@ -163,7 +163,7 @@ def test_the_speculators_export_carries_the_mask_state_and_row_and_loads_back(tm
     target = tiny_target()
     drafter = tiny_peagle(target).eval()
     checkpoint = drafter.save_pretrained(tmp_path / "checkpoint")
-    assert drafter.export_formats() == ("speculators",)  # what scripts/check_serving.py exports by default
+    assert drafter.export_formats() == ("speculators",)  # what scripts/tools/check_serving.py exports by default
     with pytest.raises(DrafttrainError, match="speculators"):
         export_draft(checkpoint, "vllm", tmp_path / "vllm", target)
     export = export_draft(checkpoint, "speculators", tmp_path / "export", target)

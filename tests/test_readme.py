@@ -36,8 +36,10 @@ def test_the_fresh_environment_runs_the_readme_first_command_verbatim():
     assert not any("[dev]" in line or "--system-site-packages" in line for line in lines)
 
 
-def test_every_recipe_snippet_in_the_readme_is_a_valid_recipe():
-    snippets = re.findall(r"```yaml\n(.+?)\n```", (REPO / "README.md").read_text(), re.S)
+def test_every_recipe_snippet_in_the_readme_and_the_guide_is_a_valid_recipe():
+    documents = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    snippets = [(doc, snippet) for doc in documents
+                for snippet in re.findall(r"```yaml\n(.+?)\n```", doc.read_text(), re.S)]
     assert snippets
-    for snippet in snippets:
-        parse_recipe(yaml.safe_load(snippet), "README.md")
+    for doc, snippet in snippets:
+        parse_recipe(yaml.safe_load(snippet), str(doc.relative_to(REPO)))

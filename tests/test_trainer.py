@@ -15,7 +15,7 @@ from trainer_helpers import (  # noqa: F401  (fresh_accelerate: an autouse fixtu
 )
 
 from drafttrain import DrafttrainError
-from drafttrain.config import WandbConfig
+from drafttrain.config import WandbConfig, parse_recipe
 from drafttrain.training.loader import BatchLayout, ResumableBatchSampler, epoch_permutation, pad_collate
 from drafttrain.training.run_log import resolve_wandb_mode, simulated_tau
 
@@ -383,3 +383,32 @@ def test_every_long_stage_writes_progress_records_where_there_is_no_terminal(cap
     lines = [r.getMessage() for r in caplog.records if r.name == "drafttrain.progress"]
     assert lines and lines[-1].startswith("regenerate: 5/5 conv (100%)") and "eta=" in lines[-1]
     assert all("\r" not in line for line in lines)
+
+
+def test_the_loss_mask_one_position_later_is_a_recipe_setting():
+    """training.loss_mask_shift 1 trains a prediction when the token fed in is an answer token (speculators'
+    alignment) instead of the token predicted: the kind's loss sees the mask moved one position later, kept inside
+    each row, and nothing else changes."""
+    from trainer_helpers import tiny_target
+
+    from drafttrain.drafts import build_drafter
+    from drafttrain.targets import run_target
+    from drafttrain.training.trainer import TrainStep, online_outputs
+
+    target = tiny_target()
+    torch.manual_seed(0)
+    drafter = build_drafter(parse_recipe({"draft": {"kind": "eagle3", "ttt_steps": 2}}).draft, target).eval()
+    ids = torch.randint(0, target.vocab_size, (2, 12))
+    mask = torch.zeros(2, 12)
+    mask[0, 4:9], mask[1, 6:] = 1, 1
+    attention = torch.ones(2, 12, dtype=torch.long)
+    attention[1, 11] = 0
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
+    later = torch.zeros(2, 12)
+    later[0, 5:10], later[1, 7:11] = 1, 1  # one position later; the padded last position stays out
+    with torch.no_grad():
+        shifted = TrainStep(drafter, target, online_outputs(target, drafter), mask_shift=1)(batch).loss
+        expected = drafter.training_step({**batch, "loss_mask": later}, run_target(target, batch, drafter.needs())).loss
+        unshifted = TrainStep(drafter, target, online_outputs(target, drafter))(batch).loss
+    assert torch.equal(shifted, expected) and not torch.equal(shifted, unshifted)
+    assert parse_recipe({"training": {"loss_mask_shift": 1}}).training.loss_mask_shift == 1

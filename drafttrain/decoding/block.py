@@ -6,7 +6,7 @@ over). A cycle feeds [anchor, MASK x (w - 1)] at the positions after the context
 token, attending to the whole context and to the block; the block's own keys are not kept. A cycle therefore costs
 one forward of w tokens over the cached context. For a chain, w is just the slots the draft depth needs (depth + 1,
 or depth in DSpark's mode), as vLLM drafts a block of num_speculative_tokens + 1: a bidirectional block shorter than
-the trained one is then seen by its slots as it is served (scripts/serving/replay_block_drafts.py checks vLLM's
+the trained one is then seen by its slots as it is served (scripts/tools/serving/replay_block_drafts.py checks vLLM's
 drafts cycle by cycle), and only at depth block - 1 does each slot see what it saw in training. A static tree drafts
 the whole block, as the rank accuracies its shape is built from were measured.
 

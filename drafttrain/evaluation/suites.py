@@ -23,7 +23,7 @@ from typing import Literal
 from drafttrain import DrafttrainError
 from drafttrain.userfiles import read_text
 
-# copied byte for byte from public files; long_context is built by scripts/build_long_context_suite.py from
+# copied byte for byte from public files; long_context is built by scripts/tools/build_long_context_suite.py from
 # Python's own standard library and language reference (PSF licence): 24 prompts of 2k-8k tokens
 COPIED_SUITES: tuple[str, ...] = ("mt_bench", "humaneval", "gsm8k", "alpaca")
 BUILTIN_SUITES: tuple[str, ...] = (*COPIED_SUITES, "long_context")

@@ -61,9 +61,9 @@ class TrainResult:
 
 class TrainStep(nn.Module):
     """What accelerate wraps, so DDP and ZeRO hooks see one forward: the target outputs, then the kind's loss."""
-    def __init__(self, drafter: nn.Module, target, outputs_fn: OutputsFn):
+    def __init__(self, drafter: nn.Module, target, outputs_fn: OutputsFn, mask_shift: int = 0):
         super().__init__()
-        self.drafter = drafter
+        self.drafter, self.mask_shift = drafter, mask_shift
         self.__dict__["outputs_fn"] = outputs_fn  # not a submodule
         # The modules that own the target parameters the kind trains (LoRA adapters) are registered here, so the
         # engine tracks, shards and saves them; the frozen rest of the target is not (checkpoints hold no copy).
@@ -72,6 +72,10 @@ class TrainStep(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]):
         own = self.drafter.own_step_inputs(batch)  # asked first: the target then runs once, on the rows that train
         batch, outputs = own if own is not None else (batch, self.outputs_fn(batch))
+        if self.mask_shift:  # training.loss_mask_shift: the mask of the token fed in, kept inside each row
+            mask = batch["loss_mask"]
+            later = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1) * batch["attention_mask"]
+            batch = {**batch, "loss_mask": later}
         return self.drafter.training_step(batch, outputs)
 
 
@@ -146,7 +150,7 @@ class Trainer:
         # the schedule reads the training clock of whatever state is current (a resumed run's, once restored)
         scheduler = build_scheduler(optimizer, self.training, steps, clock=lambda: self.state.train_seconds)
         self.recipe_hyperparameters = list(scheduler.base_lrs), [g["weight_decay"] for g in optimizer.param_groups]
-        step_module = TrainStep(self.drafter, self.target, self.outputs_fn)
+        step_module = TrainStep(self.drafter, self.target, self.outputs_fn, self.training.loss_mask_shift)
         self.module, self.optimizer, self.scheduler = acc.prepare(step_module, optimizer, scheduler)
         if resume_from is not None:
             self.state = state = self._restore(resume_from, state)

@@ -10,7 +10,6 @@ the engine times each cycle, its verification and, within it, the cache's rollba
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -21,7 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 
-from families import ONE_PER_CACHE_KIND, family_model  # noqa: E402
+from families import ONE_PER_CACHE_KIND, family_model, noised  # noqa: E402
 
 from drafttrain.decoding import SpeculativeDecoder, build_proposer  # noqa: E402
 from drafttrain.targets import Target, load_tokenizer  # noqa: E402
@@ -30,16 +29,6 @@ LARGER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_a
               num_key_value_heads=2, head_dim=64)
 LAYER_TYPES = {"sliding": ["sliding_attention"] * 3 + ["full_attention"], "recurrent":
                ["linear_attention"] * 3 + ["full_attention"], "conv": ["conv", "full_attention", "conv", "full_attention"]}
-
-
-def noised(model, scale: float = 0.05):
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in out.named_parameters():
-            if param.dim() == 2 and "embed" not in name and "lm_head" not in name:
-                param.add_(torch.randn(param.shape, generator=g) * scale * param.std())
-    return out
 
 
 def main() -> int:
@@ -63,7 +52,7 @@ def main() -> int:
         if kind == "recurrent":
             changes.update(linear_key_head_dim=32, linear_value_head_dim=32)
         target = Target(family, family_model(family, **changes), tokenizer)
-        draft = Target(family + "-noised", noised(target.model), tokenizer)
+        draft = Target(family + "-noised", noised(target.model, 0.05), tokenizer)
         decoder = SpeculativeDecoder(target, build_proposer("draft_model", target, draft=draft), depth=3)
         cycles, verify, rollback, accepted = [], [], [], []
         for _ in range(args.repeats):

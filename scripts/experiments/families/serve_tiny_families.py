@@ -3,11 +3,11 @@
 For each family (tests/families.py, with heads of 64 dimensions, which vLLM's CPU attention supports), a target
 folder is written with SmolLM2's tokenizer, an EAGLE-3 head is fitted to the target's own greedy answers on the
 first MT-Bench prompts (a head that memorised them: acceptance high enough that both sides count something), saved
-as a drafttrain checkpoint, and scripts/check_serving.py serves it in vLLM and compares vLLM's counters with our
+as a drafttrain checkpoint, and scripts/tools/check_serving.py serves it in vLLM and compares vLLM's counters with our
 evaluator's on the same prompts.
 
     python scripts/experiments/families/serve_tiny_families.py OUT [--families qwen3_moe gemma3 gpt_oss]
-        [--vllm-python /work/venvs/vllm/bin/python]
+        [--kind eagle3|dflash] [--vllm-python /work/venvs/vllm/bin/python]
 """
 
 from __future__ import annotations
@@ -43,11 +43,27 @@ def target_folder(family: str, out: Path) -> Path:
         layer_types = FAMILIES[family][1].get("layer_types")
         extra = {"layer_types": layer_types * 2} if layer_types else {}
         family_model(family, **VLLM_SHAPES, **extra).save_pretrained(folder)
+        if family == "deepseek_v3":
+            add_router_bias(folder)
         load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
     return folder
 
 
-def memorising_head(target, prompts: int, new_tokens: int, steps: int):
+def add_router_bias(folder: Path) -> None:
+    """vLLM's DeepSeek-V3 loads each MoE layer's router bias (``e_score_correction_bias``), which transformers'
+    class keeps out of a fresh model's weights: zeros, what a fresh router starts from."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    for layer in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+        tensors.setdefault(f"model.layers.{layer}.mlp.gate.e_score_correction_bias",
+                           torch.zeros(config["n_routed_experts"]))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def memorising_head(target, prompts: int, new_tokens: int, steps: int, kind: str = "eagle3"):
     """An EAGLE-3 head trained on the target's own greedy answers to the first ``prompts`` MT-Bench prompts."""
     stops = set(stop_token_ids(target.tokenizer, target.model.generation_config))
     rows = []
@@ -59,7 +75,8 @@ def memorising_head(target, prompts: int, new_tokens: int, steps: int):
         mask[:, len(ids):] = 1
         rows.append({"input_ids": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)})
     torch.manual_seed(0)
-    drafter = build_drafter(parse_recipe({"draft": {"kind": "eagle3", "ttt_steps": 3}}).draft, target).train()
+    section = {"kind": "eagle3", "ttt_steps": 3} if kind == "eagle3" else {"kind": kind}
+    drafter = build_drafter(parse_recipe({"draft": section}).draft, target).train()
     outputs = [run_target(target, row, drafter.needs()) for row in rows]
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     for step in range(steps):
@@ -78,22 +95,24 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--kind", default="eagle3", choices=("eagle3", "dflash"))
     args = parser.parse_args()
     out = Path(args.out).resolve()
     summary = {}
     for family in args.families:
         target = load_target(str(target_folder(family, out)))
-        drafter, loss = memorising_head(target, args.prompts, args.max_new_tokens, args.steps)
-        checkpoint = drafter.save_pretrained(out / f"{family}-head")
-        check = out / f"{family}-check"
-        done = subprocess.run([sys.executable, str(REPO / "scripts" / "check_serving.py"), str(checkpoint),
+        drafter, loss = memorising_head(target, args.prompts, args.max_new_tokens, args.steps, args.kind)
+        checkpoint = drafter.save_pretrained(out / f"{family}-{args.kind}-head")
+        check = out / f"{family}-{args.kind}-check"
+        done = subprocess.run([sys.executable, str(REPO / "scripts" / "tools" / "check_serving.py"), str(checkpoint),
                                "--num-prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
                                "--depth", "3", "--vllm-python", args.vllm_python, "--out", str(check)],
                               capture_output=True, text=True)
         print(f"== {family} (final training loss {loss:.3f})\n{done.stdout[-2500:]}{done.stderr[-1500:]}", flush=True)
         result = check / "serving_check.json"
-        summary[family] = json.loads(result.read_text()) if result.is_file() else {"error": done.stderr[-1500:]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary[f"{family}-{args.kind}"] = json.loads(result.read_text()) if result.is_file() \
+            else {"error": done.stderr[-1500:]}
+    (out / f"summary-{args.kind}.json").write_text(json.dumps(summary, indent=1))
     return 0
 
 

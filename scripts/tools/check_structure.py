@@ -1,0 +1,212 @@
+"""The house rules that an AST scan can check, measured on drafttrain/ (issue "Room for the next kinds"):
+
+* no import circles and no upward imports between the pipeline's layers;
+* no function over 80 lines, and ``evaluate()`` at most 60;
+* no draft kind named (as a string or by its class) outside drafts/, config.py and the kind's own proposer module;
+* no side of an evaluation told apart by a string prefix;
+* how many imports sit inside function bodies (each should be heavy and on one path, with a comment saying so).
+
+    python scripts/tools/check_structure.py          # prints the findings; exit 1 when a rule is broken
+
+tests/test_architecture.py runs the same checks, so CI enforces them.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "drafttrain"
+LAYERS = ["foundation", "data", "targets", "drafts", "training", "decoding", "evaluation", "export", "serving", "commands",
+          "main"]
+FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.packages", "drafttrain.userfiles", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear",
+              "drafttrain.progress"}
+MAX_FUNCTION_LINES = 80
+MAX_EVALUATE_LINES = 60
+SIDE_MODULES = {"drafttrain.evaluation.evaluate", "drafttrain.evaluation.sides", "drafttrain.evaluation.records"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+TREES = {module: ast.parse(path.read_text()) for module, path in MODULES.items()}
+
+
+def layer_of(module: str) -> str:
+    if module in FOUNDATION:
+        return "foundation"
+    if module == "drafttrain.__main__":
+        return "main"
+    part = module.split(".")[1]
+    if part not in LAYERS:
+        raise AssertionError(f"{module} is in no layer: add its folder to LAYERS (or it to FOUNDATION)")
+    return part
+
+
+def _resolve(name: str) -> str | None:
+    """The drafttrain module an imported name means (a submodule when it is one), or None for others."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> set[str]:
+    """Every drafttrain module ``module`` imports: at module level, inside functions, relative, ``from pkg import
+    submodule``, and module names handed to importlib as strings."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(TREES[module]):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in MODULES else base)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("drafttrain."):
+            found.add(node.value)
+    resolved = {_resolve(name) for name in found if name.split(".")[0] == "drafttrain"}
+    return {m for m in resolved if m and m != module}
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def upward_imports() -> list[str]:
+    return [f"{module} ({layer_of(module)}) imports {other} ({layer_of(other)})"
+            for module, others in GRAPH.items() for other in sorted(others)
+            if LAYERS.index(layer_of(other)) > LAYERS.index(layer_of(module))]
+
+
+def import_circles() -> list[list[str]]:
+    circles = []
+    for start in sorted(MODULES):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in GRAPH[node]:
+                if nxt == start:
+                    circles.append(path + [start])
+                    stack = []
+                    break
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    return circles
+
+
+def functions() -> list[tuple[str, str, int]]:
+    """(module, qualified name, lines) of every function and method."""
+    found = []
+    for module, tree in TREES.items():
+        def visit(node, prefix=""):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found.append((module, prefix + child.name, child.end_lineno - child.lineno + 1))
+                    visit(child, prefix + child.name + ".")
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, prefix + child.name + ".")
+        visit(tree)
+    return found
+
+
+def long_functions() -> list[str]:
+    too_long = [f"{m}.{name}: {n} lines" for m, name, n in functions() if n > MAX_FUNCTION_LINES]
+    too_long += [f"{m}.{name}: {n} lines (at most {MAX_EVALUATE_LINES})" for m, name, n in functions()
+                 if m == "drafttrain.evaluation.evaluate" and name == "evaluate" and n > MAX_EVALUATE_LINES]
+    return too_long
+
+
+def kind_names() -> dict[str, set[str]]:
+    """Each registered kind's name -> the names that mean it (its kind string and its class's name)."""
+    sys.path.insert(0, str(PACKAGE.parent))
+    from drafttrain.drafts.registry import KINDS
+
+    return {kind: {kind, cls.__name__} for kind, cls in KINDS.items()}
+
+
+def proposer_module_of(kind: str) -> str:
+    from drafttrain.decoding import PROPOSERS
+    from drafttrain.drafts.registry import KINDS
+
+    return PROPOSERS[KINDS[kind].proposer].__module__
+
+
+def may_name_kinds(module: str, kind: str) -> bool:
+    return (module.startswith("drafttrain.drafts") or module == "drafttrain.config"
+            or module == proposer_module_of(kind))
+
+
+def named_kinds() -> list[str]:
+    """String constants equal to a kind's name, and identifiers or attributes equal to its class's name."""
+    found = []
+    for kind, names in kind_names().items():
+        for module, tree in TREES.items():
+            if may_name_kinds(module, kind):
+                continue
+            for node in ast.walk(tree):
+                value = (node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else
+                         node.id if isinstance(node, ast.Name) else
+                         node.attr if isinstance(node, ast.Attribute) else
+                         next((a.name for a in node.names if a.name in names), None)
+                         if isinstance(node, ast.ImportFrom) else None)
+                if value in names:
+                    found.append(f"{module}:{node.lineno} names kind {kind!r} ({value})")
+    return found
+
+
+def string_prefix_roles() -> list[str]:
+    """A side of an evaluation told apart by a string prefix (``name.startswith("hf_")``), in the modules that
+    build, run and summarise the sides."""
+    found = []
+    for module, tree in TREES.items():
+        if module not in SIDE_MODULES:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("startswith", "removeprefix") and node.args
+                    and isinstance(node.args[0], (ast.Constant, ast.Tuple, ast.Name))):
+                found.append(f"{module}:{node.lineno} tells things apart by a prefix")
+    return found
+
+
+def imports_in_functions() -> tuple[int, int]:
+    """(imports inside function bodies, all imports) in drafttrain/."""
+    inside = total = 0
+    for tree in TREES.values():
+        nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                total += 1
+                inside += id(node) in nested
+    return inside, total
+
+
+def main() -> int:
+    checks = {"upward imports": upward_imports(), "import circles": [" -> ".join(c) for c in import_circles()],
+              f"functions over {MAX_FUNCTION_LINES} lines": long_functions(),
+              "kind names outside drafts/, config.py and the kind's proposer": named_kinds(),
+              "string-prefix side roles": string_prefix_roles()}
+    for title, found in checks.items():
+        print(f"{title}: {len(found)}")
+        for line in found:
+            print(f"  {line}")
+    inside, total = imports_in_functions()
+    longest = max(functions(), key=lambda f: f[2])
+    evaluate_lines = next(n for m, name, n in functions() if name == "evaluate" and m.endswith("evaluate"))
+    print(f"modules: {len(MODULES)}, functions: {len(functions())}, longest: {longest[0]}.{longest[1]} "
+          f"({longest[2]} lines), evaluate(): {evaluate_lines} lines")
+    print(f"imports inside function bodies: {inside} of {total} ({100 * inside / total:.0f}%)")
+    return 1 if any(checks.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

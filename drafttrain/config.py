@@ -514,24 +514,28 @@ class DecodeSettings(Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True,
                               allow_inf_nan=True)
 
-    # chain length / tree depth; "auto" chooses the chain depth and a confidence threshold from this machine's
-    # measured costs and the draft's acceptance on held-out prompts (drafttrain.decoding.autodepth)
-    depth: int | Literal["auto"] = 5
-    max_depth: int = 8  # the deepest chain "auto" considers
-    min_confidence: float = 0.0  # stop a chain once the draft is this unsure (0: never)
-    # chain | dynamic (EAGLE-2) | auto | a named static tree (medusa-16, ...) | a .json file of paths | static:PATHS;
-    # library callers may also give a list of paths or a shape object (drafttrain.decoding.trees)
-    tree: Any = "chain"
-    total_tokens: int = 60  # dynamic tree: nodes verified per step
-    tree_top_k: int = 10  # dynamic tree: children expanded per node
-    temperature: float = 0.0  # 0: greedy (lossless token for token); above: sampling (Leviathan/Chen)
-    top_p: float = 1.0  # sampling's nucleus
-    top_k: int = 0  # sampling's top-k (0: off)
-    seed: int = 0  # sampling's seed per prompt
-    max_new_tokens: int = 64  # per turn
-    # an auto choice that speculates is checked while decoding and falls back (to a shallower chain, or plain
-    # decoding) when it does not pay on this machine now (drafttrain.decoding.guard); a fixed depth is never changed
-    runtime_check: bool = True
+    # The descriptions are the help of `drafttrain eval`'s flags (generated from these fields) and the recipe
+    # reference's text alike.
+    depth: int | Literal["auto"] = Field(5, description=(
+        'chain length / tree depth; "auto" chooses the chain depth and a confidence threshold from this machine\'s '
+        "measured costs and the draft's acceptance on held-out prompts (drafttrain.decoding.autodepth)"))
+    max_depth: int = Field(8, description='the deepest chain "auto" considers')
+    min_confidence: float = Field(0.0, description="stop a chain once the draft is this unsure (0: never)")
+    tree: Any = Field("chain", description=(
+        "chain | dynamic (EAGLE-2) | auto | a named static tree (medusa-16, ...) | a .json file of paths | "
+        "static:PATHS; library callers may also give a list of paths or a shape object (drafttrain.decoding.trees)"))
+    total_tokens: int = Field(60, description="dynamic tree: nodes verified per step")
+    tree_top_k: int = Field(10, description="dynamic tree: children expanded per node")
+    temperature: float = Field(0.0, description=(
+        "0: greedy (lossless token for token); above: sampling (Leviathan/Chen)"))
+    top_p: float = Field(1.0, description="sampling's nucleus")
+    top_k: int = Field(0, description="sampling's top-k (0: off)")
+    seed: int = Field(0, description="sampling's seed per prompt")
+    max_new_tokens: int = Field(64, description="per turn")
+    runtime_check: bool = Field(True, description=(
+        "an auto choice that speculates is checked while decoding and falls back (to a shallower chain, or plain "
+        "decoding) when it does not pay on this machine now (drafttrain.decoding.guard); a fixed depth is never "
+        "changed"))
 
     @field_validator("depth", mode="before")
     @classmethod
@@ -610,8 +614,10 @@ class DecodeSettings(Section):
 class EvalConfig(DecodeSettings):
     """The recipe's eval section: the prompts, and how to decode them."""
 
-    suite: str = "mt_bench"  # the prompts reported on: a built-in suite or a FastChat .jsonl
-    num_prompts: int | None = 8  # None: every question of the suite
+    suite: str = Field("mt_bench", description="the prompts reported on: a built-in suite or a FastChat .jsonl")
+    num_prompts: int | None = Field(8, description=(
+        "how many questions are reported on, taken one category at a time in turn (each category's in file order, "
+        "so a few cover every category); None: every question of the suite"))
 
     @field_validator("num_prompts", mode="before")
     @classmethod
@@ -751,6 +757,18 @@ def register_draft_section(section: type[DraftConfig]) -> None:
         raise DrafttrainError(f"draft kind {kind!r} already has a recipe section")
     DRAFT_SECTIONS.append(section)
     DRAFT_KINDS.append(kind)
+    _rebuild_recipe()
+
+
+def unregister_draft_section(section: type[DraftConfig]) -> None:
+    """Take ``section`` out of the recipe schema again (a kind defined for a while only, as a test's toy)."""
+    if section in DRAFT_SECTIONS:
+        DRAFT_KINDS.remove(section.model_fields["kind"].default)
+        DRAFT_SECTIONS.remove(section)
+        _rebuild_recipe()
+
+
+def _rebuild_recipe() -> None:
     Recipe.model_fields["draft"].annotation = _draft_section() | None
     Recipe.model_rebuild(force=True)
 

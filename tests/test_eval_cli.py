@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import draft_vocab_file
 
 from drafttrain.commands import main
@@ -288,8 +287,8 @@ def test_a_plain_model_folder_is_compared_as_it_is_served_as_the_draft(tmp_path,
     assert report["comparisons"]["again"]["greedy_match_vs_baseline"] == 1.0
 
 
-@pytest.mark.parametrize("flags", [["--temperature", "0.8", "--top-k", "1"], ["--total-tokens", "30"],
-                                   ["--tree", "medusa-16", "--top-k", "4"]])
+@pytest.mark.parametrize("flags", [["--temperature", "0.8", "--tree-top-k", "1"], ["--total-tokens", "30"],
+                                   ["--tree", "medusa-16", "--tree-top-k", "4"]])
 def test_a_dynamic_tree_flag_on_another_shape_is_refused_before_the_target_loads(tmp_path, capsys, flags):
     """`--temperature 0.8 --top-k 1` and `--top-k 10` gave identical tokens: --top-k sets the dynamic tree's
     expansion, and on a chain nothing read it (the report said top_k 0). A flag that cannot act is refused."""

@@ -11,14 +11,16 @@ import argparse
 import inspect
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import ValidationError
 
 from drafttrain import DrafttrainError
-from drafttrain.config import EvalConfig, describe_errors
+from drafttrain.commands.schema_flags import FlagExtras, add_schema_flags, flag_of, given_values
+from drafttrain.config import DecodeSettings, EvalConfig, describe_errors
 from drafttrain.cpu_linear import cpu_linear_mode
 from drafttrain.decoding import PROPOSERS
 from drafttrain.decoding.proposers import model_folder_proposer, trained_draft
@@ -36,8 +38,18 @@ from drafttrain.targets import BUILTIN_TARGETS, load_target
 log = logging.getLogger(__name__)
 
 FEEDBACK_FILE = "feedback.jsonl"
-_DEFAULTS = EvalConfig()  # one source of truth for defaults shared with recipes' eval section
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+# The eval section's fields that are flags (the others, every_checkpoint and the budget, are for training runs).
+PROMPT_FIELDS = ("suite", "num_prompts")
+DECODE_FIELDS = tuple(DecodeSettings.model_fields)
+FLAG_EXTRAS = {
+    "num_prompts": FlagExtras(none_word="all"),
+    "depth": FlagExtras(aliases=("-k",), note="a default depth the draft cannot fill is lowered to its deepest; "
+                                              "auto calibrates on the --calibration prompts"),
+}
+# The schema field a flag fills, where the flag is not named after it (the others: max_new_tokens -> --max-new-tokens).
+FLAG_OF = {"suite": "--suite / --questions"}
+DYNAMIC_TREE_FIELDS = ("total_tokens", "tree_top_k")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,48 +59,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="a drafttrain checkpoint or run folder, or a draft model (built-in name, "
                                         f"folder, .gguf) for the {model_folder_proposer()} proposer")
     prompts = parser.add_mutually_exclusive_group()
-    prompts.add_argument("--suite", default=_DEFAULTS.suite, help="built-in suite: mt_bench, humaneval, gsm8k, alpaca")
+    add_schema_flags(prompts, EvalConfig, PROMPT_FIELDS[:1])
     prompts.add_argument("--questions", help="FastChat-format .jsonl (question_id, category, turns) instead of a suite")
     parser.add_argument("--out", required=True, help="output folder for report.json, report.md, acceptance.png")
-    parser.add_argument("--num-prompts", type=_num_prompts, default=_DEFAULTS.num_prompts,
-                        help="N questions taken one category at a time in turn (each category's in file order, so a "
-                             "small N covers every category; report.json lists their question_ids), or 'all' "
-                             "(default %(default)s)")
+    add_schema_flags(parser, EvalConfig, PROMPT_FIELDS[1:], FLAG_EXTRAS)
     parser.add_argument("--turns", choices=("1", "all"), default="all", help="ask only the first turn, or all turns")
-    parser.add_argument("--max-new-tokens", type=int, default=_DEFAULTS.max_new_tokens, help="per turn")
-    parser.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--depth", "-k", type=_depth, default=None,
-                        help=f"draft length k / tree depth, or 'auto': the chain depth and confidence threshold chosen "
-                             "from this machine's measured costs and the draft's acceptance on --calibration prompts "
-                             f"(default {_DEFAULTS.depth}, or the draft's deepest when it cannot fill that)")
-    parser.add_argument("--max-depth", type=int, default=_DEFAULTS.max_depth, help="the deepest chain --depth auto tries")
-    parser.add_argument("--min-confidence", type=float, default=_DEFAULTS.min_confidence,
-                        help="stop a chain once the product of the draft's top probabilities falls below this")
     parser.add_argument("--calibration", help="prompts for --depth auto (a suite name or FastChat .jsonl); default: "
                                               "the suite's own prompts that are not reported, else the draft run's "
                                               "held-out validation prompts, else another suite")
-    parser.add_argument("--no-runtime-check", action="store_true",
-                        help="keep an auto choice all run long (default: it is checked while decoding and falls back "
-                             "to a shallower chain or plain decoding when it does not pay on this machine)")
-    parser.add_argument("--tree", default=_DEFAULTS.tree,
-                        help="chain | dynamic | a named static tree (medusa-16, ...) | a .json file of paths | "
-                             "static:PATHS_JSON (inline, Medusa's format: [[0], [1], [0, 0]]) | auto (a static tree "
-                             "built from the draft's measured accuracies, sized for this machine)")
-    parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree: nodes verified per step (60)")
-    parser.add_argument("--top-k", type=int, default=None,
-                        help="dynamic tree only: children expanded per node (10); not sampling's top-k")
-    parser.add_argument("--seed", type=int, default=0)
+    decoding = parser.add_argument_group("decoding (the fields of a recipe's eval section)")
+    add_schema_flags(decoding, DecodeSettings, DECODE_FIELDS, FLAG_EXTRAS)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--hf-reference", action="store_true",
                         help="also time HF model.generate (plain, and prompt lookup / assisted to match the proposer)")
-    parser.add_argument("--compare", action="append", default=[], metavar="[LABEL=]PROPOSER_OR_DRAFT[@SHAPE]",
+    parser.add_argument("--compare", action="append", default=[], type=CompareSpec.parse, metavar=CompareSpec.FORM,
                         help="also run another side on the same prompts in the same run, against the same baseline: "
-                             "a draft-free proposer (prompt_lookup), a trained draft's checkpoint/run folder, or a plain "
-                             "model folder (served as a draft model, as --draft serves one); @SHAPE "
-                             "gives it its own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); LABEL= "
-                             "names it in the report (default: the proposer or the folder's name); repeatable")
+                             "a draft-free proposer (prompt_lookup), a trained draft's checkpoint/run folder, or a "
+                             "plain model folder (served as a draft model, as --draft serves one); @SHAPE gives it its "
+                             "own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); LABEL= names it in the "
+                             "report (default: the proposer or the folder's name); repeatable")
     parser.add_argument("--draft-vocab", metavar="FILE|none",
                         help=f"{model_folder_proposer()} proposer: draft only from this draft vocabulary (a "
                              "draft_vocab.safetensors "
@@ -109,33 +99,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _num_prompts(text: str) -> int | None:
-    if text == "all":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {text!r}") from None
-    return value  # sign checked in run(), with the other numbers, so the error goes through DrafttrainError
+@dataclass(frozen=True)
+class CompareSpec:
+    """One ``--compare`` as written, parsed by argparse (``type=``): a draft-free proposer's name or a draft folder
+    (``source``), the report's name for it (``label``; None: the default), and its own shape (``shape``: a chain
+    depth such as ``3`` or ``auto``, or ``tree:SPEC``; "": the run's). What the source names is resolved in run()."""
 
+    source: str
+    label: str | None = None
+    shape: str = ""
+    shape_given: bool = False  # an "@" was written (a bare "@" gives an empty shape that check_shape refuses)
+    FORM: ClassVar[str] = "[LABEL=]PROPOSER_OR_DRAFT[@SHAPE]"
 
-def _depth(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    @classmethod
+    def parse(cls, text: str) -> "CompareSpec":
+        label, named, rest = text.partition("=")
+        # LABEL= only where the text before "=" cannot be a path (a folder may have "=" in its name)
+        if not named or "/" in label or "@" in label or Path(text.partition("@")[0]).expanduser().exists():
+            label, rest = None, text
+        elif not label:
+            raise argparse.ArgumentTypeError(f"{text}: the LABEL before '=' is empty (name the side, or leave out '=')")
+        source, at, shape = rest.partition("@")
+        if not source:
+            raise argparse.ArgumentTypeError(f"{text}: no proposer or draft folder (expected {cls.FORM})")
+        return cls(source, label, shape, shape_given=bool(at))
+
+    def check_shape(self) -> None:
+        """A shape given must be a depth or a tree (checked in run(), so the error goes the way of the others)."""
+        if self.shape_given and self.depth is None and self.tree is None:
+            raise DrafttrainError(f"--compare {self}: @{self.shape} is neither a depth (@3, @auto) nor a tree "
+                                  "(@tree:...)")
+
+    @property
+    def depth(self) -> int | str | None:
+        if self.shape == "auto":
+            return self.shape
+        is_count = self.shape.isascii() and self.shape.isdigit() and int(self.shape) > 0
+        return int(self.shape) if is_count else None
+
+    @property
+    def tree(self) -> str | None:
+        return (self.shape.removeprefix("tree:") or None) if self.shape.startswith("tree:") else None
+
+    @property
+    def suffix(self) -> str:
+        """``@SHAPE`` as written, or "" for the run's shape."""
+        return f"@{self.shape}" if self.shape_given else ""
+
+    def __str__(self) -> str:
+        return (f"{self.label}=" if self.label is not None else "") + self.source + self.suffix
 
 
 def run(args: argparse.Namespace) -> int:
     settings = eval_settings(args)
     suite = load_suite(settings.suite).select(settings.num_prompts, turns=args.turns)
     tree_of(settings)  # a bad tree spec fails now, before the target loads
-    _check_proposer(args, settings)
+    proposer = _checked_proposer(args)
+    sides = [_compared_side(spec, settings) for spec in args.compare]
     if args.draft and drafttrain_checkpoint(args.draft) is not None:
         settings = settings.fitted_to(saved_max_depth(args.draft))
-    autos = [settings.depth, settings.tree, *(s for side in args.compared for s in (side.depth, side.tree))]
+    autos = [settings.depth, settings.tree, *(s for side in sides for s in (side.spec.depth, side.spec.tree))]
     calibration = _calibration(args, suite) if "auto" in autos else ()
     _prepare_out_dir(args.out)
     if args.threads is not None:
@@ -143,14 +166,14 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     if args.draft and drafttrain_checkpoint(args.draft) is not None:
         # a drafttrain draft: loaded (and checked) here, so the report records which weights it measured
-        method, method_kwargs = trained_draft(args.proposer, target, load_drafter(args.draft, target)), {}
+        method, method_kwargs = trained_draft(proposer, target, load_drafter(args.draft, target)), {}
     else:
-        method, method_kwargs = args.proposer, _proposer_kwargs(args)
+        method, method_kwargs = proposer, _proposer_kwargs(args, proposer)
     if args.draft_vocab is not None:
         method_kwargs["vocab"] = False if args.draft_vocab == "none" else args.draft_vocab
     report = evaluate(target, method, suite, settings.decode_settings(), calibration=calibration,
                       hf_reference=args.hf_reference, progress=not args.no_progress, proposer_kwargs=method_kwargs,
-                      compare=[_load_compared(side, target) for side in args.compared], cpu_linear=args.cpu_linear,
+                      compare=[_load_compared(side, target) for side in sides], cpu_linear=args.cpu_linear,
                       feedback=Path(args.out) / FEEDBACK_FILE if args.feedback else None)
     paths = write_report(report, args.out)
     print_report(report)
@@ -158,41 +181,41 @@ def run(args: argparse.Namespace) -> int:
     return _greedy_verdict(report.greedy_match, settings.temperature, args.strict)
 
 
-# The schema field each flag fills, where the two names differ (the others: --max-new-tokens -> max_new_tokens).
-FLAG_OF = {"tree_top_k": "--top-k", "suite": "--suite / --questions"}
-
-
 def eval_settings(args: argparse.Namespace) -> EvalConfig:
-    """The flags as the recipe's typed eval section, validated there; an error names the flag. CLI-only inputs
-    (the CPU kernels, threads) are checked here."""
+    """The flags as the recipe's typed eval section, validated there; an error names the flag. Only the flags given
+    are set, so the section knows them from its defaults. CLI-only inputs (the CPU kernels, threads) are checked
+    here."""
     cpu_linear_mode(args.cpu_linear)  # a bad DRAFTTRAIN_CPU_LINEAR fails here, before the target loads
     if args.threads is not None and args.threads <= 0:
         raise DrafttrainError(f"--threads must be positive, got {args.threads}")
-    _dynamic_tree_flags_only_with_it(args)
-    values = dict(suite=args.questions or args.suite, num_prompts=args.num_prompts,
-                  max_depth=args.max_depth, min_confidence=args.min_confidence, tree=args.tree,
-                  temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                  runtime_check=not args.no_runtime_check)
-    values.update({field: value for field, value in (("total_tokens", args.total_tokens), ("tree_top_k", args.top_k))
-                   if value is not None})
-    if args.depth is not None:  # left out otherwise, so the default can fit the draft (EvalConfig.fitted_to)
-        values["depth"] = args.depth
+    values = given_values(args, (*PROMPT_FIELDS, *DECODE_FIELDS))
+    if args.questions:
+        values["suite"] = args.questions
     try:
-        return EvalConfig.model_validate(values)
+        settings = EvalConfig.model_validate(values)
     except ValidationError as err:
-        flag = lambda loc: FLAG_OF.get(loc[0], "--" + loc[0].replace("_", "-")) if loc else ""  # noqa: E731
+        flag = lambda loc: FLAG_OF.get(loc[0], flag_of(loc[0])) if loc else ""  # noqa: E731
         raise DrafttrainError(describe_errors(err, flag)) from None
+    _flags_that_act(settings)
+    return settings
 
 
-def _dynamic_tree_flags_only_with_it(args: argparse.Namespace) -> None:
-    """--top-k and --total-tokens shape the dynamic tree; on any other shape they cannot act, and a user who means
-    sampling's top-k (as in every other LLM tool) would silently sample without it."""
-    given = [flag for flag, value in (("--top-k", args.top_k), ("--total-tokens", args.total_tokens))
-             if value is not None]
-    if given and args.tree != "dynamic":
-        raise DrafttrainError(f"{' and '.join(given)} shape the dynamic tree (--tree dynamic) and cannot act on "
-                              f"--tree {args.tree}; --top-k is not sampling's top-k, which has no flag: set eval.top_k "
-                              "in a recipe")
+def _flags_that_act(settings: EvalConfig) -> None:
+    """Refuse a flag that cannot act on the run it is given for, rather than let it do nothing. --top-k once set
+    the dynamic tree's expansion (now --tree-top-k): a user who gives it at temperature 0, where sampling's top-k
+    does nothing, most likely means the old flag."""
+    given = [flag_of(field) for field in DYNAMIC_TREE_FIELDS if field in settings.model_fields_set]
+    if given and settings.tree != "dynamic":
+        raise DrafttrainError(f"{' and '.join(given)}: flags that shape the dynamic tree (--tree dynamic) and cannot "
+                              f"act on --tree {settings.tree} (--tree-top-k is the tree's expansion, not sampling's "
+                              "top-k: that is --top-k)")
+    if settings.top_k > 0 and settings.temperature == 0:
+        cannot = f"--top-k {settings.top_k} is sampling's top-k, which cannot act at temperature 0 (greedy decoding)"
+        if settings.tree == "dynamic":
+            raise DrafttrainError(f"{cannot}: the dynamic tree's children per node are --tree-top-k "
+                                  f"{settings.top_k}; to sample, give --temperature above 0")
+        raise DrafttrainError(f"{cannot}: give --temperature above 0 to sample (the dynamic tree's children per node "
+                              "are --tree-top-k)")
 
 
 def _calibration(args: argparse.Namespace, suite: Suite) -> tuple:
@@ -225,75 +248,65 @@ def _prepare_out_dir(out: str) -> None:
         raise DrafttrainError(f"cannot create the output folder {out}: {err.strerror}") from None
 
 
-def _check_proposer(args: argparse.Namespace, settings: EvalConfig) -> None:
-    """Fail before loading the target: unknown proposer name, or a draft that is needed but missing. Without
-    --proposer, the --draft checkpoint's kind names the proposer that serves it."""
+def _checked_proposer(args: argparse.Namespace) -> str:
+    """The proposer named, or without --proposer the one that serves the --draft checkpoint's kind; checked before
+    the target loads: an unknown name, or a draft that is needed but missing, fails now."""
     known = set(PROPOSERS)
     if args.draft and _looks_like_path(args.draft) and not Path(args.draft).expanduser().exists():
         raise DrafttrainError(f"draft not found: {args.draft}")
-    if args.proposer is None:
-        args.proposer = _default_proposer(args.draft)
-    if args.proposer not in known:
-        raise DrafttrainError(f"unknown proposer {args.proposer!r}: choose one of {', '.join(sorted(known))}")
-    if args.draft and "draft" not in _proposer_options(args.proposer):
-        raise DrafttrainError(f"--draft is not used by proposer {args.proposer!r} (it needs no draft model)")
-    if args.proposer == model_folder_proposer() and not args.draft:
-        raise DrafttrainError(f"proposer {args.proposer} needs --draft (a draft model: built-in name, folder or .gguf)")
+    proposer = args.proposer if args.proposer is not None else _default_proposer(args.draft)
+    if proposer not in known:
+        raise DrafttrainError(f"unknown proposer {proposer!r}: choose one of {', '.join(sorted(known))}")
+    if args.draft and "draft" not in _proposer_options(proposer):
+        raise DrafttrainError(f"--draft is not used by proposer {proposer!r} (it needs no draft model)")
+    if proposer == model_folder_proposer() and not args.draft:
+        raise DrafttrainError(f"proposer {proposer} needs --draft (a draft model: built-in name, folder or .gguf)")
     if args.draft_vocab is not None:
-        if args.proposer != model_folder_proposer():
-            raise DrafttrainError(f"--draft-vocab is for the {model_folder_proposer()} proposer, not {args.proposer!r}")
+        if proposer != model_folder_proposer():
+            raise DrafttrainError(f"--draft-vocab is for the {model_folder_proposer()} proposer, not {proposer!r}")
         if args.draft_vocab != "none" and not Path(args.draft_vocab).is_file():
             raise DrafttrainError(f"--draft-vocab: no such file {args.draft_vocab}")
-    args.compared = [_compared_side(item, known, settings) for item in args.compare]
+    return proposer
 
 
 class Side(NamedTuple):
-    spec: str  # a draft-free proposer's name or a draft folder
-    is_draft: bool
-    depth: int | str | None
-    tree: Any
-    label: str  # the name in the report: the proposer or the draft folder's, with the shape given
-    model_folder: bool = False  # a plain HF model folder, served by the draft-model proposer as --draft serves one
+    """A --compare side resolved: what serves it, and its name in the report."""
+
+    spec: CompareSpec
+    label: str  # the label given, else the proposer's or the draft folder's name, with the shape given
+    serves: Literal["proposer", "draft", "model_folder"]  # a model folder: served by the draft-model proposer
 
 
-def _compared_side(item: str, known: set[str], settings: EvalConfig) -> Side:
-    """``[LABEL=]PROPOSER_OR_DRAFT[@SHAPE]`` -> the side, checked now (its tree parsed as the run's is)."""
-    label, named, rest = item.partition("=")
-    if named and label and "/" not in label and not Path(item.partition("@")[0]).expanduser().exists():
-        side = _compared_side(rest, known, settings)
-        return side._replace(label=label)
-    spec, _, shape = item.partition("@")
-    depth = tree = None
-    if shape.startswith("tree:"):
-        tree = shape.removeprefix("tree:")
-        tree_of(Compared(spec, tree=tree).settings(settings.decode_settings()))
-    elif shape:
-        depth = _depth(shape) if shape == "auto" or shape.isdigit() else None
-        if depth is None or depth == 0:
-            raise DrafttrainError(f"--compare {item}: @{shape} is neither a depth (@3, @auto) nor a tree (@tree:...)")
-    if spec in known:
-        if "draft" in _proposer_options(spec):
-            raise DrafttrainError(f"--compare {spec}: give the draft's checkpoint or run folder instead of the "
+def _compared_side(spec: CompareSpec, settings: EvalConfig) -> Side:
+    """What a --compare names, checked now (its tree parsed as the run's is): a draft-free proposer, a drafttrain
+    draft, or a plain model folder."""
+    known = set(PROPOSERS)
+    spec.check_shape()
+    if spec.tree is not None:
+        tree_of(Compared(spec.source, tree=spec.tree).settings(settings.decode_settings()))
+    if spec.source in known:
+        if "draft" in _proposer_options(spec.source):
+            raise DrafttrainError(f"--compare {spec.source}: give the draft's checkpoint or run folder instead of the "
                                   "proposer name (its kind names its proposer)")
-        return Side(spec, False, depth, tree, item)
-    if not Path(spec).expanduser().exists():
-        raise DrafttrainError(f"--compare {item}: {spec!r} is neither a draft-free proposer "
+        return Side(spec, spec.label or spec.source + spec.suffix, "proposer")
+    if not Path(spec.source).expanduser().exists():
+        raise DrafttrainError(f"--compare {spec}: {spec.source!r} is neither a draft-free proposer "
                               f"({', '.join(sorted(p for p in known if 'draft' not in _proposer_options(p)))}) nor a "
                               "draft folder")
-    label = Path(spec).name + (f"@{shape}" if shape else "")
-    config = Path(spec).expanduser() / CONFIG_NAME
+    label = spec.label or Path(spec.source).name + spec.suffix
+    config = Path(spec.source).expanduser() / CONFIG_NAME
     if config.is_file() and "drafttrain" not in read_json(config):  # a plain model (another trainer's, say)
-        return Side(spec, False, depth, tree, label, model_folder=True)
-    saved_kind(spec)  # a drafttrain checkpoint (damage named now, not after the target loads)
-    return Side(spec, True, depth, tree, label)
+        return Side(spec, label, "model_folder")
+    saved_kind(spec.source)  # a drafttrain checkpoint (damage named now, not after the target loads)
+    return Side(spec, label, "draft")
 
 
 def _load_compared(side: Side, target) -> Compared:
-    if side.model_folder:
-        return Compared(model_folder_proposer(), depth=side.depth, tree=side.tree, label=side.label,
-                        proposer_kwargs={"draft": side.spec})
-    proposer = load_drafter(side.spec, target) if side.is_draft else side.spec
-    return Compared(proposer, depth=side.depth, tree=side.tree, label=side.label)
+    shape = dict(depth=side.spec.depth, tree=side.spec.tree, label=side.label)
+    if side.serves == "model_folder":
+        return Compared(model_folder_proposer(), **shape, proposer_kwargs={"draft": side.spec.source})
+    proposer = load_drafter(side.spec.source, target) if side.serves == "draft" else side.spec.source
+    return Compared(proposer, **shape)
 
 
 def _default_proposer(draft: str | None) -> str:
@@ -306,7 +319,6 @@ def _default_proposer(draft: str | None) -> str:
 
 
 def _proposer_options(name: str) -> set[str]:
-
     return set(inspect.signature(PROPOSERS[name]).parameters)
 
 
@@ -319,10 +331,10 @@ def _looks_like_path(spec: str) -> bool:
     return not is_hub_id or Path(spec).parent.is_dir()
 
 
-def _proposer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def _proposer_kwargs(args: argparse.Namespace, proposer: str) -> dict[str, Any]:
     if not args.draft:
         return {}
-    if args.proposer == model_folder_proposer():  # a plain model folder, built-in name or Hub id
+    if proposer == model_folder_proposer():  # a plain model folder, built-in name or Hub id
         # The draft runs on the target's device and dtype; build_proposer checks that the tokenizers agree.
         return {"draft": load_target(args.draft, role="draft model (--draft)", dtype=args.dtype, device=args.device)}
     return {"draft": args.draft}

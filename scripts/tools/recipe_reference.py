@@ -1,6 +1,6 @@
 """Write docs/recipe-reference.md from the recipe schema itself (drafttrain/config.py): every key of every section,
-its type, its default and the comment the schema gives it, so the reference cannot drift from the code
-(tests/test_docs.py checks the file is current and names every key).
+its type, its default and the description (or comment) the schema gives it, so the reference cannot drift from the
+code (tests/test_docs.py checks the file is current and names every key).
 
     python scripts/tools/recipe_reference.py [--check]
 """
@@ -102,7 +102,7 @@ def render() -> str:
             default = "required" if field.is_required() else repr(field.default)
             if _section_classes(field.annotation):
                 default = "a section" if field.default is None or isinstance(field.default, BaseModel) else default
-            what = comments.get(name, "").replace("|", "\\|") or "—"
+            what = (field.description or comments.get(name, "")).replace("|", "\\|") or "—"
             lines.append(f"| `{name}` | {type_name(field.annotation)} | {default} | {what} |")
         lines.append("")
     return "\n".join(lines)

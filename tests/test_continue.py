@@ -11,20 +11,6 @@ import pytest
 import torch
 from datasets import load_from_disk
 from peft import LoraConfig, get_peft_model
-
-import drafttrain.commands.train as train_command
-from drafttrain import DrafttrainError
-from drafttrain.commands.prepare import prepare
-from drafttrain.config import DraftModelConfig, LoraConfig as TargetLoraConfig, MedusaConfig, ReplayConfig, parse_recipe
-from drafttrain.data.replay import with_replay
-from drafttrain.data.tokenize import split_fingerprint
-from drafttrain.drafts import load_drafter, start_drafter
-from drafttrain.data.vocab import DraftVocab, DraftVocabKey, build_mapping, save_draft_vocab
-from drafttrain.drafts.registry import check_vocabulary_choice, continued_config
-from drafttrain.evaluation.report import _config_line
-from drafttrain.targets import load_target
-from drafttrain.training.plan import _draft_section as draft_section
-from drafttrain.runfolder import WEIGHTS_NAME, DataManifest, RunFolder, read_safetensors
 from trainer_helpers import (  # noqa: F401 (fresh_accelerate: a fixture)
     VOCAB,
     Interrupted,
@@ -34,6 +20,21 @@ from trainer_helpers import (  # noqa: F401 (fresh_accelerate: a fixture)
     tiny_dataset,
     tiny_target,
 )
+
+import drafttrain.commands.train as train_command
+from drafttrain import DrafttrainError
+from drafttrain.config import DraftModelConfig, MedusaConfig, ReplayConfig, parse_recipe
+from drafttrain.config import LoraConfig as TargetLoraConfig
+from drafttrain.data.replay import with_replay
+from drafttrain.data.tokenize import split_fingerprint
+from drafttrain.data.vocab import DraftVocab, DraftVocabKey, build_mapping, save_draft_vocab
+from drafttrain.drafts import load_drafter, start_drafter
+from drafttrain.drafts.registry import check_vocabulary_choice, continued_config
+from drafttrain.evaluation.report import _config_line
+from drafttrain.runfolder import WEIGHTS_NAME, DataManifest, RunFolder, read_safetensors
+from drafttrain.targets import load_target
+from drafttrain.training.plan import _draft_section as draft_section
+from drafttrain.training.prepare import prepare
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 

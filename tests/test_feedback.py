@@ -15,8 +15,6 @@ import torch
 from datasets import load_from_disk
 
 from drafttrain import DrafttrainError
-from drafttrain.commands.prepare import _warn_lost_feedback as warn_lost_feedback
-from drafttrain.commands.prepare import prepare
 from drafttrain.config import DataConfig, SourceConfig, parse_recipe
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.data.tokenize import split_fingerprint, tokenize_conversation, trainable_count
@@ -29,6 +27,8 @@ from drafttrain.drafts.dflash import dpace_weights
 from drafttrain.evaluation import evaluate
 from drafttrain.evaluation.feedback import rejected_positions
 from drafttrain.targets import load_tokenizer
+from drafttrain.training.prepare import _warn_lost_feedback as warn_lost_feedback
+from drafttrain.training.prepare import prepare
 
 QUESTIONS = ["List three fruits, then list the same three fruits again in the same order.",
              "Count from one to ten in words, separated by commas."]
@@ -218,7 +218,7 @@ def test_weights_scale_the_loss_not_the_metrics_and_dpace_keeps_a_weight_on_its_
 def test_feedback_that_the_target_must_answer_again_is_named_not_dropped_silently(caplog):
     rows = [{"id": "a", "answered_by": "HuggingFaceTB/SmolLM2-135M-Instruct", ANSWER_WEIGHTS: {"rejected_at": [1]}},
             {"id": "b", "answered_by": "other"}]
-    with caplog.at_level("WARNING", logger="drafttrain.commands.prepare"):
+    with caplog.at_level("WARNING", logger="drafttrain.training.prepare"):
         warn_lost_feedback(rows, {"smollm2-135m-instruct"})
     (record,) = caplog.records
     assert "1 answers with evaluation feedback" in record.getMessage() and "HuggingFaceTB" in record.getMessage()

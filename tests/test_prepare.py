@@ -11,7 +11,7 @@ import yaml
 from drafttrain import DrafttrainError
 from drafttrain.commands import main
 from drafttrain.config import load_recipe, parse_recipe
-from drafttrain.commands.prepare import check_data_files, prepare
+from drafttrain.training.prepare import check_data_files, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 

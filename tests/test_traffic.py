@@ -11,10 +11,10 @@ import pytest
 from datasets import load_from_disk
 
 from drafttrain import DrafttrainError
-from drafttrain.commands.prepare import prepare
 from drafttrain.config import DataConfig, SourceConfig, parse_recipe
 from drafttrain.data.sources import load_mixture
 from drafttrain.data.traffic import REDACTED, read_prompts_file, read_request_log, redact, traffic_source
+from drafttrain.training.prepare import prepare
 
 SECRETS = {
     "api key": ["sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z", "AKIAIOSFODNN7EXAMPLE",

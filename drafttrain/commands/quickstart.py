@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with libraries_log_to(run.root / LOG_FILE):
         # imported once the libraries' logs go to the log file: some bind their handlers at import
-        from drafttrain.commands.prepare import prepare
         from drafttrain.commands.train import train
         from drafttrain.targets import load_target
+        from drafttrain.training.prepare import prepare
 
         target = load_target(recipe.target)  # one load serves all three stages
         say(f"[1/3] prepare: {recipe.data.num_samples} conversations, answered by {recipe.target.model}")

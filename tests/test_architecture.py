@@ -71,3 +71,22 @@ def test_the_recipe_sections_are_the_registered_kinds():
     for kind, cls in KINDS.items():
         assert issubclass(cls.config_class, DraftConfig) and cls.config_class.model_fields["kind"].default == kind
         assert cls.description and set(cls.engine_methods) and cls.formats, f"{kind} does not say its own facts"
+
+
+def test_no_kind_branches_on_what_selects_its_variants():
+    """A variant is a subclass (P-EAGLE of EAGLE-3, PARD of the draft model): neither the kind's class nor its
+    proposer tests the section fields that select it, and nothing asks a draft getattr(..., "parallel")."""
+    assert not structure.variant_flags()
+
+
+def test_the_variant_scan_finds_a_flag_put_back(monkeypatch):
+    """Guard: the scan reports the branch the variants replaced, once it is written back into the kind's class."""
+    from drafttrain.drafts.eagle3 import Eagle3Drafter
+
+    module = Eagle3Drafter.__module__
+    source = structure.MODULES[module].read_text()
+    flagged = source.replace("    def first_layer(", "    def flagged(self):\n        if self.config.parallel_depths:\n"
+                             "            return 1\n\n    def first_layer(", 1)
+    assert flagged != source
+    monkeypatch.setitem(structure.TREES, module, structure.ast.parse(flagged))
+    assert any("parallel_depths" in line and "PEagleDrafter" in line for line in structure.variant_flags())

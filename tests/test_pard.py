@@ -7,16 +7,15 @@ import json
 
 import pytest
 import torch
+from conftest import fitted_on_its_answer
 from pydantic import ValidationError
+from test_dflash import batch_of, tiny_target
 
 from drafttrain.config import DraftModelConfig
 from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer
 from drafttrain.decoding.trees import Chain, StaticTree
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.targets import run_target
-
-from conftest import fitted_on_its_answer
-from test_dflash import batch_of, tiny_target
 
 MASK = 63
 
@@ -38,7 +37,7 @@ def test_a_pard_training_step_scores_every_depth_of_the_cod_rollouts():
 
 
 def test_the_pard_proposer_drafts_what_training_computes(monkeypatch):
-    import drafttrain.drafts.draft_model as dm
+    import drafttrain.drafts.pard as dm
     from drafttrain.drafts.peagle import Rollouts
 
     target = tiny_target()

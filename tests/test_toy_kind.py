@@ -20,11 +20,11 @@ from torch import nn
 
 from drafttrain.commands import main
 from drafttrain.config import DraftConfig
-from drafttrain.decoding import Chain, Draft, Proposer, register_proposer
+from drafttrain.decoding import PROPOSERS, Chain, Draft, Proposer, register_proposer
 from drafttrain.decoding.proposers import trained_draft
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits
 from drafttrain.drafts.losses import cross_entropy
-from drafttrain.drafts.registry import KINDS, register_kind
+from drafttrain.drafts.registry import KINDS, register_kind, unregister_kind
 from drafttrain.targets import TargetNeeds
 
 
@@ -91,7 +91,6 @@ class ToySkipDrafter(Drafter):
 
 
 # 3. the proposer that serves it
-@register_proposer("toy_skip")
 class ToySkipProposer(Proposer):
     shapes = (Chain,)
     max_depth = 1
@@ -112,8 +111,15 @@ class ToySkipProposer(Proposer):
         self.last = hidden[:, -1]
 
 
-# 4. one line in the registry
-register_kind(ToySkipDrafter)
+# 4. one line in the registry (here inside a fixture that takes it out again, so that the tests sharing this
+# process, such as the recipe reference's, see the built-in kinds alone)
+@pytest.fixture(autouse=True, scope="module")
+def toy_kind_registered():
+    register_kind(ToySkipDrafter)
+    register_proposer("toy_skip")(ToySkipProposer)
+    yield
+    unregister_kind("toy_skip")
+    PROPOSERS.pop("toy_skip")
 
 
 def test_the_toy_kind_is_registered_with_its_section():

@@ -16,7 +16,7 @@ from drafttrain import DrafttrainError, targets
 from drafttrain.config import Recipe, load_recipe
 from drafttrain.data.tokenize import describe_run_data, split_fingerprint
 from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
-from drafttrain.drafts import drafter_class, start_drafter
+from drafttrain.drafts import drafter_for, start_drafter
 from drafttrain.drafts.registry import check_vocabulary_choice, resolved_section
 from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator, check_eval_shape
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset
@@ -101,7 +101,7 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     fingerprint = check_split_is_current(run, dataset, target)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
-    layers = drafter_class(recipe.draft.kind).start_layers(recipe.draft) if recipe.draft.init_from is None else 0
+    layers = drafter_for(recipe.draft).start_layers(recipe.draft) if recipe.draft.init_from is None else 0
     with gathered(start_weights(target, layers), zero3):  # what a draft may start from, whole while it is built
         drafter = start_drafter(recipe.draft, target, run, new_vocabulary=recipe.draft_vocab.enabled)
     if recipe.training.hidden_states == "offline":

@@ -13,6 +13,8 @@ from drafttrain.decoding.draft_model import DraftModelProposer
 from drafttrain.decoding.eagle import EagleProposer
 from drafttrain.decoding.engine import DecodeOutput, DecodeStats, SpeculativeDecoder, plain_decode
 from drafttrain.decoding.medusa import MedusaProposer
+from drafttrain.decoding.pard import PardProposer
+from drafttrain.decoding.peagle import PEagleProposer
 from drafttrain.decoding.proposers import (
     PROPOSERS,
     DraftRequest,
@@ -38,6 +40,8 @@ __all__ = [
     "DynamicTree",
     "EagleProposer",
     "MedusaProposer",
+    "PEagleProposer",
+    "PardProposer",
     "NoDraft",
     "PromptLookupProposer",
     "Proposer",

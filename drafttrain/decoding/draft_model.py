@@ -15,9 +15,8 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.data.vocab import draft_ids, read_vocab_mapping, scatter_to_vocab
 from drafttrain.decoding.expand import TreeDrafter
-from drafttrain.decoding.positional import positional_draft
-from drafttrain.decoding.proposers import DraftRequest, register_proposer, trained_draft
-from drafttrain.decoding.trees import Chain, Draft, StaticTree, feed_mask
+from drafttrain.decoding.proposers import register_proposer, trained_draft
+from drafttrain.decoding.trees import feed_mask
 from drafttrain.drafts import Drafter
 from drafttrain.runfolder import drafttrain_checkpoint
 from drafttrain.targets import Target, TargetCache, check_same_tokenizer, load_target
@@ -43,9 +42,6 @@ class DraftModelProposer(TreeDrafter):
             distilled = trained_draft(self.name, target, draft)
             self.draft = Target("draft_model", distilled.student, target.tokenizer)
             vocab = distilled.serving_vocab if vocab is None else vocab
-            if distilled.mask_token_id is not None:  # PARD: every draft position from one forward
-                self.mask_token_id, self.shapes = distilled.mask_token_id, (Chain, StaticTree)
-                self.max_depth = type(distilled).max_draft_depth(distilled.config)
         else:
             self.draft = draft if isinstance(draft, Target) else load_target(str(draft))
             check_same_tokenizer(target, self.draft)
@@ -72,22 +68,6 @@ class DraftModelProposer(TreeDrafter):
 
     def accept(self, tokens, hidden) -> None:
         self.ids = torch.cat([self.ids, tokens], dim=1)
-
-    mask_token_id: int | None = None  # PARD drafts (drafttrain.drafts.draft_model, ``parallel``)
-
-    @torch.no_grad()
-    def propose(self, request: DraftRequest) -> Draft:
-        if self.mask_token_id is None:
-            return super().propose(request)
-        # PARD: the root's logits give depth 1; k - 1 mask tokens after it, in one causal forward, give depths 2..k
-        k = request.shape.depth
-        rows = [self._root_logits()[None]]
-        if k > 1:
-            masks = torch.full((1, k - 1), self.mask_token_id, dtype=torch.long, device=self.device)
-            rows.append(self._aligned(self.cache.forward(masks, head=self.head)[0]))
-            self._forget_draft()
-        draft, self.last_confidences = positional_draft(torch.cat(rows), request.shape, request.sampling, self.device)
-        return draft
 
     def hf_equivalent(self, depth: int) -> tuple[str, dict]:
         return "hf_assisted", {"assistant_model": self.model}  # HF's assisted generation with the same draft

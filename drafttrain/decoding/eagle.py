@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from drafttrain.decoding.expand import TreeDrafter
-from drafttrain.decoding.positional import positional_draft
-from drafttrain.decoding.proposers import DraftRequest, register_proposer, trained_draft
-from drafttrain.decoding.trees import Chain, Draft, StaticTree, feed_mask
+from drafttrain.decoding.proposers import register_proposer, trained_draft
+from drafttrain.decoding.trees import feed_mask
 
 
 @register_proposer("eagle")
@@ -25,10 +24,6 @@ class EagleProposer(TreeDrafter):
         self.head = trained_draft(self.name, target, draft)
         self.hidden_layers = self.head.tap_layers
         self.vocab_size = target.vocab_size
-        self.parallel = getattr(self.head, "parallel", False)  # P-EAGLE: every draft position from one forward
-        if self.parallel:
-            self.shapes = (Chain, StaticTree)
-            self.max_depth = type(self.head).max_draft_depth(self.head.config)
 
     # -- the accepted text -----------------------------------------------------------------------------
     def prefill(self, input_ids, hidden, next_token) -> None:
@@ -47,24 +42,7 @@ class EagleProposer(TreeDrafter):
         self.length += tokens.shape[1]
         self.root_hidden, self.root_logits = out[:, -1:], logits[0, -1]
 
-    # -- drafting ----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def propose(self, request: DraftRequest) -> Draft:
-        if not self.parallel:
-            return super().propose(request)
-        # P-EAGLE: the last real pair gave depth 1 (root_logits); depths 2..k come from k - 1 mask slots at the next
-        # positions, one forward, each seeing the accepted text and the earlier mask slots (causal)
-        k = request.shape.depth
-        rows = [self.root_logits[None]]
-        if k > 1:
-            hidden = self.head.mask_hidden_fused().expand(1, k - 1, -1)
-            tokens = torch.full((1, k - 1), self.head.mask_token_id, dtype=torch.long, device=self.device)
-            positions = torch.arange(self.length, self.length + k - 1, device=self.device).unsqueeze(0)
-            rows.append(self.head.step(hidden, tokens, positions, self.caches)[1][0])
-            self._forget_draft()
-        draft, self.last_confidences = positional_draft(torch.cat(rows), request.shape, request.sampling, self.device)
-        return draft
-
+    # -- drafting (drafttrain.decoding.expand's TreeDrafter: one level per head forward) -------------------
     def _root_logits(self) -> torch.Tensor:
         self.node_hidden: dict[int, torch.Tensor] = {-1: self.root_hidden}
         return self.root_logits

@@ -24,7 +24,9 @@ The interface (``Proposer``), as the engine drives it for one ``generate`` call:
 * ``shapes``: the draft shapes the proposer can fill; the engine refuses the others up front.
 
 A proposer keeps its own state (token history, KV cache) between these calls; ``prefill`` resets it.
-Register new kinds with ``@register_proposer("name")``; build them with ``build_proposer(name, target, **kw)``.
+Register new kinds with ``@register_proposer("name")``, and a proposer for a kind's variant (a subclass of the kind's
+proposer serving the variant's drafts) with ``@register_proposer_variant("name", VariantDrafter)``; build them with
+``build_proposer(name, target, **kw)``, which picks the variant's proposer from the draft it is given.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import inspect
+from pathlib import Path
 from typing import Callable, ClassVar
 
 import torch
@@ -39,6 +42,7 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.decoding.trees import Chain, Draft, DynamicTree, StaticTree, TreeShape
 from drafttrain.drafts import Drafter, load_drafter
+from drafttrain.runfolder import drafttrain_checkpoint
 from drafttrain.sampling import Sampling
 
 
@@ -84,12 +88,27 @@ class Proposer(abc.ABC):
 
 
 PROPOSERS: dict[str, Callable[..., Proposer]] = {}
+# name -> (the draft class served, the proposer subclass serving it), for the variants of a kind
+PROPOSER_VARIANTS: dict[str, list[tuple[type[Drafter], type[Proposer]]]] = {}
 
 
 def register_proposer(name: str):
     def deco(cls):
         cls.name = name
         PROPOSERS[name] = cls
+        return cls
+
+    return deco
+
+
+def register_proposer_variant(name: str, serves: type[Drafter]):
+    """Register a subclass of the proposer ``name`` as the one that serves drafts of class ``serves`` (a kind's
+    variant) and its subclasses; it keeps the proposer's name, so reports name the proposer as before."""
+    def deco(cls):
+        if not issubclass(cls, PROPOSERS[name]):
+            raise DrafttrainError(f"{cls.__name__} is not a subclass of the {name!r} proposer")
+        cls.name = name
+        PROPOSER_VARIANTS.setdefault(name, []).append((serves, cls))
         return cls
 
     return deco
@@ -109,7 +128,24 @@ def build_proposer(name: str, target, **kwargs) -> Proposer:
         inspect.signature(factory).bind(target, **kwargs)
     except TypeError as err:
         raise DrafttrainError(f"proposer {name!r}: {err}") from None
+    draft = kwargs.get("draft")
+    if PROPOSER_VARIANTS.get(name) and _is_trained_draft(draft):  # loaded once, here: its class picks the proposer
+        kwargs["draft"] = head = trained_draft(name, target, draft)
+        factory = _proposer_serving(name, type(head))
     return factory(target, **kwargs)
+
+
+def _is_trained_draft(draft) -> bool:
+    return isinstance(draft, Drafter) or (isinstance(draft, (str, Path)) and bool(draft)
+                                          and drafttrain_checkpoint(draft) is not None)
+
+
+def _proposer_serving(name: str, drafter: type[Drafter]) -> Callable[..., Proposer]:
+    """The proposer registered for the most derived draft class ``drafter`` is (or derives from), else ``name``'s."""
+    serving = [(served, cls) for served, cls in PROPOSER_VARIANTS.get(name, []) if issubclass(drafter, served)]
+    if not serving:
+        return PROPOSERS[name]
+    return max(serving, key=lambda pair: len(pair[0].__mro__))[1]
 
 
 class NoDraft(Proposer):

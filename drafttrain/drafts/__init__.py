@@ -5,10 +5,11 @@ from drafttrain.drafts.registry import (
     KINDS,
     build_drafter,
     drafter_class,
+    drafter_for,
     load_drafter,
     saved_kind,
     start_drafter,
 )
 
-__all__ = ["KINDS", "Drafter", "StepOutput", "build_drafter", "drafter_class", "load_drafter", "saved_kind",
+__all__ = ["KINDS", "Drafter", "StepOutput", "build_drafter", "drafter_class", "drafter_for", "load_drafter", "saved_kind",
            "start_drafter"]

@@ -135,6 +135,13 @@ class Drafter(nn.Module):
 
     # -- the registry entry --------------------------------------------------------------------------------
     @classmethod
+    def serves(cls, config: DraftConfig) -> bool:
+        """Whether this class is the one for a draft of this section. A kind's own class serves every section of
+        its kind; a variant (a subclass registered with drafttrain.drafts.registry.register_variant) serves the
+        sections that select it, and the most derived variant that does is chosen."""
+        return True
+
+    @classmethod
     def build(cls, config: DraftConfig, target, run: RunFolder | None = None) -> "Drafter":
         """A fresh draft for ``target`` (``run``: the run folder, for files ``prepare`` wrote there)."""
         raise NotImplementedError

@@ -26,7 +26,13 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv, rotate_half
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    repeat_kv,
+    rotate_half,
+)
 
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DFlashConfig
@@ -369,7 +375,7 @@ class DFlashDrafter(Drafter):
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
         b, t = input_ids.shape
-        w, first = self.block_size, self.first_predicted_slot()
+        first = self.first_predicted_slot()
         with torch.no_grad():  # the target's argmax (full vocabulary) and logits (draft rows) at every position
             target_ids, target_logits = rows_and_argmax(outputs, self.draft_to_target)
             in_vocab = self.t2d[target_ids].float()

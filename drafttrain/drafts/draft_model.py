@@ -41,14 +41,18 @@ from drafttrain.data.chat import stop_token_ids
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, read_vocab_mapping, target_to_draft
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, with_lora
-from drafttrain.drafts.layers import resolve_mask_token, shift_left
-from drafttrain.drafts.peagle import cod_rollouts, parallel_mask
+from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets import check_same_tokenizer, load_target
 from drafttrain.targets.hidden import decoder, decoder_layers
-from drafttrain.targets.masks import additive_mask
-from drafttrain.targets.outputs import (TargetNeeds, TargetOutputs, head_logits, plain_lm_head, rows_and_argmax,
-                                       run_target)
+from drafttrain.targets.outputs import (
+    TargetNeeds,
+    TargetOutputs,
+    head_logits,
+    plain_lm_head,
+    rows_and_argmax,
+    run_target,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +69,11 @@ class DraftModelDrafter(Drafter):
     proposer = "draft_model"
 
     def __init__(self, config: DraftModelConfig, student: torch.nn.Module,
-                 vocab: tuple[torch.Tensor, torch.Tensor] | None = None, mask_token_id: int | None = None):
+                 vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(config)
         self.student = student
         self.vocab = vocab  # (d2t, t2d) of the draft vocabulary it is served with, or None: the whole vocabulary
-        self.mask_token_id = mask_token_id  # PARD's mask token (config.parallel), else None
         self._on_policy_s: float | None = None  # the last on-policy batch's sampling time, for the step's metrics
-
-    @classmethod
-    def max_draft_depth(cls, config: DraftModelConfig) -> int | None:
-        return config.parallel or None
 
     @property
     def serving_vocab(self) -> torch.Tensor | None:
@@ -112,8 +111,17 @@ class DraftModelDrafter(Drafter):
                 raise DrafttrainError("draft.loss_vocab: draft needs a draft vocabulary: enable draft_vocab in the "
                                       "recipe (prepare builds it) or give draft.draft_vocab")
             plain_lm_head(student, draft_ids(d2t))
-        mask = resolve_mask_token(config.mask_token_id, target) if config.parallel else None
-        return cls(config, student.train(), vocab, mask).attach_target(target)
+        return cls(config, student.train(), vocab, **cls.built_extras(config, target)).attach_target(target)
+
+    @classmethod
+    def built_extras(cls, config: DraftModelConfig, target) -> dict:
+        """What a variant's constructor takes beside the student and its vocabulary, for a fresh draft."""
+        return {}
+
+    @classmethod
+    def saved_extras(cls, config: dict) -> dict:
+        """What a variant's constructor takes beside the student and its vocabulary, read from a saved config."""
+        return {}
 
     @classmethod
     def from_pretrained(cls, directory, target) -> "DraftModelDrafter":
@@ -122,8 +130,8 @@ class DraftModelDrafter(Drafter):
         student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
         vocab_file = directory / SERVING_VOCAB
         vocab = read_vocab_mapping(vocab_file, target.vocab_size) if vocab_file.is_file() else None
-        mask = read_json(directory / CONFIG_NAME).get("pard_token") if config.parallel else None
-        return cls(config, student.to(target.device).eval(), vocab, mask).attach_target(target)
+        extras = cls.saved_extras(read_json(directory / CONFIG_NAME))
+        return cls(config, student.to(target.device).eval(), vocab, **extras).attach_target(target)
 
     def save_pretrained(self, directory, **meta) -> Path:
         """A plain HF model folder (weights, config, the target's tokenizer) with a ``drafttrain`` section in its
@@ -141,22 +149,9 @@ class DraftModelDrafter(Drafter):
             save_file({"d2t": self.vocab[0].cpu(), "t2d": self.vocab[1].cpu()}, str(directory / SERVING_VOCAB))
         return directory
 
-    def vllm_speculative_config(self) -> dict:
-        """A PARD draft is served by vLLM 0.16 and later with parallel drafting (its mask token is ``pard_token``)."""
-        return {**super().vllm_speculative_config(), **({"parallel_drafting": True} if self.config.parallel else {})}
-
-    def card_notes(self) -> list[str]:
-        if not self.config.parallel:
-            return []
-        return [f"A PARD draft: it proposes up to {self.config.parallel} tokens per forward after mask token "
-                f"{self.mask_token_id} (`pard_token` in config.json); vLLM 0.16 and later draft them in one forward."]
-
     def interchange_config(self) -> dict:
-        """The student's own HF config is the interchange config (save_pretrained writes it); a PARD draft adds its
-        mask token as vLLM's parallel drafting reads it (``pard_token``) and as PARD's own code does."""
-        if not self.config.parallel:
-            return {}
-        return {"pard_token": self.mask_token_id, "mask_token_id": self.mask_token_id, "spd_type": "pard"}
+        """The student's own HF config is the interchange config (save_pretrained writes it)."""
+        return {}
 
     # -- export -------------------------------------------------------------------------------------------
     formats = ("hf",)
@@ -223,14 +218,7 @@ class DraftModelDrafter(Drafter):
         rows = None if rows is None else rows.to(batch["input_ids"].device)
         if self._on_policy_s is not None:  # this step's rows are the draft's own answers (own_step_inputs)
             metrics["on_policy_s"], self._on_policy_s = self._on_policy_s, None
-        if cfg.parallel:  # PARD: the real tokens and COD-sampled mask slots, each scored at its own position
-            if outputs.top_k is not None:
-                raise DrafttrainError("draft.parallel (PARD) takes the target's logits online: set "
-                                      "training.hidden_states: online (a teacher cache holds no mask slots)")
-            logits, scored_at, depths = self.parallel_logits(batch, rows)
-        else:  # the trained positions alone, flattened to [N, ...]
-            scored_at, depths = shift_left(batch["loss_mask"], 1) > 0, None
-            logits = self.student_logits(batch, rows, scored_at)
+        logits, scored_at, depths = self.scored_logits(batch, rows, outputs)
         weight = _at(shift_left(batch["loss_mask"].float(), 1), scored_at)  # position t predicts token t+1
         labels = _at(shift_left(batch["input_ids"], 1), scored_at)
         teacher_top1 = teacher = None
@@ -268,39 +256,17 @@ class DraftModelDrafter(Drafter):
             drafted = logits.argmax(-1)
             drafted = drafted if rows is None else rows[drafted]
             hits = [top1_hits(drafted, teacher_top1, weight if depths is None else weight * (depths == d))
-                    for d in range(max(cfg.parallel, 1))]  # per draft position (PARD: per depth)
+                    for d in range(self.max_draft_depth(cfg) or 1)]  # per draft position
         metrics["loss_" + cfg.divergence] = float(loss.detach())
         return StepOutput(loss=loss, metrics=metrics, correct=[c for c, _ in hits], counted=[n for _, n in hits],
                           measures=measures)
 
-    def parallel_logits(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None) \
-            -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """PARD's training layout (drafttrain.drafts.peagle's COD sampler and mask): per row, its real tokens and mask
-        slots (anchor a, depth d: the text up to a, then d mask tokens; at position a + d, predicting token a + d + 1)
-        in one forward under a 4D mask. Returns the logits (B, N, V), each slot's position and depth (B, N), the rows
-        padded to the longest with position -1 (``_at`` gives them weight 0)."""
-        input_ids = batch["input_ids"]
-        trainable = shift_left(batch["loss_mask"].float(), 1)
-        outs, places, levels = [], [], []
-        for row in range(input_ids.shape[0]):
-            ids, t = input_ids[row], input_ids.shape[1]
-            rollouts = cod_rollouts(trainable[row], self.config.parallel, self.config.cod_ratio, self.config.cod_min)
-            masks = torch.full_like(rollouts.anchors, self.mask_token_id)
-            positions = torch.cat([torch.arange(t, device=ids.device), rollouts.positions])
-            mask = additive_mask(parallel_mask(t, rollouts), 0, self.student.dtype, ids.device)
-            inputs = dict(input_ids=torch.cat([ids, masks])[None], position_ids=positions[None], attention_mask=mask,
-                          use_cache=False)
-            if rows is None:
-                outs.append(self.aligned(self.student(**inputs).logits)[0])
-            else:
-                hidden = decoder(self.student)(**inputs).last_hidden_state
-                outs.append(torch.nn.functional.linear(hidden, self.student.get_output_embeddings().weight[rows])[0])
-            places.append(positions)
-            levels.append(torch.cat([torch.zeros(t, dtype=torch.long, device=ids.device), rollouts.depths]))
-        n = max(len(p) for p in places)
-        logits = torch.stack([torch.nn.functional.pad(o, (0, 0, 0, n - len(o))) for o in outs])
-        scored_at = torch.stack([torch.nn.functional.pad(p, (0, n - len(p)), value=-1) for p in places])
-        return logits, scored_at, torch.stack([torch.nn.functional.pad(d, (0, n - len(d))) for d in levels])
+    def scored_logits(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None, outputs: TargetOutputs) \
+            -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The student's logits at the positions the loss reads (the trained ones, flattened to [N, ...]), where
+        they are (a [B, T] mask) and each one's draft depth (None: all the first)."""
+        scored_at = shift_left(batch["loss_mask"], 1) > 0
+        return self.student_logits(batch, rows, scored_at), scored_at, None
 
     @staticmethod
     def _teacher(outputs: TargetOutputs, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

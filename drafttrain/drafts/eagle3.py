@@ -21,14 +21,11 @@ from drafttrain.drafts.base import Exported, StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import (
     DraftDecoderLayer,
-    LayerCache,
     check_foreign_layers,
     foreign_tensors,
     llama_config_like,
-    resolve_mask_token,
     shift_left,
 )
-from drafttrain.drafts.peagle import ParallelMask, cod_rollouts
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import final_norm_scale
 from drafttrain.targets.loading import verifier_path
@@ -104,8 +101,7 @@ class Eagle3Drafter(EagleHead):
     config_class = Eagle3Config
     adopts_vocabulary = True
 
-    def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d,
-                 mask_token_id: int | None = None):
+    def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d):
         super().__init__(config)
         self.layer_config = layer_config
         self.layer_ids = list(layer_ids)
@@ -122,10 +118,6 @@ class Eagle3Drafter(EagleHead):
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
         self.rotary = LlamaRotaryEmbedding(layer_config)  # buffers only, not persistent
-        self.mask_token_id = mask_token_id
-        if self.parallel:  # P-EAGLE: the mask slots' hidden input (before fc, as real taps) and token embedding
-            self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(layer_ids) * h))
-            self.mask_embedding = nn.Parameter(torch.zeros(h))
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -146,31 +138,19 @@ class Eagle3Drafter(EagleHead):
         d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size,
                                          sliding_window=config.sliding_window)
-        mask = resolve_mask_token(config.mask_token_id, target) if config.parallel_depths else None
-        head = cls(config, layer_config, layer_ids, d2t, t2d, mask).to(target.device).attach_target(target)
-        if head.parallel:  # the mask token starts as the target's own embedding of it
-            with torch.no_grad():
-                head.mask_embedding.copy_(target.model.get_input_embeddings().weight[mask])
+        head = cls(config, layer_config, layer_ids, d2t, t2d, **cls.built_extras(config, target))
+        head = head.to(target.device).attach_target(target)
         return head.init_from_target(config.init_from_target)
 
-    @property
-    def parallel(self) -> bool:
-        """P-EAGLE: several draft tokens per forward (drafttrain.drafts.peagle)."""
-        return self.config.parallel_depths > 0
+    @classmethod
+    def built_extras(cls, config: Eagle3Config, target) -> dict:
+        """What a variant's constructor takes beside the head's own arguments, for a fresh draft."""
+        return {}
 
     @classmethod
-    def max_draft_depth(cls, config: Eagle3Config) -> int | None:
-        return config.parallel_depths or None
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embeds = super().embed(input_ids)
-        if not self.parallel:
-            return embeds
-        return torch.where((input_ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds)
-
-    def mask_hidden_fused(self) -> torch.Tensor:
-        """The hidden input of a mask slot: the learned mask state through fc, as a real tap is (1, 1, H)."""
-        return self.fuse(self.mask_hidden)
+    def saved_extras(cls, config: dict) -> dict:
+        """What a variant's constructor takes beside the head's own arguments, read from a saved config."""
+        return {}
 
     @torch.no_grad()
     def init_from_target(self, parts: list[str]) -> "Eagle3Drafter":
@@ -210,7 +190,7 @@ class Eagle3Drafter(EagleHead):
         layer_config = llama_config_like(target.config, intermediate_size=config["intermediate_size"],
                                          sliding_window=cfg.sliding_window)
         head = cls(cfg, layer_config, layer_ids, torch.zeros(n, dtype=torch.long),
-                   torch.zeros(target.vocab_size, dtype=torch.bool), config.get("mask_token_id"))
+                   torch.zeros(target.vocab_size, dtype=torch.bool), **cls.saved_extras(config))
         head.load_weights(directory)
         return head.to(target.device).attach_target(target)
 
@@ -222,9 +202,11 @@ class Eagle3Drafter(EagleHead):
             "draft_vocab_size": int(self.d2t.numel()),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids, "use_aux_hidden_state": True},
         }
-        if self.parallel:
-            config["mask_token_id"] = self.mask_token_id
-        return {**config, **self._reader_options()}
+        return {**config, **self.interchange_extras(), **self._reader_options()}
+
+    def interchange_extras(self) -> dict:
+        """What a variant's interchange config adds after the EAGLE-3 fields."""
+        return {}
 
     def _reader_options(self) -> dict:
         """EAGLE-3.1's flags and the sliding window, under the names vLLM and speculators read (a window as vLLM's
@@ -239,8 +221,6 @@ class Eagle3Drafter(EagleHead):
     formats = ("vllm", "sglang", "speculators")
 
     def export_formats(self) -> tuple[str, ...]:
-        if self.parallel:  # vLLM reads P-EAGLE's mask slots from speculators' format
-            return ("speculators",)
         # SGLang's EAGLE-3 reader is not known to read EAGLE-3.1's norms or a draft window: a file it would load
         # without them would draft differently from the head that was trained, so it is not written
         return ("vllm", "speculators") if self._reader_options() else self.formats
@@ -260,12 +240,8 @@ class Eagle3Drafter(EagleHead):
         if fmt == "speculators":
             return self._speculators(config, tensors)
         if fmt not in self.export_formats():
-            options = [k for k in ("fc_norm", "norm_output", "sliding_window") if k in self._reader_options()]
-            why = (f"a P-EAGLE head (parallel_depths {self.config.parallel_depths}) is served from speculators' "
-                   "format (vLLM reads its mask slots from there)" if self.parallel else
-                   f"an EAGLE-3.1 or sliding-window head ({', '.join(options)}) is written only where the reader "
-                   "is known to apply them (vLLM, speculators)")
-            raise DrafttrainError(f"{why}, not {fmt!r}: export --format {' or '.join(self.export_formats())}")
+            raise DrafttrainError(f"{self.why_not_written()}, not {fmt!r}: export --format "
+                                  f"{' or '.join(self.export_formats())}")
         num_layers = self.target.num_layers
         engine_default = [2, num_layers // 2, num_layers - 3]
         if ids == engine_default:
@@ -275,6 +251,12 @@ class Eagle3Drafter(EagleHead):
         notes = [f"reads target layers {ids} (the input of each; the engine's default)" if ids == engine_default
                  else f"reads target layers {ids} (the input of each), written explicitly"]
         return Exported(config, tensors, notes=notes)
+
+    def why_not_written(self) -> str:
+        """Why a format of the kind's is not one this draft is written in (export_formats)."""
+        options = [k for k in ("fc_norm", "norm_output", "sliding_window") if k in self._reader_options()]
+        return (f"an EAGLE-3.1 or sliding-window head ({', '.join(options)}) is written only where the reader is "
+                "known to apply them (vLLM, speculators)")
 
     def _speculators(self, config, tensors) -> Exported:
         layer = {k: v for k, v in config.items() if k not in (
@@ -303,27 +285,18 @@ class Eagle3Drafter(EagleHead):
             "drafttrain": {**config["drafttrain"], "writer": f"drafttrain {__version__}"},
         }
         renamed = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
-                   for k, v in tensors.items() if k != "mask_embedding"}
-        # speculators' checkpoints carry the target's token embeddings; its loader fills them from the verifier only
-        # when the tensor is NaN, so a file without them loads a draft whose embeddings are HF's zero init
-        embeddings = self.target.model.get_input_embeddings().weight.detach().cpu().clone()
-        if self.parallel:  # P-EAGLE trains the mask token's row (speculators trains the table: the same row)
-            embeddings[self.mask_token_id] = self.mask_embedding.detach().cpu()
-            out.update(self._peagle_fields())
-        renamed[SPECULATORS_EMBEDDINGS] = embeddings
-        return Exported(out, renamed)
+                   for k, v in tensors.items()}
+        return Exported({**out, **self.speculators_fields()}, self.speculators_tensors(renamed))
 
-    def _peagle_fields(self) -> dict:
-        """What speculators' peagle config adds; vLLM serves it as eagle3 with parallel drafting (its pard_token is
-        this mask_token_id)."""
-        depths = self.config.parallel_depths
-        return {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
-                "mask_token_id": self.mask_token_id, "embed_requires_grad": True, "norm_before_fc": False,
-                "speculators_config": {"algorithm": "peagle", "default_proposal_method": "greedy",
-                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depths,
-                                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                                       "verifier": {"name_or_path": verifier_path(self.target), "architectures": list(
-                                           getattr(self.target.config, "architectures", None) or [])}}}
+    def speculators_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The head's tensors as speculators' file carries them: with the target's token embeddings, since its loader
+        fills them from the verifier only when the tensor is NaN (a file without them loads HF's zero init)."""
+        table = self.target.model.get_input_embeddings().weight.detach().cpu().clone()
+        return {**tensors, SPECULATORS_EMBEDDINGS: table}
+
+    def speculators_fields(self) -> dict:
+        """What a variant's speculators config has instead of EAGLE-3's (its keys replace them)."""
+        return {}
 
     @classmethod
     def imported(cls, fmt, config, tensors):
@@ -413,17 +386,6 @@ class Eagle3Drafter(EagleHead):
                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         return draft, config, tensors, []
 
-    def vllm_speculative_config(self) -> dict:
-        """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""
-        return {**super().vllm_speculative_config(), **({"parallel_drafting": True} if self.parallel else {})}
-
-    def card_notes(self) -> list[str]:
-        if not self.parallel:
-            return []
-        return [f"A P-EAGLE head: it proposes up to {self.config.parallel_depths} tokens per forward from mask slots "
-                f"(mask token {self.mask_token_id}). vLLM reads its speculators export (`speculators_model_type: "
-                "peagle`) as EAGLE-3 with parallel drafting."]
-
     # -- shared forward pieces ---------------------------------------------------------------------------
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -464,8 +426,6 @@ class Eagle3Drafter(EagleHead):
         return self.t2d[target_ids].float()
 
     def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
-        if self.parallel:
-            return self._parallel_step(batch, outputs)
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         with torch.no_grad():  # the target's logits over the draft vocabulary, its argmax over all of it
@@ -496,50 +456,3 @@ class Eagle3Drafter(EagleHead):
             metrics[f"loss_{i}"] = float(loss_i.detach())
             hidden = h
         return StepOutput(loss=total, metrics=metrics, correct=correct, counted=counted)
-
-    def _parallel_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
-        """P-EAGLE (drafttrain.drafts.peagle): every real pair and a COD sample of mask slots in one forward per row;
-        the loss is the soft cross-entropy to the target at every slot with a label, one mean over all depths."""
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
-        with torch.no_grad():
-            target_ids, target_logits = rows_and_argmax(outputs, self.draft_to_target)
-            by_argmax = self._trained_positions(target_ids)
-        taps = outputs.hidden.to(self.fc.weight.dtype)
-        if self.training and self.config.noise > 0:
-            taps = taps + (torch.rand_like(taps) - 0.5) * self.config.noise
-        k, total, weight = self.config.parallel_depths, 0.0, 0.0
-        correct, counted = [0.0] * k, [0.0] * k
-        for row in range(input_ids.shape[0]):
-            # a slot at position p predicts token p + 2 from the target's distribution at p + 1
-            trainable = shift_left(loss_mask[row: row + 1], 2)[0] * shift_left(by_argmax[row: row + 1], 1)[0]
-            rollouts = cod_rollouts(trainable, k, self.config.cod_ratio, self.config.cod_min)
-            logits, positions, depths = self._parallel_logits(taps[row], input_ids[row], rollouts)
-            labels = shift_left(target_logits[row: row + 1], 1)[0][positions]
-            mask = trainable[positions]
-            per_slot = losses.per_position("soft_ce", losses.log_probs(logits), losses.log_probs(labels))
-            total, weight = total + (per_slot * mask).sum(), weight + mask.sum()
-            with torch.no_grad():
-                hits = (self.draft_to_target[logits.argmax(-1)] == shift_left(target_ids[row: row + 1], 1)[0][positions])
-                for d in range(k):
-                    at = (depths == d).float() * (mask > 0)
-                    correct[d] += float((hits.float() * at).sum())
-                    counted[d] += float(at.sum())
-        loss = total / weight.clamp(min=1.0) if isinstance(weight, torch.Tensor) else total
-        return StepOutput(loss=loss, metrics={"mask_slots": float(sum(counted[1:]))}, correct=correct, counted=counted)
-
-    def _parallel_logits(self, taps: torch.Tensor, input_ids: torch.Tensor, rollouts) -> tuple:
-        """One row's real pairs (T) and mask slots (S) through the head: draft-vocabulary logits (T + S, V'), each
-        slot's position and depth."""
-        t = input_ids.shape[0]
-        s = rollouts.anchors.numel()
-        hidden = torch.cat([self.fuse(taps), self.mask_hidden_fused()[0].expand(s, -1)])[None]
-        tokens = torch.cat([shift_left(input_ids[None], 1)[0],
-                            torch.full((s,), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)])
-        positions = torch.cat([torch.arange(t, device=input_ids.device), rollouts.positions])
-        depths = torch.cat([torch.zeros(t, dtype=torch.long, device=input_ids.device), rollouts.depths])
-        cos, sin = self.rotary(hidden, positions[None])
-        mask = ParallelMask(t, rollouts)  # never whole: a long row's (T + S)^2 is attended in chunks
-        h = self.midlayer(hidden, self.embed(tokens[None]), cos, sin, LayerCache(), mask)
-        for layer in self._extra_layers():
-            h = layer(h, None, cos, sin, LayerCache(), mask)
-        return self.lm_head(self.norm(h))[0], positions, depths

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from drafttrain import DrafttrainError
-from drafttrain.packages import require
 from drafttrain.config import DraftLoraConfig
+from drafttrain.packages import require
 
 ADAPTER = "default"  # peft's adapter name
 

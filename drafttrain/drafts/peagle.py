@@ -1,91 +1,153 @@
-"""P-EAGLE: an EAGLE-3 head that drafts several tokens in one forward (the EAGLE-3 kind's ``parallel_depths`` option,
-as speculators' ``peagle`` and SpecForge's ``peagle`` train it).
+"""P-EAGLE: an EAGLE-3 head that drafts several tokens in one forward (an EAGLE-3 draft section with
+``parallel_depths``, as speculators' ``peagle`` and SpecForge's ``peagle`` train it).
 
 After the accepted text (pairs of a target state and the next token, as EAGLE-3 reads them), a proposal appends
-k - 1 *mask slots*: the mask token's embedding (a learned row) and a learned hidden input ``mask_hidden`` (through the
-same fc as real taps), at the next positions, attending causally to the text and the earlier mask slots. The last
-real pair predicts draft token 1, mask slot d predicts draft token d + 1: k tokens from one forward.
-
-Training replaces the training-time test with COD sampling (conditional drop): depth 0 is every position (ordinary
-EAGLE-3 step 0); depth d keeps a random ``max(r^d, r_min)`` share of the rollouts that reached depth d - 1, so every
-kept rollout is contiguous from its anchor and the sequence grows by a bounded factor instead of k. A slot of anchor
-a at depth d sits at position a + d and sees the real pairs up to a and its own rollout's earlier slots; its label is
-the target's distribution for token a + d + 2.
+k - 1 mask slots (drafttrain.drafts.parallel): the mask token's embedding (a learned row) and a learned hidden input
+``mask_hidden`` (through the same fc as real taps), at the next positions, attending causally to the text and the
+earlier mask slots. The last real pair predicts draft token 1, mask slot d predicts draft token d + 1: k tokens from
+one forward. Training replaces the training-time test with COD sampling; a slot of anchor a at depth d sits at
+position a + d, and its label is the target's distribution for token a + d + 2.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
+from torch import nn
 
-from drafttrain.drafts.layers import RowMask
+from drafttrain.config import Eagle3Config
+from drafttrain.drafts import losses
+from drafttrain.drafts.base import StepOutput
+from drafttrain.drafts.eagle3 import SPECULATORS_EMBEDDINGS, Eagle3Drafter
+from drafttrain.drafts.layers import LayerCache, resolve_mask_token, shift_left
+from drafttrain.drafts.parallel import ParallelMask, Rollouts, cod_rollouts, parallel_mask
+from drafttrain.targets.loading import verifier_path
+from drafttrain.targets.outputs import TargetOutputs, rows_and_argmax
 
-
-@dataclasses.dataclass
-class Rollouts:
-    """The mask slots of one row: each slot's anchor (the real position it continues) and depth (1..k-1)."""
-
-    anchors: torch.Tensor
-    depths: torch.Tensor
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.anchors + self.depths
+__all__ = ["PEagleDrafter", "ParallelMask", "Rollouts", "cod_rollouts", "parallel_mask"]
 
 
-def cod_rollouts(trainable: torch.Tensor, depths: int, ratio: float, floor: float,
-                 generator: torch.Generator | None = None) -> Rollouts:
-    """COD sampling for one row: ``trainable`` (T,) says which positions' depth-0 slot has a label (the seeds). Depth
-    d keeps ``int((n - d) * max(ratio**d, floor))`` rollouts chosen at random among those that reached depth d - 1 and
-    whose depth-d slot still has a label (n: the number of seeds)."""
-    t = trainable.shape[0]
-    if trainable.is_meta:  # `drafttrain plan`: shapes only, as many slots as a row that trains every position gets
-        sizes = [int((t - d) * max(ratio**d, floor)) for d in range(1, depths)]
-        levels = torch.cat([torch.full((n,), d, dtype=torch.long) for d, n in enumerate(sizes, 1)]).to("meta")
-        return Rollouts(torch.zeros_like(levels), levels)
-    seeds = torch.nonzero(trainable > 0).flatten()
-    pool = seeds  # anchors whose rollout reached the previous depth
-    anchors, levels = [], []
-    for depth in range(1, depths):
-        alive = pool[(pool + depth < t)]
-        alive = alive[trainable[(alive + depth).clamp(max=t - 1)] > 0]
-        wanted = min(int((seeds.numel() - depth) * max(ratio**depth, floor)), alive.numel())
-        if wanted <= 0:
-            break
-        chosen = alive[torch.randperm(alive.numel(), generator=generator, device=alive.device)[:wanted]].sort().values
-        anchors.append(chosen)
-        levels.append(torch.full_like(chosen, depth))
-        pool = chosen
-    if not anchors:
-        empty = torch.zeros(0, dtype=torch.long, device=trainable.device)
-        return Rollouts(empty, empty)
-    return Rollouts(torch.cat(anchors), torch.cat(levels))
+class PEagleDrafter(Eagle3Drafter):
+    parallel = True  # several draft tokens per forward (the proposers' and the tests' question)
 
+    @classmethod
+    def serves(cls, config: Eagle3Config) -> bool:
+        return config.parallel_depths > 0
 
-class ParallelMask(RowMask):
-    """Who sees whom among a row's T real pairs and S mask slots: real pair t sees real pairs <= t; a mask slot sees
-    the real pairs up to its anchor and its own rollout's slots at depths <= its own (itself included). Built a block
-    of query rows at a time, so a long row never holds the (T + S)^2 matrix (DraftAttention attends in chunks)."""
+    def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d, mask_token_id: int):
+        super().__init__(config, layer_config, layer_ids, d2t, t2d)
+        self.mask_token_id = mask_token_id
+        # the mask slots' hidden input (before fc, as real taps) and token embedding
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(layer_ids) * layer_config.hidden_size))
+        self.mask_embedding = nn.Parameter(torch.zeros(layer_config.hidden_size))
 
-    def __init__(self, length: int, rollouts: Rollouts):
-        device = rollouts.anchors.device
-        self.anchors = torch.cat([torch.arange(length, device=device), rollouts.anchors])
-        self.depths = torch.cat([torch.zeros(length, dtype=torch.long, device=device), rollouts.depths])
+    @classmethod
+    def built_extras(cls, config: Eagle3Config, target) -> dict:
+        return {"mask_token_id": resolve_mask_token(config.mask_token_id, target)}
 
-    @property
-    def keys(self) -> int:
-        return self.anchors.numel()
+    @classmethod
+    def saved_extras(cls, config: dict) -> dict:
+        return {"mask_token_id": config["mask_token_id"]}
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        anchors, depths = self.anchors[start:end, None], self.depths[start:end, None]
-        real_key = self.depths[None, :] == 0
-        sees_real = real_key & (self.anchors[None, :] <= anchors)
-        same_rollout = (self.anchors[None, :] == anchors) & (self.depths[None, :] <= depths) & ~real_key
-        return sees_real | same_rollout
+    @torch.no_grad()
+    def init_from_target(self, parts: list[str]) -> "PEagleDrafter":
+        # the mask token starts as the target's own embedding of it
+        self.mask_embedding.copy_(self.target.model.get_input_embeddings().weight[self.mask_token_id])
+        return super().init_from_target(parts)
 
+    @classmethod
+    def max_draft_depth(cls, config: Eagle3Config) -> int | None:
+        return config.parallel_depths
 
-def parallel_mask(length: int, rollouts: Rollouts) -> torch.Tensor:
-    """The whole (T + S, T + S) mask of :class:`ParallelMask`, for a model that takes it whole (PARD's HF student)."""
-    mask = ParallelMask(length, rollouts)
-    return mask.rows(0, mask.keys)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = super().embed(input_ids)
+        return torch.where((input_ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds)
+
+    def mask_hidden_fused(self) -> torch.Tensor:
+        """The hidden input of a mask slot: the learned mask state through fc, as a real tap is (1, 1, H)."""
+        return self.fuse(self.mask_hidden)
+
+    def interchange_extras(self) -> dict:
+        return {"mask_token_id": self.mask_token_id}
+
+    # -- export -------------------------------------------------------------------------------------------
+    def export_formats(self) -> tuple[str, ...]:
+        return ("speculators",)  # vLLM reads P-EAGLE's mask slots from speculators' format
+
+    def why_not_written(self) -> str:
+        return (f"a P-EAGLE head (parallel_depths {self.config.parallel_depths}) is served from speculators' format "
+                "(vLLM reads its mask slots from there)")
+
+    def speculators_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """P-EAGLE trains the mask token's row (speculators trains the table: the same row)."""
+        tensors = super().speculators_tensors({k: v for k, v in tensors.items() if k != "mask_embedding"})
+        tensors[SPECULATORS_EMBEDDINGS][self.mask_token_id] = self.mask_embedding.detach().cpu()
+        return tensors
+
+    def speculators_fields(self) -> dict:
+        """What speculators' peagle config has instead of eagle3's; vLLM serves it as eagle3 with parallel drafting
+        (its pard_token is this mask_token_id)."""
+        depths = self.config.parallel_depths
+        return {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
+                "mask_token_id": self.mask_token_id, "embed_requires_grad": True, "norm_before_fc": False,
+                "speculators_config": {"algorithm": "peagle", "default_proposal_method": "greedy",
+                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depths,
+                                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                                       "verifier": {"name_or_path": verifier_path(self.target), "architectures": list(
+                                           getattr(self.target.config, "architectures", None) or [])}}}
+
+    def vllm_speculative_config(self) -> dict:
+        """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""
+        return {**super().vllm_speculative_config(), "parallel_drafting": True}
+
+    def card_notes(self) -> list[str]:
+        return [f"A P-EAGLE head: it proposes up to {self.config.parallel_depths} tokens per forward from mask slots "
+                f"(mask token {self.mask_token_id}). vLLM reads its speculators export (`speculators_model_type: "
+                "peagle`) as EAGLE-3 with parallel drafting."]
+
+    # -- training ------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], outputs: TargetOutputs) -> StepOutput:
+        """Every real pair and a COD sample of mask slots in one forward per row;
+        the loss is the soft cross-entropy to the target at every slot with a label, one mean over all depths."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].float()
+        with torch.no_grad():
+            target_ids, target_logits = rows_and_argmax(outputs, self.draft_to_target)
+            by_argmax = self._trained_positions(target_ids)
+        taps = outputs.hidden.to(self.fc.weight.dtype)
+        if self.training and self.config.noise > 0:
+            taps = taps + (torch.rand_like(taps) - 0.5) * self.config.noise
+        k, total, weight = self.config.parallel_depths, 0.0, 0.0
+        correct, counted = [0.0] * k, [0.0] * k
+        for row in range(input_ids.shape[0]):
+            # a slot at position p predicts token p + 2 from the target's distribution at p + 1
+            trainable = shift_left(loss_mask[row: row + 1], 2)[0] * shift_left(by_argmax[row: row + 1], 1)[0]
+            rollouts = cod_rollouts(trainable, k, self.config.cod_ratio, self.config.cod_min)
+            logits, positions, depths = self._parallel_logits(taps[row], input_ids[row], rollouts)
+            labels = shift_left(target_logits[row: row + 1], 1)[0][positions]
+            mask = trainable[positions]
+            per_slot = losses.per_position("soft_ce", losses.log_probs(logits), losses.log_probs(labels))
+            total, weight = total + (per_slot * mask).sum(), weight + mask.sum()
+            with torch.no_grad():
+                hits = (self.draft_to_target[logits.argmax(-1)] == shift_left(target_ids[row: row + 1], 1)[0][positions])
+                for d in range(k):
+                    at = (depths == d).float() * (mask > 0)
+                    correct[d] += float((hits.float() * at).sum())
+                    counted[d] += float(at.sum())
+        loss = total / weight.clamp(min=1.0) if isinstance(weight, torch.Tensor) else total
+        return StepOutput(loss=loss, metrics={"mask_slots": float(sum(counted[1:]))}, correct=correct, counted=counted)
+
+    def _parallel_logits(self, taps: torch.Tensor, input_ids: torch.Tensor, rollouts) -> tuple:
+        """One row's real pairs (T) and mask slots (S) through the head: draft-vocabulary logits (T + S, V'), each
+        slot's position and depth."""
+        t = input_ids.shape[0]
+        s = rollouts.anchors.numel()
+        hidden = torch.cat([self.fuse(taps), self.mask_hidden_fused()[0].expand(s, -1)])[None]
+        tokens = torch.cat([shift_left(input_ids[None], 1)[0],
+                            torch.full((s,), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)])
+        positions = torch.cat([torch.arange(t, device=input_ids.device), rollouts.positions])
+        depths = torch.cat([torch.zeros(t, dtype=torch.long, device=input_ids.device), rollouts.depths])
+        cos, sin = self.rotary(hidden, positions[None])
+        mask = ParallelMask(t, rollouts)  # never whole: a long row's (T + S)^2 is attended in chunks
+        h = self.midlayer(hidden, self.embed(tokens[None]), cos, sin, LayerCache(), mask)
+        for layer in self._extra_layers():
+            h = layer(h, None, cos, sin, LayerCache(), mask)
+        return self.lm_head(self.norm(h))[0], positions, depths

@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
-from drafttrain.config import DraftConfig, register_draft_section
+from drafttrain.config import DraftConfig, register_draft_section, unregister_draft_section
 from drafttrain.data.vocab import draft_ids, draft_vocab_for
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config
 from drafttrain.drafts.dflash import DFlashDrafter
@@ -21,6 +21,8 @@ from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.lora import add_draft_lora
 from drafttrain.drafts.medusa import MedusaDrafter
+from drafttrain.drafts.pard import PardDrafter
+from drafttrain.drafts.peagle import PEagleDrafter
 from drafttrain.runfolder import (
     CONFIG_NAME,
     MANIFEST,
@@ -33,22 +35,59 @@ from drafttrain.runfolder import (
     read_safetensors,
     verify_manifest,
 )
+from drafttrain.targets.outputs import TargetNeeds
 
 KINDS: dict[str, type[Drafter]] = {}
+VARIANTS: dict[str, list[type[Drafter]]] = {}  # kind -> its variants, subclasses of its class
 
 
-def register_kind(cls: type[Drafter]) -> type[Drafter]:
-    """Add a kind: its class (a Drafter subclass saying everything about it) under its name, and its section to
-    the recipe schema. Every stage then finds it here."""
+def register_kind(cls: type[Drafter], variants: tuple[type[Drafter], ...] = ()) -> type[Drafter]:
+    """Add a kind: its class (a Drafter subclass saying everything about it) under its name, its section to the
+    recipe schema, and its variants. Every stage then finds it here."""
     if KINDS.get(cls.kind, cls) is not cls:
         raise DrafttrainError(f"draft kind {cls.kind!r} is registered already ({KINDS[cls.kind].__name__})")
     register_draft_section(cls.config_class)
     KINDS[cls.kind] = cls
+    for variant in variants:
+        register_variant(variant)
     return cls
 
 
-for _kind in (Eagle3Drafter, EagleDrafter, MedusaDrafter, DraftModelDrafter, DFlashDrafter):
-    register_kind(_kind)
+def register_variant(cls: type[Drafter]) -> type[Drafter]:
+    """Add a variant of a registered kind: a subclass of the kind's class that serves the sections its ``serves``
+    selects (the kind's name, section, proposer and formats stay the kind's unless it overrides them)."""
+    base = KINDS.get(cls.kind)
+    if base is None or not issubclass(cls, base) or cls is base:
+        raise DrafttrainError(f"{cls.__name__} is not a subclass of a registered kind's class")
+    if cls not in VARIANTS.setdefault(cls.kind, []):
+        VARIANTS[cls.kind].append(cls)
+    return cls
+
+
+def unregister_kind(kind: str) -> None:
+    """Remove a kind, its variants and its recipe section (a kind that lives for a while only, as a test's toy)."""
+    cls = KINDS.pop(kind, None)
+    VARIANTS.pop(kind, None)
+    if cls is not None:
+        unregister_draft_section(cls.config_class)
+
+
+def unregister_variant(cls: type[Drafter]) -> None:
+    if cls in VARIANTS.get(cls.kind, []):
+        VARIANTS[cls.kind].remove(cls)
+
+
+def drafter_for(config: DraftConfig) -> type[Drafter]:
+    """The class of a draft of this section: the most derived registered variant of its kind that serves it, else
+    the kind's own class."""
+    base = drafter_class(config.kind)
+    serving = [variant for variant in VARIANTS.get(config.kind, []) if variant.serves(config)]
+    return max(serving, key=lambda variant: len(variant.__mro__), default=base)
+
+
+for _kind, _variants in ((Eagle3Drafter, (PEagleDrafter,)), (EagleDrafter, ()), (MedusaDrafter, ()),
+                         (DraftModelDrafter, (PardDrafter,)), (DFlashDrafter, ())):
+    register_kind(_kind, _variants)
 
 
 def formats_by_kind() -> str:
@@ -71,16 +110,17 @@ def saved_max_depth(path: str | Path) -> int | None:
     except ValidationError as err:
         raise damaged(directory / CONFIG_NAME, f"holds an invalid {kind.kind} section ({err.errors()[0]['msg']})") \
             from None
-    return kind.max_draft_depth(config)
+    return drafter_for(config).max_draft_depth(config)
 
 
 def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> Drafter:
-    """A fresh draft of the recipe's kind for ``target`` (``run``: the run folder prepare wrote)."""
+    """A fresh draft of the recipe's kind (or the variant its section selects) for ``target`` (``run``: the run
+    folder prepare wrote)."""
     cls = drafter_class(config.kind)
     if not isinstance(config, cls.config_class):
         raise DrafttrainError(f"a {config.kind} draft is built from a {cls.config_class.__name__} section, not a "
                               f"{type(config).__name__}")
-    return cls.build(config, target, run)
+    return drafter_for(config).build(config, target, run)
 
 
 def start_drafter(config: DraftConfig, target, run: RunFolder | None = None, new_vocabulary: bool = False) -> Drafter:
@@ -128,9 +168,15 @@ def resolved_section(config: DraftConfig) -> DraftConfig:
     return continued_config(saved, config, config.init_from)
 
 
+def run_target_needs(config: DraftConfig, target) -> TargetNeeds:
+    """What a run of this draft section reads from ``target`` (the section resolved as the run trains it)."""
+    section = resolved_section(config)
+    return drafter_for(section).target_needs(section, target)
+
+
 def check_vocabulary_choice(config: DraftConfig, new_vocabulary: bool) -> None:
     """A continued draft drafts over a vocabulary chosen on the new data only when its kind can adopt one."""
-    if config.init_from is not None and new_vocabulary and not drafter_class(config.kind).adopts_vocabulary:
+    if config.init_from is not None and new_vocabulary and not drafter_for(config).adopts_vocabulary:
         raise DrafttrainError(f"draft.init_from: a {config.kind} draft keeps the draft vocabulary it was trained "
                               "with; set draft_vocab.enabled: false")
 
@@ -235,8 +281,9 @@ def load_drafter(path: str | Path, target, *, as_saved: bool = False) -> Drafter
     config = read_draft_config(directory)
     check_target(config, target, directory)
     try:
-        drafter, config = _from_export(kind, directory, config, target) if config["drafttrain"].get("export") \
-            else (kind.from_pretrained(directory, target), config)
+        cls = drafter_for(kind.config_class.model_validate(config["drafttrain"]["draft"]))
+        drafter, config = _from_export(cls, directory, config, target) if config["drafttrain"].get("export") \
+            else (cls.from_pretrained(directory, target), config)
     except DrafttrainError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as err:  # a config edited or written by something else

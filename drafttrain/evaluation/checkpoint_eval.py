@@ -23,7 +23,7 @@ from drafttrain.config import DecodeSettings, Recipe
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding import plain_decode
 from drafttrain.decoding.trees import tree_of
-from drafttrain.drafts import drafter_class, load_drafter
+from drafttrain.drafts import drafter_for, load_drafter
 from drafttrain.drafts.base import add_positions, simulated_tau
 from drafttrain.drafts.layers import shift_left
 from drafttrain.drafts.losses import cross_entropy
@@ -65,7 +65,7 @@ def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress
 def check_eval_shape(recipe: Recipe) -> None:
     """The recipe's eval tree parsed, and no deeper than its draft can fill. Called before training starts, so
     a mistake costs nothing."""
-    limit = drafter_class(recipe.draft.kind).max_draft_depth(recipe.draft) if recipe.draft is not None else None
+    limit = drafter_for(recipe.draft).max_draft_depth(recipe.draft) if recipe.draft is not None else None
     settings = recipe.eval.fitted_to(limit)  # a default depth fits the draft; a depth the recipe gives is checked
     tree = tree_of(settings)
     if recipe.draft is None or tree == "auto":  # "auto" is built no deeper than the draft can fill

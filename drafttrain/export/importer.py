@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
-from drafttrain.drafts import load_drafter
+from drafttrain.drafts import drafter_for, load_drafter
 from drafttrain.drafts.registry import foreign_kind
 from drafttrain.export.writer import publish, staging_for
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, file_sha256, read_json, read_safetensors, write_manifest
@@ -72,7 +72,7 @@ def _built(kind, draft, config: dict, tensors: dict[str, torch.Tensor], target, 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_NAME))
     (tmp / CONFIG_NAME).write_text(json.dumps(
         {**config, "drafttrain": {"kind": kind.kind, "draft": draft.model_dump(mode="json")}}))
-    return kind.from_pretrained(tmp, target)
+    return drafter_for(draft).from_pretrained(tmp, target)
 
 
 def _check_weights_kept(drafter, tensors: dict[str, torch.Tensor], source: Path) -> None:

@@ -50,9 +50,9 @@ import drafttrain.training.trainer  # noqa: F401
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
 from drafttrain.cpu_linear import packed_weight_bytes
-from drafttrain.drafts import drafter_class
+from drafttrain.drafts import drafter_for
 from drafttrain.drafts.lora import add_draft_lora
-from drafttrain.drafts.registry import resolved_section, saved_draft_vocab_size
+from drafttrain.drafts.registry import resolved_section, run_target_needs, saved_draft_vocab_size
 from drafttrain.runfolder import RunFolder, open_dataset
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
@@ -349,7 +349,7 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
         # eval mode: the step's own computation and its saved tensors, without the random side paths (on-policy
         # generation, dropout masks) that a meta tensor cannot decide
         with init_empty_weights():  # parameters made on meta, never initialised: an 8B target's took 12 s on a CPU
-            drafter = drafter_class(section.kind).build(section, target, run).to("meta").eval()
+            drafter = drafter_for(section).build(section, target, run).to("meta").eval()
             if section.draft_lora is not None:  # only the adapters train
                 add_draft_lora(drafter, section.draft_lora)
         if recipe.training.mixed_precision != "no":  # activations in the half type (autocast, or DeepSpeed's cast)
@@ -482,7 +482,7 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
     bf16 = recipe.training.mixed_precision == "bf16"
     target_bytes = sum(_nbytes(p) for p in target.model.parameters())
 
-    needs = drafter_class(recipe.draft.kind).target_needs(resolved_section(recipe.draft), target) \
+    needs = run_target_needs(recipe.draft, target) \
         if recipe.draft is not None else TargetNeeds()
     offline = recipe.training.hidden_states == "offline" and recipe.draft is not None
     memory = {"runtime": runtime}

@@ -2,9 +2,13 @@
 
 * no import circles and no upward imports between the pipeline's layers;
 * no function over 80 lines, and ``evaluate()`` at most 60;
-* no draft kind named (as a string or by its class) outside drafts/, config.py and the kind's own proposer module;
+* no draft kind or variant named (as a string or by its class) outside its own modules (the kind's and its variants'
+  in drafts/, their proposers' modules), config.py and drafts/registry.py (the list of built-in kinds);
+* no branch in a kind's own class on what selects one of its variants (the attributes the variant's ``serves``
+  reads), and no ``getattr(..., "parallel")``: a variant is a subclass, never a flag;
 * no side of an evaluation told apart by a string prefix;
-* how many imports sit inside function bodies (each should be heavy and on one path, with a comment saying so).
+* how many imports sit inside function bodies (each should be heavy and on one path, with a comment saying so);
+  and the largest classes and modules, in lines.
 
     python scripts/tools/check_structure.py          # prints the findings; exit 1 when a rule is broken
 
@@ -124,28 +128,37 @@ def long_functions() -> list[str]:
     return too_long
 
 
-def kind_names() -> dict[str, set[str]]:
-    """Each registered kind's name -> the names that mean it (its kind string and its class's name)."""
+def registry():
     sys.path.insert(0, str(PACKAGE.parent))
-    from drafttrain.drafts.registry import KINDS
+    from drafttrain.decoding.proposers import PROPOSER_VARIANTS, PROPOSERS
+    from drafttrain.drafts.registry import KINDS, VARIANTS
 
-    return {kind: {kind, cls.__name__} for kind, cls in KINDS.items()}
+    return KINDS, VARIANTS, PROPOSERS, PROPOSER_VARIANTS
 
 
-def proposer_module_of(kind: str) -> str:
-    from drafttrain.decoding import PROPOSERS
-    from drafttrain.drafts.registry import KINDS
+def kind_names() -> dict[str, set[str]]:
+    """Each registered kind's name -> the names that mean it (its kind string, its class's and its variants')."""
+    kinds, variants, _, _ = registry()
+    return {kind: {kind, cls.__name__, *(v.__name__ for v in variants.get(kind, []))} for kind, cls in kinds.items()}
 
-    return PROPOSERS[KINDS[kind].proposer].__module__
+
+def own_modules(kind: str) -> set[str]:
+    """The modules that are a kind's own: its class's, its variants' and their bases' in drafttrain (a head shared
+    by related kinds), and those of its proposer and the proposer's variants (which are registered by its name)."""
+    kinds, variants, proposers, proposer_variants = registry()
+    classes = [base for cls in (kinds[kind], *variants.get(kind, [])) for base in cls.__mro__]
+    name = kinds[kind].proposer
+    served = [proposers[name], *(p for _, p in proposer_variants.get(name, []))]
+    return {cls.__module__ for cls in classes} - {"drafttrain.drafts.base"} | {p.__module__ for p in served}
 
 
 def may_name_kinds(module: str, kind: str) -> bool:
-    return (module.startswith("drafttrain.drafts") or module == "drafttrain.config"
-            or module == proposer_module_of(kind))
+    return module in own_modules(kind) | {"drafttrain.config", "drafttrain.drafts.registry"}
 
 
 def named_kinds() -> list[str]:
-    """String constants equal to a kind's name, and identifiers or attributes equal to its class's name."""
+    """String constants equal to a kind's name, and identifiers or attributes equal to its or its variants' class
+    names."""
     found = []
     for kind, names in kind_names().items():
         for module, tree in TREES.items():
@@ -160,6 +173,48 @@ def named_kinds() -> list[str]:
                 if value in names:
                     found.append(f"{module}:{node.lineno} names kind {kind!r} ({value})")
     return found
+
+
+def _read_attributes(node: ast.AST) -> set[str]:
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def _class_node(cls) -> ast.ClassDef:
+    tree = TREES[cls.__module__]
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+
+
+def variant_flags() -> list[str]:
+    """A kind's own class (or its proposer) testing what selects one of its variants, and getattr(..., "parallel")."""
+    kinds, variants, proposers, _ = registry()
+    found = []
+    for kind, cls in kinds.items():
+        for variant in variants.get(kind, []):
+            serves = next(f for f in _class_node(variant).body if isinstance(f, ast.FunctionDef) and f.name == "serves")
+            selectors = _read_attributes(serves) - {"config"}
+            for owner in (cls, proposers[cls.proposer]):
+                for node in ast.walk(_class_node(owner)):
+                    if isinstance(node, (ast.If, ast.IfExp, ast.While)) and _read_attributes(node.test) & selectors:
+                        found.append(f"{owner.__module__}:{node.lineno} tests {sorted(_read_attributes(node.test) & selectors)}, "
+                                     f"which selects {variant.__name__}")
+    for module, tree in TREES.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value == "parallel"):
+                found.append(f"{module}:{node.lineno} asks getattr(..., 'parallel')")
+    return found
+
+
+def largest_classes(count: int = 3) -> list[str]:
+    sizes = [(n.end_lineno - n.lineno + 1, f"{module}.{n.name}") for module, tree in TREES.items()
+             for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    return [f"{name} ({lines})" for lines, name in sorted(sizes, reverse=True)[:count]]
+
+
+def largest_modules(count: int = 3) -> list[str]:
+    sizes = [(len(path.read_text().splitlines()), module) for module, path in MODULES.items()]
+    return [f"{name} ({lines})" for lines, name in sorted(sizes, reverse=True)[:count]]
 
 
 def string_prefix_roles() -> list[str]:
@@ -193,7 +248,8 @@ def imports_in_functions() -> tuple[int, int]:
 def main() -> int:
     checks = {"upward imports": upward_imports(), "import circles": [" -> ".join(c) for c in import_circles()],
               f"functions over {MAX_FUNCTION_LINES} lines": long_functions(),
-              "kind names outside drafts/, config.py and the kind's proposer": named_kinds(),
+              "kind or variant names outside their own modules": named_kinds(),
+              "variant selectors tested in a kind's class or proposer, getattr(..., 'parallel')": variant_flags(),
               "string-prefix side roles": string_prefix_roles()}
     for title, found in checks.items():
         print(f"{title}: {len(found)}")
@@ -205,6 +261,8 @@ def main() -> int:
     print(f"modules: {len(MODULES)}, functions: {len(functions())}, longest: {longest[0]}.{longest[1]} "
           f"({longest[2]} lines), evaluate(): {evaluate_lines} lines")
     print(f"imports inside function bodies: {inside} of {total} ({100 * inside / total:.0f}%)")
+    print(f"largest classes (lines): {', '.join(largest_classes())}")
+    print(f"largest modules (lines): {', '.join(largest_modules())}")
     return 1 if any(checks.values()) else 0
 
 

@@ -10,10 +10,18 @@ import pytest
 import torch
 
 from drafttrain.data.chat import prompt_ids
-from drafttrain.decoding import autodepth
-from drafttrain.decoding import Draft, Proposer, plain_decode
-from drafttrain.decoding.autodepth import (Calibration, Costs, calibrate, choose, drafted_length, measure_costs,
-                                          on_the_loop, physical, predicted_speedup)
+from drafttrain.decoding import Draft, Proposer, autodepth, plain_decode
+from drafttrain.decoding.autodepth import (
+    Calibration,
+    Costs,
+    calibrate,
+    choose,
+    drafted_length,
+    measure_costs,
+    on_the_loop,
+    physical,
+    predicted_speedup,
+)
 from drafttrain.decoding.trees import Chain
 from drafttrain.sampling import Sampling
 

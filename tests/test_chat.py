@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import template_variant
+
 from drafttrain.config import RegenerateConfig
 from drafttrain.data.chat import end_of_turn_ids, eos_token_ids, prompt_ids, stop_token_ids
 from drafttrain.data.regenerate import HFGenerator, RegenerationSettings

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from drafttrain import DrafttrainError
-from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
 from drafttrain.cpu_linear import ENV_VAR, PackedLinears, packing_available
+from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN (mkldnn)")
 

@@ -11,11 +11,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from conftest import template_variant
+
 from drafttrain import DrafttrainError
-from drafttrain.data.conversations import load_conversations
 from drafttrain.data.chat import TOOLS_SYSTEM_HEADER, TemplateSupport, template_support
+from drafttrain.data.conversations import load_conversations
 from drafttrain.data.tokenize import assistant_spans, length_grouped_order, pack, pack_plan, tokenize_conversation
 
 TEMPLATES = Path(__file__).parent / "templates"

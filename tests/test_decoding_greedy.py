@@ -19,9 +19,8 @@ from drafttrain.decoding import (
     plain_decode,
 )
 from drafttrain.decoding.trees import ancestor_matrix, tree_position_ids
-from drafttrain.targets import TargetCache
+from drafttrain.targets import HiddenStateTap, Target, TargetCache
 from drafttrain.targets.masks import cache_argument
-from drafttrain.targets import HiddenStateTap, Target
 
 pytestmark = pytest.mark.slow
 

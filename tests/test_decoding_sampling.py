@@ -15,7 +15,6 @@ from scipy import stats as scipy_stats
 
 from drafttrain.decoding import verify
 from drafttrain.decoding.trees import Chain, children_lists
-from drafttrain.sampling import Sampling, probabilities, sample_without_replacement
 from drafttrain.decoding.verify import (
     expected_acceptance_rate,
     verify_chain,
@@ -23,6 +22,7 @@ from drafttrain.decoding.verify import (
     verify_tree,
     verify_tree_greedy,
 )
+from drafttrain.sampling import Sampling, probabilities, sample_without_replacement
 
 V = 6
 X0 = 0  # the context token both tables condition on first

@@ -9,7 +9,9 @@ import math
 
 import pytest
 import torch
+from conftest import REPO, draft_vocab_file, fitted_on_its_answer
 from safetensors.torch import load_file
+from test_export import tiny_target
 
 from drafttrain.config import DFlashConfig, load_recipe
 from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer
@@ -18,9 +20,6 @@ from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.dflash import Blocks, dpace_weights, sample_anchors
 from drafttrain.export import export_draft
 from drafttrain.targets import run_target
-
-from conftest import REPO, draft_vocab_file, fitted_on_its_answer
-from test_export import tiny_target
 
 TINY_MASK = 63  # the tiny target's last row: the mask token
 

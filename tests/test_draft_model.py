@@ -3,15 +3,14 @@ on-policy data, selective distillation, save/load as a plain HF folder, resume, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import logging
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, draft_vocab_file, small_recipe
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, draft_vocab_file, small_recipe
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig, load_recipe
 from drafttrain.decoding.verify import expected_acceptance_rate
@@ -308,7 +307,6 @@ def test_resume_gives_the_same_losses(tmp_path):
 @pytest.mark.slow
 def test_distillation_end_to_end_on_smollm2_with_a_teacher_cache_and_on_policy_batches(tmp_path):
     import json
-
 
     from drafttrain.commands import main
 

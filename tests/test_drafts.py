@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
+from conftest import draft_vocab_file
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from conftest import draft_vocab_file
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config, EagleConfig, parse_recipe
@@ -364,7 +363,6 @@ def test_an_offline_cache_keeps_the_full_argmax_so_training_computes_only_the_dr
     the online ones (draft-row logits and the full argmax) without the full head running; a cache written before
     it (no argmax) still gives the same outputs through the full head."""
     import drafttrain.targets.outputs as target_outputs
-
     from drafttrain.drafts.eagle3 import Eagle3Drafter
 
     keep = list(range(3, 96, 3))

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from drafttrain import DrafttrainError
+from drafttrain.config import DraftConfig, Eagle3Config, EagleConfig
 from drafttrain.decoding.engine import SpeculativeDecoder, plain_decode
 from drafttrain.decoding.proposers import build_proposer
 from drafttrain.decoding.trees import Chain, DynamicTree
-from drafttrain.config import DraftConfig, Eagle3Config, EagleConfig
 from drafttrain.drafts import Drafter, build_drafter
 from drafttrain.targets import run_target
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_draft_model import tiny_target
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config, EagleConfig
@@ -18,8 +19,6 @@ from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
 from drafttrain.drafts import load_drafter, start_drafter
 from drafttrain.export import export_draft
 from drafttrain.export.importer import import_draft
-
-from test_draft_model import tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators_dflash"
 EAGLE3 = Path(__file__).parent / "fixtures" / "speculators_eagle3"

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import REPO, small_recipe
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain import DrafttrainError
@@ -16,8 +17,6 @@ from drafttrain.decoding.trees import NAMED_TREES, StaticTree, build_static_tree
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.drafts.losses import cross_entropy
 from drafttrain.targets import Target, run_target
-
-from conftest import REPO, small_recipe
 
 LORA = {"target_modules": ["q_proj", "v_proj"], "rank": 4, "alpha": 8, "dropout": 0.0, "learning_rate": 1e-2}
 
@@ -289,9 +288,9 @@ def test_tree_auto_sizes_a_tree_from_the_drafts_measured_accuracies(smollm2, res
 
 @pytest.mark.slow
 def test_trained_drafts_share_a_run_with_their_own_shapes_but_a_target_adapter_cannot(smollm2, restore_threads):
-    from drafttrain.evaluation import evaluate, load_suite
     from drafttrain.config import DecodeSettings
     from drafttrain.cpu_linear import PackedLinears
+    from drafttrain.evaluation import evaluate, load_suite
     from drafttrain.evaluation.sides import Compared, SideBuilder
 
     torch.set_num_threads(1)

@@ -7,22 +7,20 @@ import json
 
 import pytest
 import torch
+from conftest import fitted_on_its_answer
 from safetensors.torch import load_file
+from test_dflash import batch_of, randomised, tiny_target
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config
 from drafttrain.decoding import DraftRequest, Sampling, SpeculativeDecoder, build_proposer
 from drafttrain.decoding.trees import Chain, StaticTree
-from drafttrain.drafts import build_drafter, load_drafter
-from drafttrain.drafts import layers
+from drafttrain.drafts import build_drafter, layers, load_drafter
 from drafttrain.drafts.layers import row_mask_attention
 from drafttrain.drafts.peagle import ParallelMask, Rollouts, cod_rollouts, parallel_mask
 from drafttrain.export import export_draft
 from drafttrain.export.writer import export_checkpoint
 from drafttrain.targets import load_target, run_target
-
-from conftest import fitted_on_its_answer
-from test_dflash import batch_of, randomised, tiny_target
 
 MASK = 63
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import small_recipe
+
 from drafttrain import DrafttrainError
 from drafttrain.commands import main
 from drafttrain.config import load_recipe

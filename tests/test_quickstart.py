@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import REPO
+
 from drafttrain.commands import main
 
 

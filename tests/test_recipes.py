@@ -3,8 +3,8 @@
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from drafttrain import DrafttrainError
 from drafttrain.config import load_recipe
 from drafttrain.evaluation.checkpoint_eval import check_eval_shape

@@ -16,8 +16,6 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.config import RegenerateConfig
 from drafttrain.data.chat import prompt_ids
-from drafttrain.data.regenerate.hf import HFGenerator
-from drafttrain.sampling import keep_top_p
 from drafttrain.data.regenerate import (
     OutputPaths,
     SeededGumbelSampling,
@@ -26,6 +24,8 @@ from drafttrain.data.regenerate import (
     regenerate_conversations,
     wire_messages,
 )
+from drafttrain.data.regenerate.hf import HFGenerator
+from drafttrain.sampling import keep_top_p
 
 TARGET = "smollm2-135m-instruct"
 MAX_NEW = 6  # short answers: the machine is shared and every decode step counts

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO
+
 from drafttrain import DrafttrainError
 from drafttrain.commands import main
 

@@ -7,9 +7,9 @@ import torch
 
 from drafttrain.decoding import engine
 from drafttrain.evaluation import evaluate, load_suite
-from drafttrain.evaluation.sides import Compared
 from drafttrain.evaluation.report import mismatch_text, render_markdown
 from drafttrain.evaluation.rounding import mismatch_rounding
+from drafttrain.evaluation.sides import Compared
 from drafttrain.targets import load_target
 
 CONTEXT = "The capital of France is Paris. The capital of Germany is"

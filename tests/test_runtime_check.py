@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from test_autodepth import Scripted
 
 from drafttrain.config import DecodeSettings
 from drafttrain.data.chat import prompt_ids
@@ -15,7 +16,6 @@ from drafttrain.decoding import SpeculativeDecoder, plain_decode
 from drafttrain.decoding.autodepth import Costs, choose_shape
 from drafttrain.decoding.guard import MIN_CYCLES, RETRY_AFTER, Cycle, RuntimeGuard, measured_speedup
 from drafttrain.decoding.trees import Chain, StaticTree
-from test_autodepth import Scripted
 
 D = 4
 # a CPU-like table: a w-token verification costs 1 + 0.15 (w - 1) plain steps, a draft token 5% of one

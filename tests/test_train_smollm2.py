@@ -6,9 +6,9 @@ import json
 
 import pytest
 import yaml
-
 from conftest import REPO
 from wandb_records import read_run
+
 from drafttrain.commands import main
 
 # integration: several processes, or the real target trained end to end (CI runs them; `-m "not slow"` skips)

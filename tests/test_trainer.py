@@ -10,8 +10,15 @@ import math
 import pytest
 import torch
 from trainer_helpers import (  # noqa: F401  (fresh_accelerate: an autouse fixture)
-    Interrupted, StandInDraft, fresh_accelerate, make_trainer, one_step_on_unequal_rows, prepared_run,
-    reset_accelerate, tiny_dataset, tiny_target,
+    Interrupted,
+    StandInDraft,
+    fresh_accelerate,
+    make_trainer,
+    one_step_on_unequal_rows,
+    prepared_run,
+    reset_accelerate,
+    tiny_dataset,
+    tiny_target,
 )
 
 from drafttrain import DrafttrainError
@@ -334,8 +341,8 @@ def test_under_a_time_budget_the_time_left_is_the_budgets_not_the_step_counts(tm
 def test_without_a_terminal_training_writes_progress_records_with_the_total_and_time_left(tmp_path, caplog):
     """A log file, CI or nohup gets one line per log step (no bar can be drawn): step of total, loss, tokens/s,
     and an ETA from the rate so far; the quickstart shows them on such a console every 30 s at most."""
-    from drafttrain.progress import PROGRESS_LOGGER
     from drafttrain.commands.quickstart import ConsoleLines
+    from drafttrain.progress import PROGRESS_LOGGER
 
     with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
         make_trainer(tmp_path, max_steps=4, log_every=2).train()  # pytest's stderr is not a terminal

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import sys
 
-import pytest
 from conftest import REPO, small_recipe
 
 from drafttrain.commands import main

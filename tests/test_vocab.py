@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from drafttrain import DrafttrainError
+from drafttrain.data.tokenize import tokenizer_fingerprint
 from drafttrain.data.vocab import (
     DraftVocabKey,
     build_draft_vocab,
@@ -17,7 +18,6 @@ from drafttrain.data.vocab import (
     save_draft_vocab,
     select_draft_ids,
 )
-from drafttrain.data.tokenize import tokenizer_fingerprint
 
 
 class FakeTokenizer:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
-from drafttrain.userfiles import read_text
 from drafttrain.data.conversations import FormatMismatch, LoadedSource, SkipRecord, normalize_record
+from drafttrain.userfiles import read_text
 
 REQUEST_KEYS = ("request", "body")  # where a logged line nests the request, when it does
 REDACTED = "[REDACTED]"

@@ -14,7 +14,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from drafttrain import __version__
-from drafttrain.evaluation.report import ACCEPTANCE_PLOT, CONTEXT_PLOT, context_table
+from drafttrain.evaluation.report import CONTEXT_PLOT, context_table
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
 from drafttrain.evaluation.serving_report import agreement_lines, conclusions, markdown_table
 from drafttrain.targets.loading import provenance

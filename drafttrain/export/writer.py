@@ -17,7 +17,6 @@ from typing import Any
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
-from drafttrain.userfiles import make_folder, writing
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter, read_draft_config
 from drafttrain.evaluation.evaluate import EvalReport
@@ -37,6 +36,7 @@ from drafttrain.runfolder import (
     write_text_atomic,
 )
 from drafttrain.targets import load_target
+from drafttrain.userfiles import make_folder, writing
 
 FORMATS = ("vllm", "sglang", "speculators", "hf")
 REPORT_NAME = "report.json"

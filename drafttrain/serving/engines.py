@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from drafttrain import DrafttrainError
-from drafttrain.userfiles import cause
 from drafttrain.evaluation.serving_report import PLAIN
 from drafttrain.serving.metrics import SpecCounters, by_label, counter_samples, total
+from drafttrain.userfiles import cause
 
 LOG_TAIL_CHARS = 3000
 PR_SET_PDEATHSIG = 1

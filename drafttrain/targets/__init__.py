@@ -2,8 +2,14 @@
 
 from drafttrain.targets.cache import TargetCache
 from drafttrain.targets.hidden import HiddenStateTap, resolve_layers
-from drafttrain.targets.loading import (BUILTIN_TARGETS, Target, check_same_tokenizer, load_target, load_tokenizer,
-                                       synchronize)
+from drafttrain.targets.loading import (
+                                       BUILTIN_TARGETS,
+                                       Target,
+                                       check_same_tokenizer,
+                                       load_target,
+                                       load_tokenizer,
+                                       synchronize,
+)
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, logits_from_final, run_target
 
 __all__ = [

@@ -24,17 +24,17 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
-from safetensors import SafetensorError
 from huggingface_hub import ModelCard
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from drafttrain import DrafttrainError
-from drafttrain.userfiles import cause
-from drafttrain.packages import require
 from drafttrain.config import TargetConfig
 from drafttrain.data.tokenize import tokenizer_fingerprint
+from drafttrain.packages import require
 from drafttrain.runfolder import cache_root
+from drafttrain.userfiles import cause
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,15 @@ from drafttrain import DrafttrainError
 from drafttrain.progress import progress_bar
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
 from drafttrain.targets.hidden import HiddenStateTap
-from drafttrain.targets.outputs import (TargetNeeds, TargetOutputs, TopK, full_argmax, plain_rows, target_logits,
-                                        top_k_of)
+from drafttrain.targets.outputs import (
+    TargetNeeds,
+    TargetOutputs,
+    TopK,
+    full_argmax,
+    plain_rows,
+    target_logits,
+    top_k_of,
+)
 
 INDEX = "index.json"
 FORMAT_VERSION = 3

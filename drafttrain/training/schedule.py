@@ -13,6 +13,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import TrainingConfig
 from drafttrain.training.loader import BatchLayout
 
+
 def total_steps(training: TrainingConfig, layout: BatchLayout) -> int:
     """Optimizer steps to run: max_steps when set, else the (possibly fractional) number of epochs (with a time
     budget: the most it may run)."""

@@ -22,17 +22,22 @@ from accelerate.utils import gather_object, set_seed
 from torch import nn
 
 from drafttrain import DrafttrainError
-from drafttrain.userfiles import writing
 from drafttrain.config import Recipe
 from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged, step_dir_name, write_manifest
 from drafttrain.targets.outputs import TargetOutputs, run_target
-from drafttrain.training.checkpoint import (DAMAGED_SUFFIX, DIVERGED_SUFFIX, CheckpointManager, TrainerState,
-                                           recipe_changes)
+from drafttrain.training.checkpoint import (
+    DAMAGED_SUFFIX,
+    DIVERGED_SUFFIX,
+    CheckpointManager,
+    TrainerState,
+    recipe_changes,
+)
 from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids, to_device, trained_tokens
 from drafttrain.training.run_log import CheckpointMetrics, MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator, gathered, local_part, shard_frozen, zero_stage_of
 from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
+from drafttrain.userfiles import writing
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,10 @@ import argparse
 import hashlib
 import json
 import platform
+import pydoc_data.topics
 import sys
 import sysconfig
 from pathlib import Path
-
-import pydoc_data.topics
 
 from drafttrain.targets.loading import load_tokenizer
 

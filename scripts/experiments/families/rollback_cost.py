@@ -15,8 +15,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 

@@ -30,8 +30,8 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from drafttrain.targets.loading import load_target, resolve_model_dir
 from drafttrain.export.importer import import_draft
+from drafttrain.targets.loading import load_target, resolve_model_dir
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

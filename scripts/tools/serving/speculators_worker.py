@@ -16,7 +16,6 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-
 from speculators.models.dflash import core as dflash_core
 from speculators.models.dflash.core import DFlashDraftModel
 from speculators.models.eagle3.core import Eagle3DraftModel

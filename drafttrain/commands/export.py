@@ -1,17 +1,16 @@
-"""``drafttrain export RUN_OR_CHECKPOINT --format vllm|sglang|speculators|hf --out DIR``."""
+"""``drafttrain export RUN_OR_CHECKPOINT --format FORMAT --out DIR`` (the formats: every kind's codecs)."""
 
 from __future__ import annotations
 
 import argparse
 
-from drafttrain.drafts.registry import formats_by_kind
-from drafttrain.export import FORMATS
+from drafttrain.drafts.registry import formats_by_kind, known_formats
 from drafttrain.export.writer import export_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a run's output_dir (its best checkpoint), its checkpoints/ or one checkpoint")
-    parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
+    parser.add_argument("--format", required=True, choices=known_formats(), dest="fmt",
                         help=formats_by_kind())
     parser.add_argument("--out", required=True, help="the folder to write (refused if it holds files)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")

@@ -1,6 +1,6 @@
-"""``drafttrain import FOLDER --target T --out DIR``: a draft another trainer wrote (in a format a kind reads:
-``Drafter.foreign_format``), as a drafttrain checkpoint that ``eval`` and ``export`` take like our own and ``train``
-continues (``draft.init_from``)."""
+"""``drafttrain import FOLDER --target T --out DIR``: a draft another trainer wrote (in a format one of the kinds'
+readers reads, drafttrain.drafts.codecs), as a drafttrain checkpoint that ``eval`` and ``export`` take like our own
+and ``train`` continues (``draft.init_from``)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,22 +31,10 @@ from torch import nn
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DraftConfig
 from drafttrain.data.vocab import mapping_problem
+from drafttrain.drafts.codecs import Exported, writable_formats
 from drafttrain.drafts.lora import has_lora, merged_state
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
-
-
-@dataclasses.dataclass
-class Exported:
-    """A draft in one engine's format: ``config`` (config.json) and ``tensors`` (model.safetensors); ``folders``:
-    writers of whole model folders, by sub-folder name ("" = the export itself, for a draft that is a whole HF
-    model; its config.json gains ``config``), e.g. Medusa-2's adapted target, merged; ``notes``: what the engine
-    does differently, for the model card."""
-
-    config: dict[str, Any]
-    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    folders: dict[str, Callable[[Path], None]] = dataclasses.field(default_factory=dict)
-    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -228,10 +216,11 @@ class Drafter(nn.Module):
 
     # -- export -------------------------------------------------------------------------------------------
     def export_formats(self) -> tuple[str, ...]:
-        """The formats this draft, as configured, can be written in (the kind's ``formats`` unless an option
-        narrows them)."""
-        return self.formats
+        """The formats this draft, as configured, is written in, the one it prefers first (its codecs')."""
+        return writable_formats(self)
 
+    # A kind may keep its formats in its class (``formats``, ``exported``, ``imported``), as a small kind does, or
+    # register codecs for them (drafttrain.drafts.codecs), as a kind with several formats and variants does.
     def exported(self, fmt: str) -> Exported:
         """This draft in serving format ``fmt`` (one of ``formats``). The config keeps a ``drafttrain`` section
         (engines ignore it) that says which format it is, so ``imported`` can read it back."""

@@ -34,22 +34,20 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from drafttrain import DrafttrainError, __version__
+from drafttrain import DrafttrainError
 from drafttrain.config import DFlashConfig
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits
-from drafttrain.drafts.eagle3 import SPECULATORS_VERSION, check_aux_layers, default_aux_layers
+from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, top1_hits
+from drafttrain.drafts.codecs import SPECULATORS_VERSION
+from drafttrain.drafts.eagle3 import check_aux_layers, default_aux_layers
 from drafttrain.drafts.layers import (
     LayerCache,
-    check_foreign_layers,
-    foreign_tensors,
     llama_config_like,
     resolve_mask_token,
 )
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import decoder_layers, final_norm_scale
-from drafttrain.targets.loading import verifier_path
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
 
@@ -174,19 +172,6 @@ def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: float) ->
 
 
 # what speculators' DFlash checkpoints may hold beside the draft: copies of the target's own weights
-def foreign_block_attention(config: dict) -> str:
-    """speculators' rule: a sliding-attention layer's block is causal unless ``sliding_window_non_causal``; a
-    full-attention layer's is always bidirectional. drafttrain's draft has one block attention for all layers."""
-    layer = config["transformer_layer_config"]
-    types = layer.get("layer_types") or ["full_attention"] * layer["num_hidden_layers"]
-    causal = {kind == "sliding_attention" and not config.get("sliding_window_non_causal") for kind in types}
-    if len(causal) > 1:
-        raise DrafttrainError(f"the draft mixes causal and bidirectional block layers ({types}, "
-                              f"sliding_window_non_causal {config.get('sliding_window_non_causal')}): drafttrain's "
-                              "DFlash draft has one block attention for every layer")
-    return "causal" if causal.pop() else "bidirectional"
-
-
 class DFlashDrafter(Drafter):
     kind = "dflash"
     config_class = DFlashConfig
@@ -426,7 +411,7 @@ class DFlashDrafter(Drafter):
             metrics["mean_weight"] = float(weights.sum() / mask.sum().clamp(min=1.0))
         return StepOutput(loss=loss, metrics=metrics, correct=correct, counted=counted)
 
-    # -- save / export -------------------------------------------------------------------------------------
+    # -- save (its formats: drafttrain.drafts.formats.dflash) ------------------------------------------------
     def layer_fields(self) -> dict:
         """transformer_layer_config: the draft layers as Qwen3 layers (q/k norms), as speculators and vLLM build them."""
         c = self.layer_config
@@ -458,65 +443,6 @@ class DFlashDrafter(Drafter):
             "target_hidden_size": None, "tie_word_embeddings": False, "dtype": "float32",
             "transformer_layer_config": self.layer_fields(),
         }
-
-    def exported(self, fmt: str) -> Exported:
-        config = self.checkpoint_config(export={"format": fmt})
-        config["speculators_config"] = {
-            "algorithm": "dflash", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.max_draft_depth(self.config),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier_path(self.target),
-                         "architectures": list(getattr(self.target.config, "architectures", None) or [])},
-        }
-        config["drafttrain"]["writer"] = f"drafttrain {__version__}"
-        tensors = self.state_tensors()
-        notes = [f"drafts {self.max_draft_depth(self.config)} tokens per forward; block attention "
-                 f"{self.config.block_attention}"]
-        if self.full_vocabulary:  # vLLM wants d2t only for a draft vocabulary (the lm_head is the target's, whole)
-            tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
-        return Exported(config, tensors, notes=notes)
-
-    @property
-    def full_vocabulary(self) -> bool:
-        return self.d2t.numel() == self.t2d.numel()
-
-    @classmethod
-    def imported(cls, fmt, config, tensors):
-        config = {k: v for k, v in config.items() if k != "speculators_config"}
-        if "d2t" not in tensors:  # a whole-vocabulary export: the identity map
-            n = config["draft_vocab_size"]
-            tensors = {**tensors, "d2t": torch.zeros(n, dtype=torch.long), "t2d": torch.ones(n, dtype=torch.bool)}
-        return config, tensors
-
-    # -- import: a DFlash draft speculators' trainer (or a converter to its format) wrote ----------------------
-    foreign_formats = ("speculators",)
-
-    @classmethod
-    def foreign_format(cls, config):
-        return "speculators" if config.get("speculators_model_type") == "dflash" else None
-
-    @classmethod
-    def foreign_draft(cls, config, tensors, target):
-        layer = config["transformer_layer_config"]
-        check_foreign_layers(config, target)
-        if config.get("mask_token_id") is None:
-            raise DrafttrainError("the draft's config names no mask_token_id: the token its blocks were trained with "
-                                  "is unknown (set it in config.json to the one its trainer used)")
-        check_aux_layers(config["aux_hidden_state_layer_ids"], target.num_layers)
-        draft = DFlashConfig(num_layers=layer["num_hidden_layers"], block_size=config["block_size"],
-                             layers=config["aux_hidden_state_layer_ids"], block_attention=foreign_block_attention(config),
-                             sample_from_anchor=bool(config.get("sample_from_anchor")),
-                             mask_token_id=config["mask_token_id"], intermediate_size=layer["intermediate_size"],
-                             init_from_target=False)
-        tensors = foreign_tensors(tensors)
-        if "lm_head.weight" not in tensors:  # speculators omits a whole-vocabulary head: it is the target's own
-            tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().float().cpu()
-        config, tensors = cls.imported("speculators", config, tensors)
-        window = layer.get("sliding_window") if draft.block_attention == "causal" else None
-        notes = [f"its layers attend within a sliding window of {window} tokens, which drafttrain does not model: "
-                 f"contexts longer than {window} tokens are drafted with the whole context"] \
-            if window and window < layer.get("max_position_embeddings", 0) else []
-        return draft, config, tensors, notes
 
     def card_notes(self) -> list[str]:
         depth = self.max_draft_depth(self.config)

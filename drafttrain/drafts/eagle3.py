@@ -13,74 +13,26 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from drafttrain import DrafttrainError, __version__
+from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Exported, StepOutput, top1_hits
+from drafttrain.drafts.base import StepOutput, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import (
     DraftDecoderLayer,
-    check_foreign_layers,
-    foreign_tensors,
     llama_config_like,
     shift_left,
 )
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets.hidden import final_norm_scale
-from drafttrain.targets.loading import verifier_path
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
-
-SPECULATORS_EMBEDDINGS = "embed_tokens.weight"  # the target's token embeddings, as speculators' files carry them
-SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format the export writes (and is tested with)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low/mid/high taps: the inputs of layers 2, L/2 and L-3 (vLLM's and SpecForge's default), each
     once (a shallow target can map two of them to one layer)."""
     return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
-
-
-def foreign_window(layer: dict) -> int | None:
-    """The sliding window of a foreign draft's layers (None: full attention); drafttrain's head has one attention
-    for all its layers, so a mix, or sliding layers without a window, is refused rather than read as another."""
-    types = set(layer.get("layer_types") or ["full_attention"])
-    window = layer.get("sliding_window")
-    if types == {"full_attention"} and not layer.get("use_sliding_window"):
-        return None
-    if types == {"sliding_attention"} or (types == {"full_attention"} and layer.get("use_sliding_window")):
-        if not window:
-            raise DrafttrainError("the draft's layers slide but name no sliding_window: its window is unknown")
-        return int(window)
-    raise DrafttrainError(f"the draft mixes layer types {sorted(types)}: drafttrain's EAGLE-3 head has one attention "
-                          "for all its layers")
-
-
-def foreign_section(layer: dict, ids: list[int], depth: int, fc_norm: bool, norm_output: bool,
-                    mask_token_id: int | None = None) -> Eagle3Config:
-    """The EAGLE-3 section of a foreign draft whose layers ``layer`` describes: its window read from them, its draft
-    length ``depth`` kept as the training-time test's depth (below the window, which must exceed it). With a
-    ``mask_token_id`` it is a P-EAGLE head drafting ``depth`` tokens a forward."""
-    window = foreign_window(layer)
-    parallel = {} if mask_token_id is None else {"parallel_depths": depth, "mask_token_id": mask_token_id}
-    return Eagle3Config(num_layers=layer["num_hidden_layers"], layers=ids, intermediate_size=layer["intermediate_size"],
-                        fc_norm=fc_norm, norm_output=norm_output, sliding_window=window,
-                        ttt_steps=min(depth, window - 1) if window else depth, **parallel)
-
-
-def _target_embeddings(tensors: dict[str, torch.Tensor], mask_token_id: int, target) -> bool:
-    """Whether a P-EAGLE draft's embedding table is the target's apart from its mask token's row (compared in the
-    file's dtype): what drafttrain's head computes, which reads the target's table and trains that row alone.
-    speculators' P-EAGLE trains the whole table by default, which this refuses."""
-    table = tensors.get(SPECULATORS_EMBEDDINGS)
-    if table is None:
-        return True
-    ours = target.model.get_input_embeddings().weight.detach().to(table.dtype)
-    if table.shape != ours.shape:
-        return False
-    rows = torch.ones(table.shape[0], dtype=torch.bool)
-    rows[mask_token_id] = False
-    return bool(torch.equal(table[rows], ours[rows]))
 
 
 def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -202,13 +154,16 @@ class Eagle3Drafter(EagleHead):
             "draft_vocab_size": int(self.d2t.numel()),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids, "use_aux_hidden_state": True},
         }
-        return {**config, **self.interchange_extras(), **self._reader_options()}
+        return {**config, **self.interchange_extras(), **self.reader_options()}
 
     def interchange_extras(self) -> dict:
         """What a variant's interchange config adds after the EAGLE-3 fields."""
         return {}
 
-    def _reader_options(self) -> dict:
+    # -- export (its codecs: drafttrain.drafts.formats.eagle3) ------------------------------------------------
+    formats = ("vllm", "sglang", "speculators")
+
+    def reader_options(self) -> dict:
         """EAGLE-3.1's flags and the sliding window, under the names vLLM and speculators read (a window as vLLM's
         Llama layers read it: per-layer types and one size); left out when off (the readers' default)."""
         fields = {name: True for name in ("fc_norm", "norm_output") if getattr(self.config, name)}
@@ -216,175 +171,6 @@ class Eagle3Drafter(EagleHead):
             fields.update(sliding_window=self.config.sliding_window, use_sliding_window=True,
                           layer_types=["sliding_attention"] * self.config.num_layers)
         return fields
-
-    # -- export -------------------------------------------------------------------------------------------
-    formats = ("vllm", "sglang", "speculators")
-
-    def export_formats(self) -> tuple[str, ...]:
-        # SGLang's EAGLE-3 reader is not known to read EAGLE-3.1's norms or a draft window: a file it would load
-        # without them would draft differently from the head that was trained, so it is not written
-        return ("vllm", "speculators") if self._reader_options() else self.formats
-
-    def exported(self, fmt: str) -> Exported:
-        """The layer ids say which target layers feed fc, and each engine reads them its own way. drafttrain's id i
-        is the input of target layer i (HF's hidden_states[i]). vLLM reads the same; SGLang adds 1 to explicit ids
-        (so it is given i - 1); both default to (2, L/2, L-3), so default ids are left out. speculators keeps them
-        explicit."""
-        ids = list(self.layer_ids)
-        config = self.checkpoint_config(export={"format": fmt, "aux_layer_ids": ids})
-        tensors = self.state_tensors()
-        if fmt in ("vllm", "speculators") and self.d2t.numel() == self.target.vocab_size:
-            # a head over the whole vocabulary has no map: vLLM then refuses a d2t tensor at load, and speculators
-            # builds none (imported() restores the identity)
-            tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
-        if fmt == "speculators":
-            return self._speculators(config, tensors)
-        if fmt not in self.export_formats():
-            raise DrafttrainError(f"{self.why_not_written()}, not {fmt!r}: export --format "
-                                  f"{' or '.join(self.export_formats())}")
-        num_layers = self.target.num_layers
-        engine_default = [2, num_layers // 2, num_layers - 3]
-        if ids == engine_default:
-            del config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        elif fmt == "sglang":
-            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
-        notes = [f"reads target layers {ids} (the input of each; the engine's default)" if ids == engine_default
-                 else f"reads target layers {ids} (the input of each), written explicitly"]
-        return Exported(config, tensors, notes=notes)
-
-    def why_not_written(self) -> str:
-        """Why a format of the kind's is not one this draft is written in (export_formats)."""
-        options = [k for k in ("fc_norm", "norm_output", "sliding_window") if k in self._reader_options()]
-        return (f"an EAGLE-3.1 or sliding-window head ({', '.join(options)}) is written only where the reader is "
-                "known to apply them (vLLM, speculators)")
-
-    def _speculators(self, config, tensors) -> Exported:
-        layer = {k: v for k, v in config.items() if k not in (
-            "architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "drafttrain", "mask_token_id",
-            "fc_norm", "norm_output")}  # the window stays in the layer config: vLLM's Llama layer reads it there
-        layer["num_hidden_layers"] = self.config.num_layers
-        out = {
-            "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION,
-            "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]},
-            "draft_vocab_size": config["draft_vocab_size"],
-            "target_hidden_size": config["target_hidden_size"],
-            "norm_before_residual": False,  # the residual is the un-normed hidden, as in EAGLE-3
-            "fc_norm": self.config.fc_norm, "norm_output": self.config.norm_output,
-            "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.config.ttt_steps,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": verifier_path(self.target), "architectures": list(
-                    getattr(self.target.config, "architectures", None) or [])},
-            },
-            "torch_dtype": "float32",
-            "drafttrain": {**config["drafttrain"], "writer": f"drafttrain {__version__}"},
-        }
-        renamed = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
-                   for k, v in tensors.items()}
-        return Exported({**out, **self.speculators_fields()}, self.speculators_tensors(renamed))
-
-    def speculators_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The head's tensors as speculators' file carries them: with the target's token embeddings, since its loader
-        fills them from the verifier only when the tensor is NaN (a file without them loads HF's zero init)."""
-        table = self.target.model.get_input_embeddings().weight.detach().cpu().clone()
-        return {**tensors, SPECULATORS_EMBEDDINGS: table}
-
-    def speculators_fields(self) -> dict:
-        """What a variant's speculators config has instead of EAGLE-3's (its keys replace them)."""
-        return {}
-
-    @classmethod
-    def imported(cls, fmt, config, tensors):
-        ids = config["drafttrain"]["export"]["aux_layer_ids"]
-        if fmt == "speculators":
-            layer = config["transformer_layer_config"]
-            mask = config["mask_token_id"] if config.get("speculators_model_type") == "peagle" else None
-            config = {**{k: v for k, v in layer.items() if k != "architectures"},
-                      "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": config["draft_vocab_size"],
-                      "target_hidden_size": config["target_hidden_size"], "drafttrain": config["drafttrain"],
-                      **({} if mask is None else {"mask_token_id": mask})}
-            if mask is not None:  # P-EAGLE: the mask token's trained row; the rest is the target's own
-                tensors = {**tensors, "mask_embedding": tensors[SPECULATORS_EMBEDDINGS][mask]}
-            tensors = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
-                       for k, v in tensors.items() if k != SPECULATORS_EMBEDDINGS}
-        config = {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
-        if "d2t" not in tensors:  # written without a map: the head covers the whole vocabulary
-            d2t, t2d = draft_vocab_for(None, None, config["draft_vocab_size"])
-            tensors = {**tensors, "d2t": d2t, "t2d": t2d}
-        return config, tensors
-
-    foreign_formats = ("speculators", "specforge")
-
-    @classmethod
-    def foreign_format(cls, config):
-        if config.get("speculators_model_type") in ("eagle3", "peagle"):  # P-EAGLE: this kind's parallel_depths
-            return "speculators"
-        # EAGLE's and SpecForge's trainers write the interchange layout (a Llama config, midlayer.*, fc, d2t/t2d)
-        return "specforge" if config.get("architectures") == ["LlamaForCausalLMEagle3"] else None
-
-    @classmethod
-    def foreign_draft(cls, config, tensors, target):
-        """An EAGLE-3 (or 3.1) draft as speculators' Eagle3DraftModel saves it (a speculators trainer's checkpoint, or
-        what `speculators convert` writes from EAGLE / SpecForge heads), or as EAGLE's and SpecForge's trainers do."""
-        if "transformer_layer_config" not in config:
-            return cls._specforge_draft(config, tensors, target)
-        layer = config["transformer_layer_config"]
-        if any(".q_norm." in name or ".k_norm." in name for name in tensors):
-            raise DrafttrainError("the draft's layers normalise q and k (Qwen3 layers: speculators' --draft-arch qwen3, "
-                                  "its P-EAGLE default), which drafttrain's EAGLE-3 layer does not compute: it would "
-                                  "load and draft something else (train it with --draft-arch llama)")
-        check_foreign_layers(config, target)
-        mask = config["mask_token_id"] if config.get("speculators_model_type") == "peagle" else None
-        # a P-EAGLE file carries the target's table with its own mask row, which drafttrain's head does compute
-        own_table = config.get("embed_requires_grad") and not (mask is not None and
-                                                               _target_embeddings(tensors, mask, target))
-        for flag, set_, why in (("norm_before_fc", config.get("norm_before_fc"),
-                                 "one RMSNorm over the concatenated taps"),
-                                ("norm_before_residual", config.get("norm_before_residual"),
-                                 "the residual taken after hidden_norm"),
-                                ("embed_requires_grad", own_table, "token embeddings of its own, where drafttrain's "
-                                                                   "head reads the target's (and, for P-EAGLE, its "
-                                                                   "mask token's row)")):
-            if set_:
-                raise DrafttrainError(f"the draft sets {flag} ({why}), which drafttrain's EAGLE-3 head does not "
-                                      "compute: it would load and draft something else")
-        ids = check_aux_layers(config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers),
-                               target.num_layers)
-        # its draft length (what the speculators export writes back; P-EAGLE's tokens per forward)
-        methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        draft = foreign_section(layer, ids, int(methods[0].get("speculative_tokens") or 7),
-                                bool(config.get("fc_norm")), bool(config.get("norm_output")), mask)
-        own = foreign_tensors(tensors)
-        if mask is not None:  # `imported` keeps the mask token's row of the table alone (the target's, if none)
-            own[SPECULATORS_EMBEDDINGS] = tensors.get(SPECULATORS_EMBEDDINGS,
-                                                      target.model.get_input_embeddings().weight.detach()).float()
-        config, tensors = cls.imported("speculators", {**config, "drafttrain": {"export": {"aux_layer_ids": ids}}}, own)
-        return draft, {k: v for k, v in config.items() if k != "drafttrain"}, tensors, []
-
-    @classmethod
-    def _specforge_draft(cls, config, tensors, target):
-        """SpecForge's LlamaForCausalLMEagle3 (and EAGLE's layout): its ids in ``eagle_config`` are SGLang's (the output
-        of layer i, so the input of i + 1; default (2, L/2, L-3) as inputs); its ``norm_output`` (default true) says
-        whether the final norm comes before lm_head, which drafttrain's head always applies: the next step reads the
-        un-normed hidden in SpecForge's training either way, so it is not speculators' EAGLE-3.1 ``norm_output``."""
-        check_foreign_layers({"transformer_layer_config": config, "target_hidden_size": config.get("target_hidden_size")},
-                             target)
-        if config.get("norm_output") is False:
-            raise DrafttrainError("the draft sets norm_output false (lm_head on the un-normed hidden), which "
-                                  "drafttrain's EAGLE-3 head does not compute")
-        explicit = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        ids = check_aux_layers([i + 1 for i in explicit] if explicit else default_aux_layers(target.num_layers),
-                               target.num_layers)
-        draft = foreign_section(config, ids, 7, bool(config.get("fc_norm")), norm_output=False)
-        tensors = foreign_tensors(tensors)
-        config = {**{k: v for k, v in config.items() if k not in ("eagle_config", "norm_output")},
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
-        return draft, config, tensors, []
 
     # -- shared forward pieces ---------------------------------------------------------------------------
     @property

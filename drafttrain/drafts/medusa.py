@@ -30,14 +30,13 @@ from drafttrain import DrafttrainError
 from drafttrain.config import MedusaConfig
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits, with_lora
-from drafttrain.drafts.layers import check_target_sizes, foreign_tensors, shift_left
+from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, top1_hits, with_lora
+from drafttrain.drafts.layers import check_target_sizes, shift_left
 from drafttrain.runfolder import RunFolder, read_json, read_safetensors
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
 ADAPTER_DIR = "adapter"
 MERGED_DIR = "merged"
-MERGED_TARGET = "target"  # an export's adapted target, merged
 
 
 class ResidualBlock(nn.Module):
@@ -155,77 +154,8 @@ class MedusaDrafter(Drafter):
                 "vocab_size": v, "num_heads": self.config.num_heads, "num_hidden_layers": self.config.num_layers,
                 "medusa_fc_bias": True, "truncated_vocab_size": n if n < v else None}
 
-    # -- export -------------------------------------------------------------------------------------------
+    # -- save (its formats: drafttrain.drafts.formats.medusa) ------------------------------------------------
     formats = ("vllm",)
-
-    def exported(self, fmt: str) -> Exported:
-        """vLLM's Medusa layout is the checkpoint's (heads over the full vocabulary). A Medusa-2 draft brings its adapted target, merged, in ``target/``: it is the
-        model to serve, since the heads were trained on its hidden states."""
-        if self.d2t.numel() < self.t2d.numel():
-            # vLLM documents a token_map for this, but builds the heads at the full vocabulary and then refuses the
-            # mapped rows (vllm/model_executor/models/medusa.py, 0.32): no exact export exists
-            raise DrafttrainError(
-                f"these Medusa heads predict over a draft vocabulary of {self.d2t.numel()} tokens, which vLLM 0.32 "
-                "cannot load (its Medusa heads are built at the full vocabulary and a token_map is refused at "
-                "load). Train Medusa heads for vLLM with draft_vocab.enabled: false")
-        config = self.checkpoint_config(export={"format": fmt})
-        tensors = {k: v for k, v in self.state_tensors().items() if k not in ("d2t", "t2d")}
-        if not self.adapts_target:
-            return Exported(config, tensors)
-        return Exported(config, tensors, folders={MERGED_TARGET: lambda folder: save_merged(self.target, folder)},
-                        notes=[f"Medusa-2: serve the adapted target in {MERGED_TARGET}/ (merged LoRA) with these heads"])
-
-    @classmethod
-    def imported(cls, fmt, config, tensors):
-        vocab = config["vocab_size"]  # heads over the full vocabulary: draft id == target id
-        return config, {**tensors, "d2t": torch.zeros(vocab, dtype=torch.long), "t2d": torch.ones(vocab, dtype=torch.bool)}
-
-    # -- import (heads another tool wrote, as vLLM reads them) ---------------------------------------------
-    foreign_formats = ("vllm",)
-
-    @classmethod
-    def foreign_format(cls, config):
-        return "vllm" if config.get("model_type") == "medusa" else None
-
-    @classmethod
-    def foreign_draft(cls, config, tensors, target):
-        """Medusa heads as vLLM 0.32 reads them (vllm/model_executor/models/medusa.py and its MedusaConfig): the head
-        and layer counts under any key vLLM renames (FasterDecoding's ``medusa_num_heads`` too), names with or
-        without ``medusa_heads.`` and in FasterDecoding's numbered layout, block biases only with ``medusa_fc_bias``
-        (vLLM's default: none), one shared lm_head with ``original_lm_head``, and a ``token_map`` for a
-        ``truncated_vocab_size`` below the vocabulary."""
-        check_target_sizes(config, target, "the heads'")
-        if config.get("logit_scale", 1.0) != 1.0:
-            raise DrafttrainError(f"the heads set logit_scale {config['logit_scale']}, which drafttrain's heads do not "
-                                  "apply")
-        heads, layers = vllm_medusa_counts(config)
-        named = foreign_tensors({vllm_medusa_name(k): v for k, v in tensors.items()})
-        token_map = named.pop("token_map", None)
-        d2t, t2d, order = foreign_vocab(token_map, config.get("truncated_vocab_size"), target.vocab_size)
-        bias, shared = bool(config.get("medusa_fc_bias", False)), bool(config.get("original_lm_head"))
-        if order is not None and not shared:
-            raise DrafttrainError("the heads have a token_map but one lm_head each: vLLM 0.32 builds those at the whole "
-                                  "vocabulary and cannot load them cut to the map (only original_lm_head is cut)")
-        out = {}
-        for h in range(heads):
-            for index in range(layers):
-                key = f"blocks.{h}.layers.{index}."
-                out[key + "weight"] = named.pop(key + "weight")
-                out[key + "bias"] = named.pop(key + "bias") if bias else torch.zeros(config["hidden_size"])
-            out[f"lm_heads.{h}.weight"] = _head_rows(named, h, shared, token_map, order)
-        for name in ("lm_head.weight", "lm_heads.0.weight") if shared else ():
-            named.pop(name, None)
-        if named:
-            hint = " (block biases: set medusa_fc_bias true if they were trained with them)" \
-                if not bias and any(k.endswith(".bias") for k in named) else ""
-            raise DrafttrainError(f"the heads hold weights that vLLM would not load with this config: "
-                                  f"{sorted(named)[:5]}{hint}")
-        n = int(d2t.numel())
-        notes = [] if bias else ["vLLM's Medusa blocks have no bias unless medusa_fc_bias is set: drafttrain's have "
-                                 "one, set to zero (the same computation)"]
-        return (MedusaConfig(num_heads=heads, num_layers=layers),
-                {**config, "truncated_vocab_size": n if n < target.vocab_size else None},
-                {**out, "d2t": d2t, "t2d": t2d}, notes)
 
     def save_pretrained(self, directory, **meta) -> Path:
         directory = super().save_pretrained(directory, **meta)
@@ -270,61 +200,6 @@ class MedusaDrafter(Drafter):
             original = self.target.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                                          use_cache=False).logits
         return losses.forward_kl(adapted_logits, original, shift_left(loss_mask, 1))
-
-
-def vllm_medusa_counts(config: dict) -> tuple[int, int]:
-    """(heads, layers per head) as vLLM's MedusaConfig.from_pretrained reads them: in the file's order, every key
-    with "num" and "heads" in it is renamed num_heads, and "num" and "layers" num_hidden_layers, the last one
-    winning (FasterDecoding's ``medusa_num_heads`` so becomes the count); its defaults otherwise (5 heads, 1 layer)."""
-    renamed = dict(config)
-    for key in list(config):
-        if "num" in key and ("heads" in key or "layers" in key):
-            renamed["num_heads" if "heads" in key else "num_hidden_layers"] = renamed.pop(key)
-    return int(renamed.get("num_heads", 5)), int(renamed.get("num_hidden_layers", 1))
-
-
-def _head_rows(named: dict[str, torch.Tensor], h: int, shared: bool, token_map, order) -> torch.Tensor:
-    """Head h's lm_head in drafttrain's draft-id order: its own, or the one shared lm_head (vLLM reads it as
-    ``lm_head.weight`` or ``lm_heads.0.weight``), its rows taken by token_map when it covers the whole vocabulary."""
-    lm_head = (named.get("lm_head.weight", named.get("lm_heads.0.weight")) if shared
-               else named.pop(f"lm_heads.{h}.weight"))
-    if lm_head is None:
-        raise KeyError("lm_head.weight")
-    if order is None:
-        return lm_head
-    return (lm_head[token_map] if lm_head.shape[0] > token_map.numel() else lm_head)[order]
-
-
-def vllm_medusa_name(name: str) -> str:
-    """A weight's name as vLLM's Medusa loader maps it: ``medusa_heads.`` dropped, FasterDecoding's numbered names
-    (``{head}.{layer}.linear.weight``, ``{head}.{layers}.weight``) to ``blocks.*`` and ``lm_heads.*``."""
-    name = name.replace("medusa_heads.", "")
-    parts = name.split(".")
-    if len(parts) >= 3 and parts[0].isdigit() and parts[1].isdigit():
-        rest = parts[2:]
-        if "linear" in rest:
-            return f"blocks.{parts[0]}.layers.{parts[1]}." + ".".join(rest[rest.index("linear") + 1:])
-        return f"lm_heads.{parts[0]}." + ".".join(rest)
-    return name
-
-
-def foreign_vocab(token_map: torch.Tensor | None, truncated: int | None, vocab: int):
-    """(d2t, t2d, order) of heads over vLLM's ``token_map`` (their rows in its order; ``order`` sorts them into
-    drafttrain's draft-id order), or over the whole vocabulary (order None)."""
-    truncated = truncated or vocab
-    if truncated >= vocab:  # vLLM ignores a token_map then
-        return torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool), None
-    if token_map is None or token_map.numel() != truncated or token_map.unique().numel() != truncated \
-            or int(token_map.min()) < 0 or int(token_map.max()) >= vocab:
-        raise DrafttrainError(f"truncated_vocab_size is {truncated}, but the heads hold no token_map of as many distinct "
-                              f"token ids below {vocab} (vLLM needs one to load them)")
-    ids, order = token_map.long().sort()
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(truncated), t2d, order
-
-
-# ------------------------------------------------------------------------------------------------ LoRA (peft)
 
 
 def add_lora(target, config: MedusaConfig) -> list[str]:

@@ -17,10 +17,9 @@ from torch import nn
 from drafttrain.config import Eagle3Config
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import StepOutput
-from drafttrain.drafts.eagle3 import SPECULATORS_EMBEDDINGS, Eagle3Drafter
+from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.layers import LayerCache, resolve_mask_token, shift_left
 from drafttrain.drafts.parallel import ParallelMask, Rollouts, cod_rollouts, parallel_mask
-from drafttrain.targets.loading import verifier_path
 from drafttrain.targets.outputs import TargetOutputs, rows_and_argmax
 
 __all__ = ["PEagleDrafter", "ParallelMask", "Rollouts", "cod_rollouts", "parallel_mask"]
@@ -68,32 +67,6 @@ class PEagleDrafter(Eagle3Drafter):
 
     def interchange_extras(self) -> dict:
         return {"mask_token_id": self.mask_token_id}
-
-    # -- export -------------------------------------------------------------------------------------------
-    def export_formats(self) -> tuple[str, ...]:
-        return ("speculators",)  # vLLM reads P-EAGLE's mask slots from speculators' format
-
-    def why_not_written(self) -> str:
-        return (f"a P-EAGLE head (parallel_depths {self.config.parallel_depths}) is served from speculators' format "
-                "(vLLM reads its mask slots from there)")
-
-    def speculators_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """P-EAGLE trains the mask token's row (speculators trains the table: the same row)."""
-        tensors = super().speculators_tensors({k: v for k, v in tensors.items() if k != "mask_embedding"})
-        tensors[SPECULATORS_EMBEDDINGS][self.mask_token_id] = self.mask_embedding.detach().cpu()
-        return tensors
-
-    def speculators_fields(self) -> dict:
-        """What speculators' peagle config has instead of eagle3's; vLLM serves it as eagle3 with parallel drafting
-        (its pard_token is this mask_token_id)."""
-        depths = self.config.parallel_depths
-        return {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
-                "mask_token_id": self.mask_token_id, "embed_requires_grad": True, "norm_before_fc": False,
-                "speculators_config": {"algorithm": "peagle", "default_proposal_method": "greedy",
-                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depths,
-                                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                                       "verifier": {"name_or_path": verifier_path(self.target), "architectures": list(
-                                           getattr(self.target.config, "architectures", None) or [])}}}
 
     def vllm_speculative_config(self) -> dict:
         """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""

@@ -15,10 +15,15 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DraftConfig, register_draft_section, unregister_draft_section
 from drafttrain.data.vocab import draft_ids, draft_vocab_for
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config
+from drafttrain.drafts.codecs import ForeignReader, codecs_of, readers_of, register_codecs
 from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.draft_model import DraftModelDrafter
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
+from drafttrain.drafts.formats import dflash as dflash_formats
+from drafttrain.drafts.formats import eagle as eagle_formats
+from drafttrain.drafts.formats import eagle3 as eagle3_formats
+from drafttrain.drafts.formats import medusa as medusa_formats
 from drafttrain.drafts.lora import add_draft_lora
 from drafttrain.drafts.medusa import MedusaDrafter
 from drafttrain.drafts.pard import PardDrafter
@@ -43,7 +48,8 @@ VARIANTS: dict[str, list[type[Drafter]]] = {}  # kind -> its variants, subclasse
 
 def register_kind(cls: type[Drafter], variants: tuple[type[Drafter], ...] = ()) -> type[Drafter]:
     """Add a kind: its class (a Drafter subclass saying everything about it) under its name, its section to the
-    recipe schema, and its variants. Every stage then finds it here."""
+    recipe schema, and its variants. Every stage then finds it here; its formats, through its codecs
+    (drafttrain.drafts.codecs)."""
     if KINDS.get(cls.kind, cls) is not cls:
         raise DrafttrainError(f"draft kind {cls.kind!r} is registered already ({KINDS[cls.kind].__name__})")
     register_draft_section(cls.config_class)
@@ -85,14 +91,27 @@ def drafter_for(config: DraftConfig) -> type[Drafter]:
     return max(serving, key=lambda variant: len(variant.__mro__), default=base)
 
 
+# The built-in kinds, their variants and, where a kind's formats are codecs, its codecs and its variants'
 for _kind, _variants in ((Eagle3Drafter, (PEagleDrafter,)), (EagleDrafter, ()), (MedusaDrafter, ()),
                          (DraftModelDrafter, (PardDrafter,)), (DFlashDrafter, ())):
     register_kind(_kind, _variants)
+register_codecs(Eagle3Drafter, eagle3_formats.EAGLE3_CODECS, eagle3_formats.EAGLE3_READERS)
+register_codecs(PEagleDrafter, eagle3_formats.PEAGLE_CODECS, eagle3_formats.EAGLE3_READERS)
+register_codecs(EagleDrafter, eagle_formats.EAGLE_CODECS, eagle_formats.EAGLE_READERS)
+register_codecs(MedusaDrafter, medusa_formats.MEDUSA_CODECS, medusa_formats.MEDUSA_READERS)
+register_codecs(DFlashDrafter, dflash_formats.DFLASH_CODECS, dflash_formats.DFLASH_READERS)
+# the draft model keeps its one format, the checkpoint itself, in its class
+
+
+def known_formats() -> tuple[str, ...]:
+    """Every format a registered kind or variant is written in."""
+    classes = [cls for kind, base in KINDS.items() for cls in (base, *VARIANTS.get(kind, []))]
+    return tuple(dict.fromkeys(fmt for cls in classes for fmt in codecs_of(cls)))
 
 
 def formats_by_kind() -> str:
     """Which serving formats each kind is written in, as help texts say it ("eagle3: vllm, sglang; ...")."""
-    return "; ".join(f"{kind}: {', '.join(cls.formats)}" for kind, cls in KINDS.items())
+    return "; ".join(f"{kind}: {', '.join(codecs_of(cls))}" for kind, cls in KINDS.items())
 
 
 def drafter_class(kind: str) -> type[Drafter]:
@@ -231,13 +250,13 @@ def _from_export(kind: type[Drafter], directory: Path, config: dict, target) -> 
     """A folder ``drafttrain export`` wrote: read back into the kind's own layout, then loaded as a checkpoint.
     Returns the draft and its config in the checkpoint's layout."""
 
-    fmt = config["drafttrain"]["export"]["format"]
-    if fmt not in kind.formats:
+    fmt, codecs = config["drafttrain"]["export"]["format"], codecs_of(kind)
+    if fmt not in codecs:
         raise damaged(directory / CONFIG_NAME, f"says it is a {kind.kind} draft in format {fmt!r}, which the kind "
-                                               f"does not write ({', '.join(kind.formats)})")
+                                               f"does not write ({', '.join(codecs)})")
     if (directory / WEIGHTS_NAME).is_file() and fmt != "hf":
         tensors, _ = read_safetensors(directory / WEIGHTS_NAME)
-        config, tensors = kind.imported(fmt, config, tensors)
+        config, tensors = codecs[fmt].read(config, tensors)
         with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/{WEIGHTS_NAME}")
             (Path(tmp) / CONFIG_NAME).write_text(json.dumps(config))
@@ -304,11 +323,11 @@ def load_drafter(path: str | Path, target, *, as_saved: bool = False) -> Drafter
     return drafter
 
 
-def foreign_kind(config: dict, where: Path) -> tuple[type[Drafter], str]:
-    """The kind (and format) of a draft folder another tool wrote, from its config.json."""
-    found = [(kind, fmt) for kind in KINDS.values() if (fmt := kind.foreign_format(config))]
+def foreign_kind(config: dict, where: Path) -> tuple[type[Drafter], ForeignReader]:
+    """The kind of a draft folder another tool wrote, and the reader of its format, from its config.json."""
+    found = [(kind, reader) for kind in KINDS.values() for reader in readers_of(kind) if reader.recognises(config)]
     if not found:
+        known = {k: sorted({f for r in readers_of(c) for f in r.formats}) for k, c in KINDS.items()}
         raise DrafttrainError(f"{where / CONFIG_NAME} is not a draft format drafttrain imports (known: "
-                      + ", ".join(f"{k}: {', '.join(c.foreign_formats)}" for k, c in KINDS.items()
-                                  if c.foreign_formats) + ")")
+                              + ", ".join(f"{k}: {', '.join(fmts)}" for k, fmts in known.items() if fmts) + ")")
     return found[0]

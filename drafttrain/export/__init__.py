@@ -1,7 +1,7 @@
 """Ship a trained draft: write it in a serving engine's format with a model card (``export``), and push it to the
 Hugging Face Hub (``hub``). What each kind looks like in each format is the kind's own business
-(``Drafter.exported``); this layer writes the files and says what was measured."""
+(its codecs, drafttrain.drafts.codecs); this layer writes the files and says what was measured."""
 
-from drafttrain.export.writer import FORMATS, export_draft
+from drafttrain.export.writer import export_draft
 
-__all__ = ["FORMATS", "export_draft"]
+__all__ = ["export_draft"]

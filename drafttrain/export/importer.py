@@ -1,7 +1,7 @@
 """``drafttrain import``: a draft another trainer wrote (speculators' DFlash, ...) as a drafttrain checkpoint, which
 then evaluates, exports and trains like our own.
 
-The kind that reads the folder's format says how (``Drafter.foreign_format`` / ``foreign_draft``) and checks it
+The kind's reader of the folder's format (drafttrain.drafts.codecs.ForeignReader) says how, and checks it
 against the target first (hidden size, vocabulary, tapped layers), naming the first thing that disagrees. The
 checkpoint is written all or nothing, with a manifest saying where it came from, then loaded back with every check
 ``load_drafter`` makes, and its weights compared with the source's: nothing is dropped that the draft uses.
@@ -49,9 +49,10 @@ def import_draft(source: str | Path, target, out: str | Path, overwrite: bool = 
     source, out = Path(source), Path(out)
     staging = staging_for(out, overwrite)
     config, tensors = read_foreign(source)
-    kind, fmt = foreign_kind(config, source)
+    kind, reader = foreign_kind(config, source)
+    fmt = reader.format_of(config)
     try:
-        draft, config, tensors, notes = kind.foreign_draft(config, tensors, target)
+        draft, config, tensors, notes = reader.read_foreign(config, tensors, target)
     except (KeyError, TypeError, ValueError) as err:
         raise DrafttrainError(f"{source / CONFIG_NAME} does not describe a {kind.kind} draft in {fmt}'s format "
                               f"({type(err).__name__}: {err})") from None

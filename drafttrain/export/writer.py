@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from drafttrain import DrafttrainError
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter, read_draft_config
+from drafttrain.drafts.codecs import codecs_of, refused, writable_formats
+from drafttrain.drafts.registry import known_formats
 from drafttrain.evaluation.evaluate import EvalReport
 from drafttrain.evaluation.report import ACCEPTANCE_PLOT, CONTEXT_PLOT, plot_acceptance, plot_by_context
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
@@ -38,7 +40,6 @@ from drafttrain.runfolder import (
 from drafttrain.targets import load_target
 from drafttrain.userfiles import make_folder, writing
 
-FORMATS = ("vllm", "sglang", "speculators", "hf")
 REPORT_NAME = "report.json"
 BENCH_DIR = "bench"  # drafttrain bench leaves its sweep's report here, beside the checkpoint it served
 
@@ -63,7 +64,7 @@ def export_checkpoint(source: str | Path, fmt: str | None, out: str | Path | Non
     checkpoint = find_draft(source)
     target = load_target(target_name or recorded_target(checkpoint), device=device)
     # the draft as configured says which formats it can be written in (a P-EAGLE head: speculators' only)
-    fmt = fmt or load_drafter(checkpoint, target, as_saved=True).export_formats()[0]
+    fmt = fmt or writable_formats(load_drafter(checkpoint, target, as_saved=True))[0]
     if out is None:
         out, options["overwrite"] = (RunFolder.of_checkpoint(checkpoint) or RunFolder.of(checkpoint)).export(fmt), True
     return export_draft(checkpoint, fmt, out, target, **options)
@@ -77,17 +78,15 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
     evaluation; either must have measured these very weights. An existing non-empty ``out`` is refused unless
     ``overwrite``; the folder is built beside it and moved into place only when complete. ``verifier``: the
     target's path or Hub id as the speculators config names it (default: its Hub id where known, else its folder)."""
-    if fmt not in FORMATS:
-        raise DrafttrainError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    if fmt not in known_formats():
+        raise DrafttrainError(f"unknown export format {fmt!r}; formats: {', '.join(known_formats())}")
     out = Path(out)
     staging = staging_for(out, overwrite)
     checkpoint = find_draft(source)
     drafter = load_drafter(checkpoint, target, as_saved=True)
-    if fmt not in drafter.export_formats():
-        if fmt in drafter.formats:
-            drafter.exported(fmt)  # an option of this draft narrows its kind's formats: that says why
-        raise DrafttrainError(f"a {drafter.kind} draft exports to {', '.join(drafter.export_formats())}, not {fmt} "
-                              f"(--format {' or '.join(drafter.export_formats())})")
+    refusal = refused(drafter, fmt)
+    if refusal is not None:
+        raise DrafttrainError(refusal)
     measured = _measured(drafter, checkpoint, report)
     make_folder(staging, "the export's staging folder")  # beside --out: a read-only place fails here
     with writing(out, "the export"):
@@ -99,7 +98,7 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrit
 def _write_export(drafter, fmt: str, staging: Path, checkpoint: Path, measured, verifier: str | None) -> None:
     """Every file of the export into ``staging``: the draft in ``fmt``, its sub-folders, the measured report and
     plots, the bench, the card and the manifest."""
-    exported = drafter.exported(fmt)
+    exported = codecs_of(type(drafter))[fmt].write(drafter)
     if verifier is not None and "speculators_config" in exported.config:
         exported.config["speculators_config"]["verifier"]["name_or_path"] = verifier
     _write_draft(exported, staging)

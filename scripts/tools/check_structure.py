@@ -144,12 +144,18 @@ def kind_names() -> dict[str, set[str]]:
 
 def own_modules(kind: str) -> set[str]:
     """The modules that are a kind's own: its class's, its variants' and their bases' in drafttrain (a head shared
-    by related kinds), and those of its proposer and the proposer's variants (which are registered by its name)."""
+    by related kinds), its and its variants' codecs', and those of its proposer and the proposer's variants (which
+    are registered by its name)."""
+    from drafttrain.drafts.codecs import codecs_of, readers_of
+
     kinds, variants, proposers, proposer_variants = registry()
-    classes = [base for cls in (kinds[kind], *variants.get(kind, [])) for base in cls.__mro__]
+    own = [kinds[kind], *variants.get(kind, [])]
+    classes = [base for cls in own for base in cls.__mro__]
     name = kinds[kind].proposer
     served = [proposers[name], *(p for _, p in proposer_variants.get(name, []))]
-    return {cls.__module__ for cls in classes} - {"drafttrain.drafts.base"} | {p.__module__ for p in served}
+    formats = [type(c) for cls in own for c in (*codecs_of(cls).values(), *readers_of(cls))]
+    return ({cls.__module__ for cls in classes} - {"drafttrain.drafts.base"} | {p.__module__ for p in served}
+            | {c.__module__ for c in formats} - {"drafttrain.drafts.codecs"})
 
 
 def may_name_kinds(module: str, kind: str) -> bool:

@@ -1,0 +1,179 @@
+"""Serving formats as codecs: one per (kind, format), kept beside the kind (drafttrain/drafts/formats/), as speculators
+keeps ``convert/<kind>/``.
+
+A ``Codec`` writes a draft in its format (``write``: the config, tensors, sub-folders and card notes of an export),
+reads such an export back into the kind's checkpoint layout (``read``), and says why a draft, as configured, is not
+written in it (``refusal``: an option the format's readers do not apply). A ``ForeignReader`` recognises a draft
+another tool wrote (``recognises``) and reads it as the kind's (``read_foreign``).
+
+A kind's codecs are one table registered for its class (``register_codecs``); a variant registers its own table
+(P-EAGLE: speculators' format alone), else it uses its kind's. A kind without a table (a small kind, as a test's toy)
+keeps its formats in its class: ``formats``, ``exported`` and ``imported``, which ``codecs_of`` then serves as its
+codecs. The exporter, the loader and the importer reach every format through here, never through a kind's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from drafttrain.config import DraftConfig
+
+# drafttrain.drafts.base.Drafter, which builds on this module (its export_formats asks the codecs)
+Drafter = Any
+
+Tensors = dict[str, torch.Tensor]
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format the exports write (and are tested with)
+
+
+@dataclasses.dataclass
+class Exported:
+    """A draft in one engine's format: ``config`` (config.json) and ``tensors`` (model.safetensors); ``folders``:
+    writers of whole model folders, by sub-folder name ("" = the export itself, for a draft that is a whole HF
+    model; its config.json gains ``config``), e.g. Medusa-2's adapted target, merged; ``notes``: what the engine
+    does differently, for the model card."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    folders: dict[str, Callable[[Path], None]] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+class Codec:
+    """One serving format of a kind."""
+
+    fmt: ClassVar[str]
+
+    def refusal(self, drafter: Drafter) -> str | None:
+        """Why this draft, as configured, is not written in this format (None: it is; "": it is not, for no reason
+        of its own beyond the formats it is written in)."""
+        return None
+
+    def write(self, drafter: Drafter) -> Exported:
+        """The draft in this format. Its config keeps a ``drafttrain`` section (engines ignore it) that names the
+        format, so ``read`` can take it back."""
+        raise NotImplementedError
+
+    def read(self, config: dict[str, Any], tensors: Tensors) -> tuple[dict[str, Any], Tensors]:
+        """An export in this format back to the kind's checkpoint (config, tensors): the inverse of ``write``."""
+        raise NotImplementedError
+
+
+class ForeignReader:
+    """A format in which another tool writes drafts of a kind, read by ``drafttrain import``."""
+
+    fmt: ClassVar[str]
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The formats it reads, as errors list them."""
+        return (self.fmt,)
+
+    def recognises(self, config: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def format_of(self, config: dict[str, Any]) -> str:
+        """The format of a config it recognises."""
+        return self.fmt
+
+    def read_foreign(self, config: dict[str, Any], tensors: Tensors, target) \
+            -> tuple[DraftConfig, dict[str, Any], Tensors, list[str]]:
+        """The foreign draft as the kind's (draft section, checkpoint config without the ``drafttrain`` section,
+        tensors, notes on what drafttrain serves differently), checked against ``target``: the first thing that
+        disagrees with the target is an error naming it."""
+        raise NotImplementedError
+
+
+class KindMethods(Codec):
+    """A format of a kind that keeps its formats in its class (``formats``, ``exported``, ``imported``)."""
+
+    def __init__(self, kind: type[Drafter], fmt: str):
+        self.kind, self.fmt = kind, fmt
+
+    def refusal(self, drafter: Drafter) -> str | None:
+        return None if self.fmt in type(drafter).formats else ""
+
+    def write(self, drafter: Drafter) -> Exported:
+        return drafter.exported(self.fmt)
+
+    def read(self, config, tensors):
+        return self.kind.imported(self.fmt, config, tensors)
+
+
+class KindForeignMethods(ForeignReader):
+    """The foreign formats of a kind that reads them in its class (``foreign_format``, ``foreign_draft``)."""
+
+    def __init__(self, kind: type[Drafter]):
+        self.kind = kind
+
+    def recognises(self, config) -> bool:
+        return self.kind.foreign_format(config) is not None
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return self.kind.foreign_formats
+
+    def format_of(self, config) -> str:
+        return self.kind.foreign_format(config)
+
+    def read_foreign(self, config, tensors, target):
+        return self.kind.foreign_draft(config, tensors, target)
+
+
+CODECS: dict[type[Drafter], dict[str, Codec]] = {}  # a class -> its formats, in the order it prefers them
+FOREIGN: dict[type[Drafter], list[ForeignReader]] = {}
+
+
+def register_codecs(cls: type[Drafter], codecs: list[Codec], foreign: list[ForeignReader] = ()) -> None:
+    """The formats drafts of class ``cls`` (a kind's, or a variant's) are written in, first the one it prefers, and
+    the formats of other tools it reads."""
+    CODECS[cls] = {codec.fmt: codec for codec in codecs}
+    FOREIGN[cls] = list(foreign)
+
+
+def add_codec(cls: type[Drafter], codec: Codec) -> None:
+    """One more format for ``cls`` (and its variants that use its table)."""
+    CODECS.setdefault(cls, dict(codecs_of(cls)))[codec.fmt] = codec
+
+
+def remove_codec(cls: type[Drafter], fmt: str) -> None:
+    CODECS.get(cls, {}).pop(fmt, None)
+
+
+def _table_class(cls: type[Drafter]) -> type[Drafter] | None:
+    return next((c for c in cls.__mro__ if c in CODECS), None)
+
+
+def codecs_of(cls: type[Drafter]) -> dict[str, Codec]:
+    """The formats of a draft class: its table, its nearest base's, or its class's own methods."""
+    owner = _table_class(cls)
+    if owner is not None:
+        return CODECS[owner]
+    return {fmt: KindMethods(cls, fmt) for fmt in cls.formats}
+
+
+def readers_of(cls: type[Drafter]) -> list[ForeignReader]:
+    owner = _table_class(cls)
+    if owner is not None:
+        return FOREIGN[owner]
+    return [KindForeignMethods(cls)] if cls.foreign_formats else []
+
+
+def refused(drafter: Drafter, fmt: str) -> str | None:
+    """Why ``drafter`` is not written in ``fmt``, as an error says it; None: it is."""
+    codec = codecs_of(type(drafter)).get(fmt)
+    why = codec.refusal(drafter) if codec is not None else ""
+    if why is None:
+        return None
+    formats = writable_formats(drafter)
+    if why:  # an option or a variant of this draft narrows its kind's formats: that says why
+        return f"{why}, not {fmt!r}: export --format {' or '.join(formats)}"
+    return f"a {drafter.kind} draft exports to {', '.join(formats)}, not {fmt} (--format {' or '.join(formats)})"
+
+
+def writable_formats(drafter: Drafter) -> tuple[str, ...]:
+    """The formats this draft, as configured, is written in, the one it prefers first."""
+    return tuple(fmt for fmt, codec in codecs_of(type(drafter)).items() if codec.refusal(drafter) is None)

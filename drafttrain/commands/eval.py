@@ -33,7 +33,7 @@ from drafttrain.evaluation.report import print_report, write_report
 from drafttrain.evaluation.sides import Compared
 from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without_reported
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, drafttrain_checkpoint, read_json
-from drafttrain.targets import BUILTIN_TARGETS, load_target
+from drafttrain.targets import BUILTIN_TARGETS, Target, load_target
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def _compared_side(spec: CompareSpec, settings: EvalConfig) -> Side:
     return Side(spec, label, "draft")
 
 
-def _load_compared(side: Side, target) -> Compared:
+def _load_compared(side: Side, target: Target) -> Compared:
     shape = dict(depth=side.spec.depth, tree=side.spec.tree, label=side.label)
     if side.serves == "model_folder":
         return Compared(model_folder_proposer(), **shape, proposer_kwargs={"draft": side.spec.source})

@@ -21,6 +21,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import load_recipe
 from drafttrain.progress import PROGRESS_EVERY_S, PROGRESS_LOGGER, on_terminal
 from drafttrain.runfolder import RunFolder
+from drafttrain.targets import Target
 
 DEFAULT_RECIPE = "recipes/smollm2_eagle3_quick.yaml"
 LOG_FILE = "quickstart.log"
@@ -126,7 +127,7 @@ SHOWN_DEPTH = 3
 AUTO_LABEL = "depth auto"
 
 
-def evaluate_checkpoint(recipe, target, checkpoint: Path, out_dir: Path):
+def evaluate_checkpoint(recipe, target: Target, checkpoint: Path, out_dir: Path):
     """The head at ``SHOWN_DEPTH`` against plain decoding, and, when the recipe asks for depth auto, the auto
     choice as a second side on the same prompts in the same run."""
     from drafttrain.drafts import load_drafter

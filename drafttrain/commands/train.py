@@ -20,6 +20,7 @@ from drafttrain.drafts import drafter_for, start_drafter
 from drafttrain.drafts.registry import check_vocabulary_choice, resolved_section
 from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator, check_eval_shape
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset
+from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder_layers, final_norm
 from drafttrain.training.features import FeatureCache
 from drafttrain.training.plan import check_fits
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def train(recipe: Recipe, resume: bool = False, target=None):
+def train(recipe: Recipe, resume: bool = False, target: Target=None):
     """Load the target (unless given), the prepared data and the draft (a fresh one of the recipe's kind, or the
     saved one draft.init_from names); train; return the TrainResult."""
     check_trainable(recipe)
@@ -122,7 +123,7 @@ def train(recipe: Recipe, resume: bool = False, target=None):
     return result
 
 
-def start_weights(target, layers: int = 1) -> list:
+def start_weights(target: Target, layers: int = 1) -> list:
     """The target weights drafts start from (init_from_target): its embeddings, lm_head, final norm and last
     ``layers`` layers. Under ZeRO-3 only these are gathered while the draft is built, never the whole target."""
     model = target.model
@@ -131,7 +132,7 @@ def start_weights(target, layers: int = 1) -> list:
     return list(dict.fromkeys(p for part in parts if part is not None for p in part.parameters()))
 
 
-def check_split_is_current(run: RunFolder, dataset, target) -> str:
+def check_split_is_current(run: RunFolder, dataset, target: Target) -> str:
     """The run folder's data must be what prepare recorded in data/manifest.json: the train split (hashed once
     here), tokenised with this target's tokenizer, and the validation split and prompts. Returns the train split's
     fingerprint, which every artifact built from it records."""
@@ -143,14 +144,14 @@ def check_split_is_current(run: RunFolder, dataset, target) -> str:
     return fingerprint
 
 
-def check_draft_vocab_is_current(recipe: Recipe, run: RunFolder, fingerprint: str, target) -> None:
+def check_draft_vocab_is_current(recipe: Recipe, run: RunFolder, fingerprint: str, target: Target) -> None:
     """The run's draft vocab (written by `drafttrain prepare`) must come from this train split and tokenizer: a
     mapping left from other data would silently mask the wrong tokens."""
     if recipe.draft_vocab.enabled:
         load_draft_vocab(run.draft_vocab, expect_key=DraftVocabKey(fingerprint, target.tokenizer_fingerprint))
 
 
-def checkpoint_callbacks(recipe: Recipe, target, run: RunFolder) -> list:
+def checkpoint_callbacks(recipe: Recipe, target: Target, run: RunFolder) -> list:
     """Callbacks run after each checkpoint (fn(step, checkpoint_dir) -> metrics): held-out simulated tau and a
     real tau / speedup on held-out prompts, so the best checkpoint is kept by measured acceptance."""
     if not recipe.eval.every_checkpoint:

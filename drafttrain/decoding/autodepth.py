@@ -58,7 +58,7 @@ from drafttrain.decoding.trees import (
     tree_position_ids,
 )
 from drafttrain.sampling import Sampling
-from drafttrain.targets import HiddenStateTap, TargetCache, synchronize
+from drafttrain.targets import HiddenStateTap, Target, TargetCache, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def median_time(fn, repeats: int, device: torch.device | str | None = None) -> f
     return statistics.median(timed_call(fn, device) for _ in range(repeats))
 
 
-def prefilled(target, proposer: Proposer, prompt: torch.Tensor):
+def prefilled(target: Target, proposer: Proposer, prompt: torch.Tensor):
     """The target's KV cache after ``prompt``, its length, the next (greedy) token, and the proposer prefilled."""
     model = target.model
     cache = TargetCache(model)
@@ -153,7 +153,7 @@ def prefilled(target, proposer: Proposer, prompt: torch.Tensor):
 
 
 @torch.inference_mode()
-def measure_costs(target, proposer: Proposer, prompt: torch.Tensor, max_depth: int, repeats: int = 5) -> Costs:
+def measure_costs(target: Target, proposer: Proposer, prompt: torch.Tensor, max_depth: int, repeats: int = 5) -> Costs:
     """Seconds per plain step, per verification width and per drafted depth, on ``prompt`` (token ids [1, P])."""
     model, device = target.model, target.device
     cache, prefix, next_token, hidden = prefilled(target, proposer, prompt.to(device))
@@ -270,7 +270,7 @@ class _RecordingProposer(Proposer):
         self.inner.accept(tokens, hidden)
 
 
-def calibrate(target, proposer: Proposer, prompts: list[torch.Tensor], max_depth: int, max_new_tokens: int,
+def calibrate(target: Target, proposer: Proposer, prompts: list[torch.Tensor], max_depth: int, max_new_tokens: int,
               stop_token_ids: set[int], sampling: Sampling, seed: int = 0) -> Calibration:
     """Speculative decoding at depth ``max_depth`` on ``prompts``: per step, accepted tokens, confidences, drafted
     positions and the cycle's wall time; and plain decoding's step times through the same loop, on every other
@@ -359,7 +359,7 @@ class TreeChoice:
 
 
 @torch.inference_mode()
-def best_tree(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int,
+def best_tree(target: Target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int,
                 stop_token_ids: set[int], sizes: tuple[int, ...] = TREE_SIZES, repeats: int = 5) -> TreeChoice:
     """The static tree size with the best predicted speedup: trees built from the proposer's measured rank
     accuracies (the Medusa paper's tree tool), each costed by timing its verification forward and its proposal here."""
@@ -418,7 +418,7 @@ class ShapeChoice:
         return None if self.guard is None else self.guard.summary()
 
 
-def choose_shape(target, proposer: Proposer, settings: DecodeSettings, calibration: Sequence[str]) -> ShapeChoice:
+def choose_shape(target: Target, proposer: Proposer, settings: DecodeSettings, calibration: Sequence[str]) -> ShapeChoice:
     """Resolve ``settings``' tree (a spec is parsed) and its depth or tree "auto", chosen for ``proposer`` on this
     machine from the ``calibration`` prompts (first-turn texts, never the reported ones)."""
     tree, depth, min_confidence = tree_of(settings), settings.depth, settings.min_confidence
@@ -448,7 +448,7 @@ def choose_shape(target, proposer: Proposer, settings: DecodeSettings, calibrati
     return choice
 
 
-def _best_depth(target, proposer: Proposer, prompts: list[torch.Tensor], stops: set[int],
+def _best_depth(target: Target, proposer: Proposer, prompts: list[torch.Tensor], stops: set[int],
                 settings: DecodeSettings, budget: int) -> DepthChoice:
     """Costs measured on the first calibration prompt, acceptance on all of them, and the choice (no deeper than
     the proposer can fill)."""
@@ -465,7 +465,7 @@ def _best_depth(target, proposer: Proposer, prompts: list[torch.Tensor], stops: 
     return choice
 
 
-def _calibration_prompts(target, calibration: Sequence[str]) -> tuple[list[torch.Tensor], set[int]]:
+def _calibration_prompts(target: Target, calibration: Sequence[str]) -> tuple[list[torch.Tensor], set[int]]:
     if not calibration:
         raise DrafttrainError("depth or tree auto needs calibration prompts (held out from the reported ones)")
     prompts = [torch.tensor([prompt_ids(target.tokenizer, [{"role": "user", "content": text}])], device=target.device)

@@ -22,7 +22,7 @@ from drafttrain.decoding.engine import plain_decode
 from drafttrain.decoding.positional import positional_draft, rank_hits
 from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer, trained_draft
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
-from drafttrain.targets import HiddenStateTap
+from drafttrain.targets import HiddenStateTap, Target
 
 
 @register_proposer("block")
@@ -31,12 +31,12 @@ class BlockProposer(Proposer):
 
     shapes = (Chain, StaticTree)
 
-    def __init__(self, target, *, draft=None):
+    def __init__(self, target: Target, *, draft=None):
         self.head = trained_draft(self.name, target, draft)
         self.hidden_layers = self.head.tap_layers
         self.max_depth = type(self.head).max_draft_depth(self.head.config)
 
-    def rank_accuracies(self, target, prompts, max_new_tokens, stop_token_ids):
+    def rank_accuracies(self, target: Target, prompts, max_new_tokens, stop_token_ids):
         return measure_block_rank_accuracies(target, self.head, prompts, max_new_tokens, stop_token_ids)
 
     def prefill(self, input_ids, hidden, next_token) -> None:
@@ -73,7 +73,7 @@ class BlockProposer(Proposer):
 
 
 @torch.no_grad()
-def measure_block_rank_accuracies(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int,
+def measure_block_rank_accuracies(target: Target, drafter, prompts: list[torch.Tensor], max_new_tokens: int,
                                   stop_token_ids: set[int] | None = None, k: int = 8) -> list[list[float]]:
     """``[depth][rank]``: how often the block's rank-r candidate at each drafted depth is the token the target then
     produces (greedy), with a block anchored at every position of the target's own answers to ``prompts``."""

@@ -31,7 +31,7 @@ class DraftModelProposer(TreeDrafter):
     cost with a large vocabulary. A drafttrain draft model brings its own (``serving_vocab``); ``False``: the
     whole vocabulary even then. Lossless either way: the target verifies every token."""
 
-    def __init__(self, target, *, draft=None, vocab=None):
+    def __init__(self, target: Target, *, draft=None, vocab=None):
         if draft is None or draft == "":
             raise DrafttrainError(
                 "the 'draft_model' proposer needs draft=<a built-in name, model folder, .gguf file or Hub id>"

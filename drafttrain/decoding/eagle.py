@@ -14,13 +14,14 @@ import torch
 from drafttrain.decoding.expand import TreeDrafter
 from drafttrain.decoding.proposers import register_proposer, trained_draft
 from drafttrain.decoding.trees import feed_mask
+from drafttrain.targets import Target
 
 
 @register_proposer("eagle")
 class EagleProposer(TreeDrafter):
     """``draft``: a checkpoint (or run) folder written by drafttrain, or an in-memory EAGLE drafter."""
 
-    def __init__(self, target, *, draft=None):
+    def __init__(self, target: Target, *, draft=None):
         self.head = trained_draft(self.name, target, draft)
         self.hidden_layers = self.head.tap_layers
         self.vocab_size = target.vocab_size

@@ -26,7 +26,7 @@ from drafttrain.decoding.verify import (
     verify_tree_greedy,
 )
 from drafttrain.sampling import Sampling, probabilities
-from drafttrain.targets import HiddenStateTap, TargetCache, synchronize
+from drafttrain.targets import HiddenStateTap, Target, TargetCache, synchronize
 
 
 @dataclasses.dataclass
@@ -83,7 +83,7 @@ class SpeculativeDecoder:
     the target's distribution warped by temperature / top_k / top_p, seeded by ``seed`` per generate call.
     """
 
-    def __init__(self, target, proposer: Proposer | str, settings: DecodeSettings | None = None, *,
+    def __init__(self, target: Target, proposer: Proposer | str, settings: DecodeSettings | None = None, *,
                  guard: RuntimeGuard | None = None, **changes):
         settings = DecodeSettings.of(settings, **changes)
         if settings.depth == "auto" or settings.tree == "auto":
@@ -257,7 +257,7 @@ class SpeculativeDecoder:
 
 
 def plain_decode(
-    target,
+    target: Target,
     input_ids,
     max_new_tokens: int,
     *,

@@ -17,7 +17,7 @@ from drafttrain.decoding.engine import plain_decode
 from drafttrain.decoding.positional import positional_draft, rank_hits
 from drafttrain.decoding.proposers import DraftRequest, Proposer, register_proposer, trained_draft
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
-from drafttrain.targets import HiddenStateTap
+from drafttrain.targets import HiddenStateTap, Target
 
 
 @register_proposer("medusa")
@@ -26,12 +26,12 @@ class MedusaProposer(Proposer):
 
     shapes = (Chain, StaticTree)
 
-    def __init__(self, target, *, draft=None):
+    def __init__(self, target: Target, *, draft=None):
         self.head = trained_draft(self.name, target, draft)
         self.hidden_layers = [target.num_layers]  # the final (normed) hidden state the heads read
         self.max_depth = type(self.head).max_draft_depth(self.head.config)  # the engine refuses deeper shapes
 
-    def rank_accuracies(self, target, prompts, max_new_tokens, stop_token_ids):
+    def rank_accuracies(self, target: Target, prompts, max_new_tokens, stop_token_ids):
         return measure_rank_accuracies(target, self.head, prompts, max_new_tokens, stop_token_ids=stop_token_ids)
 
     def prefill(self, input_ids, hidden, next_token) -> None:
@@ -49,7 +49,7 @@ class MedusaProposer(Proposer):
 
 
 @torch.no_grad()
-def measure_rank_accuracies(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, k: int = 8,
+def measure_rank_accuracies(target: Target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, k: int = 8,
                             stop_token_ids: set[int] | None = None) -> list[list[float]]:
     """``[head][rank]``: how often head h's rank-r candidate is the token the target then produces (greedy), over
     every position of the target's own answers to ``prompts``."""

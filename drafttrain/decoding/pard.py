@@ -10,13 +10,14 @@ from drafttrain.decoding.positional import positional_draft
 from drafttrain.decoding.proposers import DraftRequest, register_proposer_variant, trained_draft
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
 from drafttrain.drafts.pard import PardDrafter
+from drafttrain.targets import Target
 
 
 @register_proposer_variant("draft_model", serves=PardDrafter)
 class PardProposer(DraftModelProposer):
     shapes = (Chain, StaticTree)  # every position's distribution from one forward: no tree that grows by level
 
-    def __init__(self, target, *, draft=None, vocab=None):
+    def __init__(self, target: Target, *, draft=None, vocab=None):
         super().__init__(target, draft=draft, vocab=vocab)
         pard = trained_draft(self.name, target, draft)  # the draft itself when given one (build_proposer does)
         self.mask_token_id, self.max_depth = pard.mask_token_id, type(pard).max_draft_depth(pard.config)

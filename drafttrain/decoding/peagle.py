@@ -10,13 +10,14 @@ from drafttrain.decoding.positional import positional_draft
 from drafttrain.decoding.proposers import DraftRequest, register_proposer_variant
 from drafttrain.decoding.trees import Chain, Draft, StaticTree
 from drafttrain.drafts.peagle import PEagleDrafter
+from drafttrain.targets import Target
 
 
 @register_proposer_variant("eagle", serves=PEagleDrafter)
 class PEagleProposer(EagleProposer):
     shapes = (Chain, StaticTree)  # every position's distribution from one forward: no tree that grows by level
 
-    def __init__(self, target, *, draft=None):
+    def __init__(self, target: Target, *, draft=None):
         super().__init__(target, draft=draft)
         self.max_depth = type(self.head).max_draft_depth(self.head.config)
 

@@ -44,6 +44,7 @@ from drafttrain.decoding.trees import Chain, Draft, DynamicTree, StaticTree, Tre
 from drafttrain.drafts import Drafter, load_drafter
 from drafttrain.runfolder import drafttrain_checkpoint
 from drafttrain.sampling import Sampling
+from drafttrain.targets import Target
 
 
 @dataclasses.dataclass
@@ -75,7 +76,7 @@ class Proposer(abc.ABC):
         """The torch modules it runs (the evaluator packs their CPU linear layers, drafttrain.cpu_linear)."""
         return [value for value in vars(self).values() if isinstance(value, torch.nn.Module)]
 
-    def rank_accuracies(self, target, prompts: list[torch.Tensor], max_new_tokens: int,
+    def rank_accuracies(self, target: Target, prompts: list[torch.Tensor], max_new_tokens: int,
                         stop_token_ids: set[int]) -> list[list[float]] | None:
         """``[depth][rank]``: how often its rank-r candidate at each depth is the target's token, for proposers
         that fill static trees from ranked candidates (the input of trees.build_static_tree); None otherwise."""
@@ -119,7 +120,7 @@ def model_folder_proposer() -> str:
     return next(name for name, cls in PROPOSERS.items() if cls.serves_model_folders)
 
 
-def build_proposer(name: str, target, **kwargs) -> Proposer:
+def build_proposer(name: str, target: Target, **kwargs) -> Proposer:
     """Build the proposer registered as ``name`` for ``target``; options are checked against its signature."""
     if name not in PROPOSERS:
         raise DrafttrainError(f"unknown proposer {name!r}; known proposers: {', '.join(sorted(PROPOSERS))}")
@@ -174,7 +175,7 @@ class PromptLookupProposer(Proposer):
     The draft is deterministic (q = one-hot), so it is lossless under sampling too.
     """
 
-    def __init__(self, target, *, max_ngram_size: int = 3, min_ngram_size: int = 1, max_matches: int = 4):
+    def __init__(self, target: Target, *, max_ngram_size: int = 3, min_ngram_size: int = 1, max_matches: int = 4):
         if not 1 <= min_ngram_size <= max_ngram_size:
             raise DrafttrainError(
                 f"prompt_lookup: need 1 <= min_ngram_size <= max_ngram_size, got {min_ngram_size}, {max_ngram_size}"
@@ -234,7 +235,7 @@ def _trie(paths: list[list[int]], budget: int, device) -> Draft:
     return Draft(torch.tensor([tokens], dtype=torch.long, device=device), parents)
 
 
-def trained_draft(proposer: str, target, draft):
+def trained_draft(proposer: str, target: Target, draft):
     """The trained draft a proposer serves: ``draft`` itself, or loaded from a checkpoint or run folder; refused
     when its kind is served by another proposer."""
     if draft is None or draft == "":

@@ -34,6 +34,7 @@ from drafttrain.data.vocab import mapping_problem
 from drafttrain.drafts.codecs import Exported, writable_formats
 from drafttrain.drafts.lora import has_lora, merged_state
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
+from drafttrain.targets import Target
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
@@ -111,7 +112,7 @@ class Drafter(nn.Module):
                 "trained_for": self.trained_for}
 
     # -- the target it serves ---------------------------------------------------------------------------
-    def attach_target(self, target) -> "Drafter":
+    def attach_target(self, target: Target) -> "Drafter":
         self.__dict__["_target"] = target
         return self
 
@@ -130,16 +131,16 @@ class Drafter(nn.Module):
         return True
 
     @classmethod
-    def build(cls, config: DraftConfig, target, run: RunFolder | None = None) -> "Drafter":
+    def build(cls, config: DraftConfig, target: Target, run: RunFolder | None = None) -> "Drafter":
         """A fresh draft for ``target`` (``run``: the run folder, for files ``prepare`` wrote there)."""
         raise NotImplementedError
 
     @classmethod
-    def from_pretrained(cls, directory: Path, target) -> "Drafter":
+    def from_pretrained(cls, directory: Path, target: Target) -> "Drafter":
         raise NotImplementedError
 
     @classmethod
-    def target_needs(cls, config: DraftConfig, target) -> TargetNeeds:
+    def target_needs(cls, config: DraftConfig, target: Target) -> TargetNeeds:
         """What it trains on, known from the recipe and the target alone (prepare asks before any draft exists)."""
         raise NotImplementedError
 
@@ -242,7 +243,7 @@ class Drafter(nn.Module):
         return None
 
     @classmethod
-    def foreign_draft(cls, config: dict[str, Any], tensors: dict[str, torch.Tensor], target) \
+    def foreign_draft(cls, config: dict[str, Any], tensors: dict[str, torch.Tensor], target: Target) \
             -> tuple[DraftConfig, dict[str, Any], dict[str, torch.Tensor], list[str]]:
         """A foreign draft (``foreign_format`` named its format) as this kind's (draft section, checkpoint config
         without the ``drafttrain`` section, tensors, notes on what drafttrain serves differently), checked against
@@ -305,7 +306,7 @@ def with_lora(model: nn.Module, lora, owner: str) -> nn.Module:
                                             target_modules=list(lora.target_modules), bias="none"))
 
 
-def target_identity(target) -> dict[str, Any]:
+def target_identity(target: Target) -> dict[str, Any]:
     """What a draft records of the target it was trained for, so it is never served by another."""
     config = target.model.config
     return {"name": target.name, "vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
@@ -314,7 +315,7 @@ def target_identity(target) -> dict[str, Any]:
             "tokenizer": getattr(target, "tokenizer_fingerprint", None)}
 
 
-def check_target(config: dict[str, Any], target, directory: Path) -> None:
+def check_target(config: dict[str, Any], target: Target, directory: Path) -> None:
     """A draft trained for another tokenizer is refused, even at the same vocabulary size."""
     recorded = (config["drafttrain"].get("target") or {}).get("tokenizer")
     current = target_identity(target)["tokenizer"]

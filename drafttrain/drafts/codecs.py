@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from drafttrain.config import DraftConfig
+from drafttrain.targets import Target
 
 # drafttrain.drafts.base.Drafter, which builds on this module (its export_formats asks the codecs)
 Drafter = Any
@@ -79,7 +80,7 @@ class ForeignReader:
         """The format of a config it recognises."""
         return self.fmt
 
-    def read_foreign(self, config: dict[str, Any], tensors: Tensors, target) \
+    def read_foreign(self, config: dict[str, Any], tensors: Tensors, target: Target) \
             -> tuple[DraftConfig, dict[str, Any], Tensors, list[str]]:
         """The foreign draft as the kind's (draft section, checkpoint config without the ``drafttrain`` section,
         tensors, notes on what drafttrain serves differently), checked against ``target``: the first thing that
@@ -119,7 +120,7 @@ class KindForeignMethods(ForeignReader):
     def format_of(self, config) -> str:
         return self.kind.foreign_format(config)
 
-    def read_foreign(self, config, tensors, target):
+    def read_foreign(self, config, tensors, target: Target):
         return self.kind.foreign_draft(config, tensors, target)
 
 

@@ -47,6 +47,7 @@ from drafttrain.drafts.layers import (
     resolve_mask_token,
 )
 from drafttrain.runfolder import RunFolder
+from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder_layers, final_norm_scale
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
@@ -199,7 +200,7 @@ class DFlashDrafter(Drafter):
         return check_aux_layers(config.layers or default_aux_layers(num_layers), num_layers)
 
     @classmethod
-    def target_needs(cls, config: DFlashConfig, target) -> TargetNeeds:
+    def target_needs(cls, config: DFlashConfig, target: Target) -> TargetNeeds:
         return TargetNeeds(layers=tuple(cls.aux_layers(config, target.num_layers)), logits=True)
 
     def needs(self) -> TargetNeeds:
@@ -214,7 +215,7 @@ class DFlashDrafter(Drafter):
         return config.block_size if config.sample_from_anchor else config.block_size - 1
 
     @classmethod
-    def build(cls, config: DFlashConfig, target, run: RunFolder | None = None) -> "DFlashDrafter":
+    def build(cls, config: DFlashConfig, target: Target, run: RunFolder | None = None) -> "DFlashDrafter":
         d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size,
                                          num_hidden_layers=config.num_layers)
@@ -249,7 +250,7 @@ class DFlashDrafter(Drafter):
         self.fc.weight[:, -h:] = torch.eye(h)
 
     @classmethod
-    def from_pretrained(cls, directory, target) -> "DFlashDrafter":
+    def from_pretrained(cls, directory, target: Target) -> "DFlashDrafter":
         config = read_draft_config(directory)
         layer = config["transformer_layer_config"]
         if layer["vocab_size"] != target.vocab_size or layer["hidden_size"] != target.hidden_size:

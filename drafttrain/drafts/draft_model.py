@@ -43,7 +43,7 @@ from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
-from drafttrain.targets import check_same_tokenizer, load_target
+from drafttrain.targets import Target, check_same_tokenizer, load_target
 from drafttrain.targets.hidden import decoder, decoder_layers
 from drafttrain.targets.outputs import (
     TargetNeeds,
@@ -82,7 +82,7 @@ class DraftModelDrafter(Drafter):
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
-    def target_needs(cls, config: DraftModelConfig, target) -> TargetNeeds:
+    def target_needs(cls, config: DraftModelConfig, target: Target) -> TargetNeeds:
         if config.divergence == "sft":
             return TargetNeeds()  # the data's tokens alone
         # a loss over the draft vocabulary needs the target's logits at its rows: a teacher cache keeps the final
@@ -91,7 +91,7 @@ class DraftModelDrafter(Drafter):
         return TargetNeeds(logits=True, logits_top_k=top_k, logits_temperature=config.temperature)
 
     @classmethod
-    def build(cls, config: DraftModelConfig, target, run: RunFolder | None = None) -> "DraftModelDrafter":
+    def build(cls, config: DraftModelConfig, target: Target, run: RunFolder | None = None) -> "DraftModelDrafter":
         if config.cut is not None:
             student = cut_from_target(target, config.cut)
         else:
@@ -114,7 +114,7 @@ class DraftModelDrafter(Drafter):
         return cls(config, student.train(), vocab, **cls.built_extras(config, target)).attach_target(target)
 
     @classmethod
-    def built_extras(cls, config: DraftModelConfig, target) -> dict:
+    def built_extras(cls, config: DraftModelConfig, target: Target) -> dict:
         """What a variant's constructor takes beside the student and its vocabulary, for a fresh draft."""
         return {}
 
@@ -124,7 +124,7 @@ class DraftModelDrafter(Drafter):
         return {}
 
     @classmethod
-    def from_pretrained(cls, directory, target) -> "DraftModelDrafter":
+    def from_pretrained(cls, directory, target: Target) -> "DraftModelDrafter":
         directory = Path(directory)
         config = DraftModelConfig.model_validate(read_json(directory / CONFIG_NAME)["drafttrain"]["draft"])
         student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
@@ -357,7 +357,7 @@ def keep_learnable(per_token: torch.Tensor, weight: torch.Tensor, share: float) 
 # ------------------------------------------------------------------------------------------------ students
 
 
-def cut_from_target(target, cut: str | list[int]) -> torch.nn.Module:
+def cut_from_target(target: Target, cut: str | list[int]) -> torch.nn.Module:
     """A copy of the target that keeps only the chosen decoder layers (and its embeddings, final norm and lm_head),
     with the target's weights: its forward is the target's computation through those layers."""
     model = target.model
@@ -390,7 +390,7 @@ def cut_from_target(target, cut: str | list[int]) -> torch.nn.Module:
     return student
 
 
-def warn_if_larger(student: torch.nn.Module, target) -> None:
+def warn_if_larger(student: torch.nn.Module, target: Target) -> None:
     ours, theirs = sum(p.numel() for p in student.parameters()), sum(p.numel() for p in target.model.parameters())
     if ours >= theirs:
         log.warning("the draft model has %s parameters, the target %s: a draft as large as its target cannot make "

@@ -19,6 +19,7 @@ from drafttrain.drafts.layers import (
     llama_config_like,
     shift_left,
 )
+from drafttrain.targets import Target
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
@@ -41,7 +42,7 @@ class EagleDrafter(EagleHead):
         self.rotary = LlamaRotaryEmbedding(layer_config)
 
     @classmethod
-    def build(cls, config: EagleConfig, target, run=None) -> "EagleDrafter":
+    def build(cls, config: EagleConfig, target: Target, run=None) -> "EagleDrafter":
         layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size)
         head = cls(config, layer_config, target.num_layers).to(target.device).attach_target(target)
         return head.init_from_target(config.init_from_target)
@@ -56,7 +57,7 @@ class EagleDrafter(EagleHead):
         self.fc.bias.zero_()
 
     @classmethod
-    def from_pretrained(cls, directory, target) -> "EagleDrafter":
+    def from_pretrained(cls, directory, target: Target) -> "EagleDrafter":
         config = cls.read_checked_config(directory, target)
         cfg = EagleConfig.model_validate(config["drafttrain"]["draft"])
         head = cls(cfg, llama_config_like(target.config, **saved_layer_fields(config)), target.num_layers)
@@ -64,7 +65,7 @@ class EagleDrafter(EagleHead):
         return head.to(target.device).attach_target(target)
 
     @classmethod
-    def target_needs(cls, config: EagleConfig, target) -> TargetNeeds:
+    def target_needs(cls, config: EagleConfig, target: Target) -> TargetNeeds:
         return TargetNeeds(layers=(target.num_layers,), logits=True)
 
     def interchange_config(self) -> dict:

@@ -25,6 +25,7 @@ from drafttrain.drafts.layers import (
     shift_left,
 )
 from drafttrain.runfolder import RunFolder
+from drafttrain.targets import Target
 from drafttrain.targets.hidden import final_norm_scale
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
@@ -77,7 +78,7 @@ class Eagle3Drafter(EagleHead):
         return check_aux_layers(config.layers or default_aux_layers(num_layers), num_layers)
 
     @classmethod
-    def target_needs(cls, config: Eagle3Config, target) -> TargetNeeds:
+    def target_needs(cls, config: Eagle3Config, target: Target) -> TargetNeeds:
         return TargetNeeds(layers=tuple(cls.aux_layers(config, target.num_layers)), logits=True)
 
     def needs(self) -> TargetNeeds:
@@ -85,7 +86,7 @@ class Eagle3Drafter(EagleHead):
         return dataclasses.replace(super().needs(), logits_rows=self.draft_to_target)
 
     @classmethod
-    def build(cls, config: Eagle3Config, target, run: RunFolder | None = None) -> "Eagle3Drafter":
+    def build(cls, config: Eagle3Config, target: Target, run: RunFolder | None = None) -> "Eagle3Drafter":
         layer_ids = cls.aux_layers(config, target.num_layers)
         d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         layer_config = llama_config_like(target.config, intermediate_size=config.intermediate_size,
@@ -95,7 +96,7 @@ class Eagle3Drafter(EagleHead):
         return head.init_from_target(config.init_from_target)
 
     @classmethod
-    def built_extras(cls, config: Eagle3Config, target) -> dict:
+    def built_extras(cls, config: Eagle3Config, target: Target) -> dict:
         """What a variant's constructor takes beside the head's own arguments, for a fresh draft."""
         return {}
 
@@ -134,7 +135,7 @@ class Eagle3Drafter(EagleHead):
         self.fc.weight[:, -h:] = torch.eye(h)
 
     @classmethod
-    def from_pretrained(cls, directory, target) -> "Eagle3Drafter":
+    def from_pretrained(cls, directory, target: Target) -> "Eagle3Drafter":
         config = cls.read_checked_config(directory, target)
         cfg = Eagle3Config.model_validate(config["drafttrain"]["draft"])
         layer_ids = check_aux_layers(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers)

@@ -10,6 +10,7 @@ import torch
 
 from drafttrain.drafts.base import Drafter, read_draft_config
 from drafttrain.drafts.layers import LayerCache, check_target_sizes, copy_target_layer
+from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder_layers
 
 
@@ -53,7 +54,7 @@ class EagleHead(Drafter):
         raise NotImplementedError
 
     @staticmethod
-    def read_checked_config(directory, target) -> dict[str, Any]:
+    def read_checked_config(directory, target: Target) -> dict[str, Any]:
         """The checkpoint's config, refused when the head was trained for a target of another shape."""
         config = read_draft_config(directory)
         check_target_sizes(config, target, f"the draft at {directory}: its")

@@ -21,6 +21,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
 
 from drafttrain import DrafttrainError
+from drafttrain.targets import Target
 from drafttrain.targets.family import draft_layer_fields
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,7 @@ def llama_config_like(target_config, **overrides) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
-def resolve_mask_token(configured: int | None, target) -> int:
+def resolve_mask_token(configured: int | None, target: Target) -> int:
     """The mask token: the recipe's; else the tokenizer's mask token; else the first embedding row no token uses;
     else unk / pad / eos (as the references choose it)."""
     tokenizer, vocab = target.tokenizer, target.vocab_size
@@ -328,7 +329,7 @@ def foreign_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items() if k not in FOREIGN_EXTRAS}
 
 
-def check_target_sizes(config: dict, target, whose: str = "the draft's") -> None:
+def check_target_sizes(config: dict, target: Target, whose: str = "the draft's") -> None:
     """A draft's hidden and vocabulary sizes (as its config.json gives them) against the target's: a draft of
     another size was trained for another target."""
     for what, mine in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
@@ -337,7 +338,7 @@ def check_target_sizes(config: dict, target, whose: str = "the draft's") -> None
                                   "trained for another target")
 
 
-def check_foreign_layers(config: dict, target) -> None:
+def check_foreign_layers(config: dict, target: Target) -> None:
     """Our draft layers take the target's shape, norm epsilon, activation and RoPE (``llama_config_like``): a
     foreign draft whose layers differ in any of them would load and compute something else, so it is refused."""
     layer, ours = config["transformer_layer_config"], llama_config_like(target.config)

@@ -33,6 +33,7 @@ from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, top1_hits, with_lora
 from drafttrain.drafts.layers import check_target_sizes, shift_left
 from drafttrain.runfolder import RunFolder, read_json, read_safetensors
+from drafttrain.targets import Target
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
 
 ADAPTER_DIR = "adapter"
@@ -71,7 +72,7 @@ class MedusaDrafter(Drafter):
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
-    def target_needs(cls, config: MedusaConfig, target) -> TargetNeeds:
+    def target_needs(cls, config: MedusaConfig, target: Target) -> TargetNeeds:
         return TargetNeeds(final_hidden=True, logits=config.self_distill or config.trains_target)
 
     def needs(self) -> TargetNeeds:
@@ -81,7 +82,7 @@ class MedusaDrafter(Drafter):
         return needs
 
     @classmethod
-    def build(cls, config: MedusaConfig, target, run: RunFolder | None = None) -> "MedusaDrafter":
+    def build(cls, config: MedusaConfig, target: Target, run: RunFolder | None = None) -> "MedusaDrafter":
         d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         drafter = cls(config, target.hidden_size, d2t, t2d).to(target.device).attach_target(target)
         if config.init_lm_head_from_target:
@@ -94,7 +95,7 @@ class MedusaDrafter(Drafter):
         return drafter
 
     @classmethod
-    def from_pretrained(cls, directory, target) -> "MedusaDrafter":
+    def from_pretrained(cls, directory, target: Target) -> "MedusaDrafter":
         directory = Path(directory)
         config = read_draft_config(directory)
         cfg = MedusaConfig.model_validate(config["drafttrain"]["draft"])
@@ -202,18 +203,18 @@ class MedusaDrafter(Drafter):
         return losses.forward_kl(adapted_logits, original, shift_left(loss_mask, 1))
 
 
-def add_lora(target, config: MedusaConfig) -> list[str]:
+def add_lora(target: Target, config: MedusaConfig) -> list[str]:
     """Wrap the target in LoRA adapters on the named modules; returns the names of the adapters' parameters."""
     target.model = with_lora(target.model, config.lora, target.name)
     return [name for name, p in target.model.named_parameters() if p.requires_grad]
 
 
-def save_lora(target, directory: Path) -> None:
+def save_lora(target: Target, directory: Path) -> None:
     """The adapter as peft writes it (adapter_config.json, adapter_model.safetensors)."""
     target.model.save_pretrained(str(directory), safe_serialization=True)
 
 
-def load_lora(target, directory: Path) -> list[str]:
+def load_lora(target: Target, directory: Path) -> list[str]:
     """Adapt the target with a saved adapter (or load it into an adapter already there, e.g. while training)."""
     from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
@@ -230,7 +231,7 @@ def load_lora(target, directory: Path) -> list[str]:
 
 
 @torch.no_grad()
-def save_merged(target, directory: Path) -> None:
+def save_merged(target: Target, directory: Path) -> None:
     """The adapted target as a plain model folder: each adapted weight is base + the adapter's delta."""
     from peft.tuners.lora import LoraLayer  # peft imports in seconds: only for Medusa-2
 

@@ -15,6 +15,7 @@ from drafttrain.config import DraftModelConfig
 from drafttrain.drafts.draft_model import DraftModelDrafter
 from drafttrain.drafts.layers import resolve_mask_token, shift_left
 from drafttrain.drafts.parallel import cod_rollouts, parallel_mask
+from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder
 from drafttrain.targets.masks import additive_mask
 from drafttrain.targets.outputs import TargetOutputs
@@ -31,7 +32,7 @@ class PardDrafter(DraftModelDrafter):
         self.mask_token_id = mask_token_id
 
     @classmethod
-    def built_extras(cls, config: DraftModelConfig, target) -> dict:
+    def built_extras(cls, config: DraftModelConfig, target: Target) -> dict:
         return {"mask_token_id": resolve_mask_token(config.mask_token_id, target)}
 
     @classmethod

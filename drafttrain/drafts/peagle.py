@@ -20,6 +20,7 @@ from drafttrain.drafts.base import StepOutput
 from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.layers import LayerCache, resolve_mask_token, shift_left
 from drafttrain.drafts.parallel import ParallelMask, Rollouts, cod_rollouts, parallel_mask
+from drafttrain.targets import Target
 from drafttrain.targets.outputs import TargetOutputs, rows_and_argmax
 
 __all__ = ["PEagleDrafter", "ParallelMask", "Rollouts", "cod_rollouts", "parallel_mask"]
@@ -40,7 +41,7 @@ class PEagleDrafter(Eagle3Drafter):
         self.mask_embedding = nn.Parameter(torch.zeros(layer_config.hidden_size))
 
     @classmethod
-    def built_extras(cls, config: Eagle3Config, target) -> dict:
+    def built_extras(cls, config: Eagle3Config, target: Target) -> dict:
         return {"mask_token_id": resolve_mask_token(config.mask_token_id, target)}
 
     @classmethod

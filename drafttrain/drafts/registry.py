@@ -40,6 +40,7 @@ from drafttrain.runfolder import (
     read_safetensors,
     verify_manifest,
 )
+from drafttrain.targets import Target
 from drafttrain.targets.outputs import TargetNeeds
 
 KINDS: dict[str, type[Drafter]] = {}
@@ -132,7 +133,7 @@ def saved_max_depth(path: str | Path) -> int | None:
     return drafter_for(config).max_draft_depth(config)
 
 
-def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> Drafter:
+def build_drafter(config: DraftConfig, target: Target, run: RunFolder | None = None) -> Drafter:
     """A fresh draft of the recipe's kind (or the variant its section selects) for ``target`` (``run``: the run
     folder prepare wrote)."""
     cls = drafter_class(config.kind)
@@ -142,7 +143,7 @@ def build_drafter(config: DraftConfig, target, run: RunFolder | None = None) -> 
     return drafter_for(config).build(config, target, run)
 
 
-def start_drafter(config: DraftConfig, target, run: RunFolder | None = None, new_vocabulary: bool = False) -> Drafter:
+def start_drafter(config: DraftConfig, target: Target, run: RunFolder | None = None, new_vocabulary: bool = False) -> Drafter:
     """The draft a training run starts from: a fresh one of the recipe's kind, or the saved one ``init_from``
     names, continued (over the run's own draft vocabulary when ``new_vocabulary``: draft_vocab.enabled); with
     ``draft_lora``, wrapped in LoRA adapters that alone train."""
@@ -157,7 +158,7 @@ def start_drafter(config: DraftConfig, target, run: RunFolder | None = None, new
     return drafter
 
 
-def continued_drafter(config: DraftConfig, target) -> Drafter:
+def continued_drafter(config: DraftConfig, target: Target) -> Drafter:
     """The saved draft at ``config.init_from`` (checked as every loaded draft is: its files, its tokenizer, its
     weights), given the recipe's training settings."""
     section = resolved_section(config)
@@ -187,7 +188,7 @@ def resolved_section(config: DraftConfig) -> DraftConfig:
     return continued_config(saved, config, config.init_from)
 
 
-def run_target_needs(config: DraftConfig, target) -> TargetNeeds:
+def run_target_needs(config: DraftConfig, target: Target) -> TargetNeeds:
     """What a run of this draft section reads from ``target`` (the section resolved as the run trains it)."""
     section = resolved_section(config)
     return drafter_for(section).target_needs(section, target)
@@ -246,7 +247,7 @@ def saved_kind(path: str | Path) -> type[Drafter]:
     return KINDS[kind]
 
 
-def _from_export(kind: type[Drafter], directory: Path, config: dict, target) -> tuple[Drafter, dict]:
+def _from_export(kind: type[Drafter], directory: Path, config: dict, target: Target) -> tuple[Drafter, dict]:
     """A folder ``drafttrain export`` wrote: read back into the kind's own layout, then loaded as a checkpoint.
     Returns the draft and its config in the checkpoint's layout."""
 
@@ -283,7 +284,7 @@ def _params_to(drafter: Drafter, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def load_drafter(path: str | Path, target, *, as_saved: bool = False) -> Drafter:
+def load_drafter(path: str | Path, target: Target, *, as_saved: bool = False) -> Drafter:
     """Load a saved draft of any kind and attach ``target``. ``path`` may also be a run's output_dir or
     checkpoints folder: its best checkpoint is loaded. Its weights take the target's dtype, as the engines serve a
     draft (a head trained in fp32 beside a bf16 target failed at its first matmul on a GPU); ``as_saved`` keeps

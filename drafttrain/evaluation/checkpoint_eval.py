@@ -32,7 +32,7 @@ from drafttrain.evaluation.report import write_report
 from drafttrain.evaluation.sides import Compared
 from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without_reported
 from drafttrain.runfolder import EVAL_DIR, RunFolder
-from drafttrain.targets import TargetNeeds
+from drafttrain.targets import Target, TargetNeeds
 from drafttrain.targets.outputs import run_target
 from drafttrain.training.loader import ROW_INDEX, pad_collate, to_device
 from drafttrain.training.run_log import CheckpointMetrics
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 CALIBRATION_PROMPTS = 4  # held-out prompts that depth auto measures acceptance on
 
 
-def evaluate_drafter(recipe: Recipe, target, drafter, questions: Suite, progress: bool = True,
+def evaluate_drafter(recipe: Recipe, target: Target, drafter, questions: Suite, progress: bool = True,
                      calibration: Suite | None = None, time_budget_s: float | None = None, depth: int | None = None,
                      compare: Sequence[Compared] = ()) -> EvalReport:
     """The evaluator on ``questions`` with the recipe's eval settings, against plain decoding in the same run.
@@ -95,7 +95,7 @@ def selection_prompts(recipe: Recipe) -> Suite | None:
 class CheckpointEvaluator:
     """``fn(step, checkpoint_dir) -> metrics`` for Trainer callbacks (main process only)."""
 
-    def __init__(self, recipe: Recipe, target, validation=None, max_rows: int = 16):
+    def __init__(self, recipe: Recipe, target: Target, validation=None, max_rows: int = 16):
         self.recipe, self.target = recipe, target
         self.validation = validation.select(range(min(max_rows, len(validation)))) if validation else None
         self.questions = selection_prompts(recipe)
@@ -160,7 +160,7 @@ def row_batch(rows, row: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def held_out(drafter, target, rows) -> tuple[list[float], dict[str, float]]:
+def held_out(drafter, target: Target, rows) -> tuple[list[float], dict[str, float]]:
     """On held-out ``rows`` (tokenised rows, a dataset): per draft position, the share of trainable tokens where the
     draft's top-1 is the target's; and each per-token measure the kind reports (a draft model's β = 1 - TVD), over
     all the rows' tokens."""

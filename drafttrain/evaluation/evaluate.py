@@ -42,6 +42,7 @@ from drafttrain.evaluation.run_info import Budget, LoadWatch, jsonable, now, run
 from drafttrain.evaluation.sides import BASELINE, COMPARED, HF_REFERENCE, ORIGINAL_TARGET, Compared, Side, SideBuilder
 from drafttrain.evaluation.suites import Question, Suite
 from drafttrain.progress import progress_bar
+from drafttrain.targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class EvalReport:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
 
-def evaluate(target, method: str | Any, prompts: Suite | Sequence[Question | str],
+def evaluate(target: Target, method: str | Any, prompts: Suite | Sequence[Question | str],
              settings: DecodeSettings | None = None, *, calibration: Sequence[Question] = (),
              compare: Sequence[str | Compared] = (), baseline: bool = True, hf_reference: bool = False,
              proposer_kwargs: dict[str, Any] | None = None, progress: bool = True, warmup: bool = True,
@@ -152,7 +153,7 @@ def _check_labels(sides: list[Side]) -> None:
                               "(--compare LABEL=FOLDER)")
 
 
-def _warm_up(target, question: Question, sides: list[Side], budget: int) -> None:
+def _warm_up(target: Target, question: Question, sides: list[Side], budget: int) -> None:
     """One short, uncounted run of every side: first-call costs (allocations, kernel selection) stay out."""
     first_turn = dataclasses.replace(question, turns=question.turns[:1])
     for side in sides:
@@ -160,7 +161,7 @@ def _warm_up(target, question: Question, sides: list[Side], budget: int) -> None
         side.warmed_up()
 
 
-def _run_interleaved(target, question: Question, sides: list[Side], budget: int, rotation: int) -> list[SideRun]:
+def _run_interleaved(target: Target, question: Question, sides: list[Side], budget: int, rotation: int) -> list[SideRun]:
     """Every side on the question, in list order; the starting side rotates with ``rotation``."""
     order = [(i + rotation) % len(sides) for i in range(len(sides))]
     runs = {i: run_turns(target.tokenizer, question, sides[i].generator(budget), target.device) for i in order}
@@ -186,7 +187,7 @@ def _summary(sides: list[Side], questions: list[Question], runs: list[list[SideR
         original_target=None if original is None else original_target_line(original, records, temperature))
 
 
-def _judge_mismatches(target, report: EvalReport, sides: list[Side], runs: list[list[SideRun]],
+def _judge_mismatches(target: Target, report: EvalReport, sides: list[Side], runs: list[list[SideRun]],
                       temperature: float) -> None:
     """At T=0, the target's verdict on each side's first greedy mismatch in each prompt (drafttrain.evaluation.
     rounding: its own rounding, or a defect): the method's in its prompt records, a compared side's in its line."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from drafttrain.evaluation.records import SideRun, first_mismatch
-from drafttrain.targets import TargetCache
+from drafttrain.targets import Target, TargetCache
 
 WINDOW = 8  # tokens verified together in the wide computation (a chain of depth 7 verifies 8)
 
@@ -38,7 +38,7 @@ def _both_ways(model, ids: torch.Tensor, wide: int) -> tuple[torch.Tensor, torch
     return cache.forward(ids[:, -1:])[0, -1].float(), verified
 
 
-def mismatch_rounding(target, context: list[int], expected: int, got: int) -> dict:
+def mismatch_rounding(target: Target, context: list[int], expected: int, got: int) -> dict:
     """The target's verdict on a greedy mismatch after ``context`` (prompt and the tokens both sides agreed on):
     ``expected`` is the baseline's token, ``got`` the side's. Returns the logit gap (expected minus got) by each
     computation, the rounding noise at those two tokens, and whether the mismatch is within it."""
@@ -51,7 +51,7 @@ def mismatch_rounding(target, context: list[int], expected: int, got: int) -> di
             "rounding_noise": round(noise, 6), "rounding": bool(rounding)}
 
 
-def explain_mismatch(target, side: SideRun, base: SideRun) -> dict | None:
+def explain_mismatch(target: Target, side: SideRun, base: SideRun) -> dict | None:
     """The first turn where ``side``'s greedy tokens left the baseline's, and the target's verdict there (later
     turns follow from it: each side's history is its own answers). None when the two runs are equal."""
     for turn, (ours, theirs) in enumerate(zip(side.turn_tokens, base.turn_tokens)):

@@ -15,6 +15,7 @@ import transformers
 
 import drafttrain
 from drafttrain.config import DecodeSettings
+from drafttrain.targets import Target
 
 TIMING = "wall clock around each generate call, prefill included; method and baseline interleaved"
 
@@ -113,7 +114,7 @@ def _load() -> float | None:
         return None
 
 
-def run_config(target, settings: DecodeSettings, *, suite: str, questions: list, described: dict[str, Any],
+def run_config(target: Target, settings: DecodeSettings, *, suite: str, questions: list, described: dict[str, Any],
                stop_ids: list[int], started_at: str) -> dict[str, Any]:
     """The report's ``config``: the method's resolved settings (``settings``, after any auto choice), the prompts,
     what each side was (``described``: proposer, draft, baseline, references, compared sides), versions, machine."""

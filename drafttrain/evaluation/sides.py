@@ -28,6 +28,7 @@ from drafttrain.decoding.autodepth import ShapeChoice, choose_shape
 from drafttrain.drafts import Drafter
 from drafttrain.evaluation.records import GenerateFn
 from drafttrain.evaluation.run_info import describe_tree
+from drafttrain.targets import Target
 
 COMPARED, BASELINE, ORIGINAL_TARGET, HF_REFERENCE = "compared", "baseline", "original_target", "hf_reference"
 
@@ -169,7 +170,7 @@ def _constant_assistant(assistant: torch.nn.Module, k: int):
 
 
 def _hf_generate_fn(
-    target, budget: int, stop_ids, sampling: dict, extra: dict | None = None, assistant_k: int | None = None
+    target: Target, budget: int, stop_ids, sampling: dict, extra: dict | None = None, assistant_k: int | None = None
 ) -> GenerateFn:
     model = target.model
     do_sample = sampling["temperature"] > 0

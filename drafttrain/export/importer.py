@@ -21,6 +21,7 @@ from drafttrain.drafts import drafter_for, load_drafter
 from drafttrain.drafts.registry import foreign_kind
 from drafttrain.export.writer import publish, staging_for
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, file_sha256, read_json, read_safetensors, write_manifest
+from drafttrain.targets import Target
 
 
 def read_foreign(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -43,7 +44,7 @@ def read_foreign(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def import_draft(source: str | Path, target, out: str | Path, overwrite: bool = False) -> tuple[Path, list[str]]:
+def import_draft(source: str | Path, target: Target, out: str | Path, overwrite: bool = False) -> tuple[Path, list[str]]:
     """Write the foreign draft at ``source`` as a drafttrain checkpoint at ``out`` for ``target``. Returns the
     folder and the notes on what drafttrain serves differently from the trainer that wrote it."""
     source, out = Path(source), Path(out)
@@ -67,7 +68,7 @@ def import_draft(source: str | Path, target, out: str | Path, overwrite: bool = 
     return out, notes
 
 
-def _built(kind, draft, config: dict, tensors: dict[str, torch.Tensor], target, tmp: Path):
+def _built(kind, draft, config: dict, tensors: dict[str, torch.Tensor], target: Target, tmp: Path):
     """The kind's draft, loaded the way its own checkpoints load, from its section, the foreign config and the
     tensors in its layout."""
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_NAME))

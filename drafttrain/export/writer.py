@@ -37,7 +37,7 @@ from drafttrain.runfolder import (
     write_manifest,
     write_text_atomic,
 )
-from drafttrain.targets import load_target
+from drafttrain.targets import Target, load_target
 from drafttrain.userfiles import make_folder, writing
 
 REPORT_NAME = "report.json"
@@ -70,7 +70,7 @@ def export_checkpoint(source: str | Path, fmt: str | None, out: str | Path | Non
     return export_draft(checkpoint, fmt, out, target, **options)
 
 
-def export_draft(source: str | Path, fmt: str, out: str | Path, target, overwrite: bool = False,
+def export_draft(source: str | Path, fmt: str, out: str | Path, target: Target, overwrite: bool = False,
                  report: str | Path | None = None, verifier: str | None = None) -> Path:
     """Write the draft at ``source`` (a checkpoint, or a run: its best checkpoint) in format ``fmt`` to ``out``.
 

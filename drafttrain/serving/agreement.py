@@ -17,9 +17,10 @@ from drafttrain.cpu_linear import PackedLinears
 from drafttrain.decoding import SpeculativeDecoder
 from drafttrain.decoding.proposers import build_proposer
 from drafttrain.progress import progress_bar
+from drafttrain.targets import Target
 
 
-def drafttrain_side(target, drafter, ids: list[list[int]], count: int, length: int, max_new_tokens: int,
+def drafttrain_side(target: Target, drafter, ids: list[list[int]], count: int, length: int, max_new_tokens: int,
                     stop_ids: list[int]) -> dict[str, Any]:
     """τ (1 + accepted draft tokens per verification step, the engine's definition) of ``drafter`` at chain depth
     ``length`` on the first ``count`` prompts (cycled as the load generator sends them), with the answers' text."""

@@ -37,7 +37,7 @@ from drafttrain.serving.engines import (
 )
 from drafttrain.serving.prompts import BenchPrompts, bench_prompts
 from drafttrain.serving.sweep import SWEEP_FILE, SweepSide, build_levels, jobs, run_load
-from drafttrain.targets import load_target
+from drafttrain.targets import Target, load_target
 from drafttrain.targets.loading import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class BenchInputs:
     request_log: str | None = None
 
 
-def resolve_draft(source: str, engine: Engine, target, out: Path) -> Draft:
+def resolve_draft(source: str, engine: Engine, target: Target, out: Path) -> Draft:
     """``ngram``, an export folder (served as it is) or a run or checkpoint (exported here in the first format the
     engine reads)."""
     if source == NGRAM:
@@ -156,7 +156,7 @@ def servers_for(drafts: list[Draft], settings: BenchConfig, engine: Engine, inpu
     return sides
 
 
-def our_side(draft: Draft, target, prompts: BenchPrompts, settings: BenchConfig, length: int) -> dict[str, Any]:
+def our_side(draft: Draft, target: Target, prompts: BenchPrompts, settings: BenchConfig, length: int) -> dict[str, Any]:
     return drafttrain_side(target, draft.drafter, prompts.ids, settings.requests_at(1), length,
                            settings.output_len, prompts.stop_ids)
 

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from drafttrain import DrafttrainError
 from drafttrain.evaluation.serving_report import PLAIN
 from drafttrain.serving.metrics import SpecCounters, by_label, counter_samples, total
+from drafttrain.targets import Target
 from drafttrain.userfiles import cause
 
 LOG_TAIL_CHARS = 3000
@@ -85,7 +86,7 @@ class VLLM(Engine):
     requirement = ("import vllm, vllm.benchmarks.serve, vllm.utils.argparse_utils, pandas; "
                    "print(vllm.__version__)")
 
-    def server_args(self, target, port, spec, memory_fraction):
+    def server_args(self, target: Target, port, spec, memory_fraction):
         args = ["--model", target, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
                 # on a CPU this is the share of RAM its KV cache may take, as on a GPU of the GPU's memory
                 "--gpu-memory-utilization", f"{memory_fraction:.3f}"]
@@ -115,7 +116,7 @@ class SGLang(Engine):
     requirement = ("import sglang, vllm.benchmarks.serve, vllm.utils.argparse_utils, pandas; "
                    "print(sglang.__version__)")
 
-    def server_args(self, target, port, spec, memory_fraction):
+    def server_args(self, target: Target, port, spec, memory_fraction):
         args = ["--model-path", target, "--host", "127.0.0.1", "--port", str(port), "--enable-metrics",
                 "--random-seed", "0", "--mem-fraction-static", f"{memory_fraction:.3f}"]
         if spec is not None:

@@ -409,7 +409,7 @@ def _partitioned_at_load() -> bool:
     return is_deepspeed_zero3_enabled()
 
 
-def check_same_tokenizer(target, draft) -> None:
+def check_same_tokenizer(target: Target, draft: Target) -> None:
     """Refuse a draft whose tokenizer differs from the target's (vocabulary or special tokens)."""
     problems = []
     tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()

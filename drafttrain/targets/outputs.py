@@ -21,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from drafttrain import DrafttrainError
 from drafttrain.targets.hidden import HiddenStateTap
 from drafttrain.targets.hidden import decoder as decoder_of
+from drafttrain.targets.loading import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ class TargetOutputs:
 LOGITS_CHUNK = 512
 
 
-def run_target(target, batch: dict[str, torch.Tensor], needs: TargetNeeds, chunk: int = LOGITS_CHUNK) -> TargetOutputs:
+def run_target(target: Target, batch: dict[str, torch.Tensor], needs: TargetNeeds, chunk: int = LOGITS_CHUNK) -> TargetOutputs:
     """One forward of the target over ``batch`` that yields what ``needs`` asks for. The logits are computed from
     the final hidden state afterwards, ``chunk`` positions at a time (see :func:`target_logits`)."""
     if not needs.runs_target:
@@ -111,7 +112,7 @@ def run_target(target, batch: dict[str, torch.Tensor], needs: TargetNeeds, chunk
     )
 
 
-def target_logits(target, final: torch.Tensor, rows: torch.Tensor | None = None,
+def target_logits(target: Target, final: torch.Tensor, rows: torch.Tensor | None = None,
                   chunk: int = LOGITS_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's logits from its final hidden state, ``chunk`` sequence positions at a time. With ``rows``
     (vocabulary ids), only those entries are kept, and the full-vocabulary argmax is returned beside them; only
@@ -131,7 +132,7 @@ def target_logits(target, final: torch.Tensor, rows: torch.Tensor | None = None,
     return torch.cat(kept, dim=1), torch.cat(argmax, dim=1) if rows is not None else None
 
 
-def full_argmax(target, final: torch.Tensor, chunk: int = LOGITS_CHUNK) -> torch.Tensor:
+def full_argmax(target: Target, final: torch.Tensor, chunk: int = LOGITS_CHUNK) -> torch.Tensor:
     """The target's argmax over its whole vocabulary, ``chunk`` positions at a time (one chunk's logits exist)."""
     return torch.cat([logits_from_final(target, final[:, start: start + chunk]).argmax(-1)
                       for start in range(0, final.shape[1], chunk)], dim=1)
@@ -200,7 +201,7 @@ def plain_rows(model: nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
     return weight[rows.to(weight.device)]
 
 
-def logits_from_final(target, final: torch.Tensor) -> torch.Tensor:
+def logits_from_final(target: Target, final: torch.Tensor) -> torch.Tensor:
     """Next-token logits from the target's final hidden state (:func:`head_logits`)."""
     return head_logits(target.model, final)
 

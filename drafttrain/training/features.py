@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from drafttrain import DrafttrainError
 from drafttrain.progress import progress_bar
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
+from drafttrain.targets import Target
 from drafttrain.targets.hidden import HiddenStateTap
 from drafttrain.targets.outputs import (
     TargetNeeds,
@@ -67,7 +68,7 @@ def restored(read, name: str) -> torch.Tensor:
     return tensor
 
 
-def cache_dtype(name: str, target) -> torch.dtype:
+def cache_dtype(name: str, target: Target) -> torch.dtype:
     """``auto`` is the target's own dtype: nothing is lost by storing its hidden states as they came."""
     return target.model.dtype if name == "auto" else DTYPES[name]
 
@@ -75,7 +76,7 @@ def cache_dtype(name: str, target) -> torch.dtype:
 SETTINGS = "settings.json"  # what the shards in the folder were written for; a rerun with others starts over
 
 
-def cache_settings(target, dataset, needs: TargetNeeds, *, split_fingerprint: str, dtype: torch.dtype,
+def cache_settings(target: Target, dataset, needs: TargetNeeds, *, split_fingerprint: str, dtype: torch.dtype,
                    rows_per_shard: int) -> dict:
     top_k = needs.logits_top_k if needs.logits else None
     return {"format_version": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
@@ -133,7 +134,7 @@ def _finished(out_dir: Path, number: int) -> dict | None:
 
 
 @torch.no_grad()
-def write_shards(target, dataset, needs: TargetNeeds, out_dir: str | Path, settings: dict, rank: int = 0,
+def write_shards(target: Target, dataset, needs: TargetNeeds, out_dir: str | Path, settings: dict, rank: int = 0,
                  world: int = 1, progress: bool = True) -> int:
     """Write this rank's shards (shard k holds rows [k·R, (k+1)·R) and belongs to rank k mod world), skipping the
     ones a previous run finished. Each shard lands under a temporary name, is renamed, then gets its record: a
@@ -190,7 +191,7 @@ def join_shards(out_dir: str | Path) -> Path:
     return out_dir
 
 
-def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path, *, split_fingerprint: str,
+def write_feature_cache(target: Target, dataset, needs: TargetNeeds, out_dir: str | Path, *, split_fingerprint: str,
                         dtype: torch.dtype, rows_per_shard: int = 256, progress: bool = True) -> Path:
     """Run the target over every row of a tokenised split and store what ``needs`` asks for, in one process (see
     the module doc; ``drafttrain prepare`` under a launcher splits the shards over its processes)."""
@@ -204,7 +205,7 @@ def write_feature_cache(target, dataset, needs: TargetNeeds, out_dir: str | Path
 class FeatureCache:
     """Streams the target outputs of given rows from the cache (memory-mapped shards, verified once each)."""
 
-    def __init__(self, directory: str | Path, target, needs: TargetNeeds, split_fingerprint: str):
+    def __init__(self, directory: str | Path, target: Target, needs: TargetNeeds, split_fingerprint: str):
         self.directory, self.target, self.needs = Path(directory), target, needs
         path = self.directory / INDEX
         if not path.is_file():

@@ -341,7 +341,7 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
+def draft_footprint(recipe: Recipe, target: Target) -> dict[str, int]:
     """Parameters of the draft (trainable, frozen) and the bytes one training step holds, from a meta-device run
     of the kind's own code at the recipe's batch size and sequence length."""
     batch_size, seq = recipe.training.batch_size, recipe.data.max_length if recipe.data else 2048
@@ -392,7 +392,7 @@ def draft_footprint(recipe: Recipe, target) -> dict[str, int]:
     }
 
 
-def _meta_outputs(target, needs, batch_size: int, seq: int):
+def _meta_outputs(target: Target, needs, batch_size: int, seq: int):
 
     dtype, h = target.model.dtype, target.hidden_size
     shape = (batch_size, seq)
@@ -453,7 +453,7 @@ def token_count(recipe: Recipe) -> tuple[int, bool]:
     return int(rows * recipe.data.max_length / 2), False
 
 
-def cache_bytes_per_token(recipe: Recipe, target, needs) -> int:
+def cache_bytes_per_token(recipe: Recipe, target: Target, needs) -> int:
 
     dtype = recipe.training.feature_dtype
     width = cache_dtype(dtype, target).itemsize
@@ -540,7 +540,7 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
     return result
 
 
-def _forward_bytes(tokens: int, target) -> int:
+def _forward_bytes(tokens: int, target: Target) -> int:
     """The target's no-grad forward over ``tokens`` tokens: one layer's working set (attention and MLP inputs and
     outputs) plus the residual stream, in the target's dtype."""
     config = target.model.config
@@ -567,7 +567,7 @@ def _regeneration_batch_tokens(recipe: Recipe) -> int:
     return widest
 
 
-def _kv_bytes_per_token(target) -> int:
+def _kv_bytes_per_token(target: Target) -> int:
     """Keys and values of every layer for one token, in the target's dtype."""
     config = target.model.config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -52,7 +52,7 @@ from drafttrain.data.traffic import ANSWER_WEIGHTS
 from drafttrain.data.vocab import DraftVocabKey, build_draft_vocab, dataset_coverage, save_draft_vocab
 from drafttrain.drafts.registry import check_vocabulary_choice, run_target_needs, saved_draft_ids
 from drafttrain.runfolder import DataManifest, RunFolder, open_dataset, write_text_atomic
-from drafttrain.targets import load_target, load_tokenizer
+from drafttrain.targets import Target, load_target, load_tokenizer
 from drafttrain.targets.loading import missing_model_message, resolve_model_dir, target_name
 from drafttrain.training.features import (
     cache_dtype,
@@ -223,7 +223,7 @@ def _with_limit(data: DataConfig, limit: int | None) -> DataConfig:
     return data.model_copy(update={"num_samples": num})
 
 
-def _regenerate(recipe: Recipe, mixture, target, run: RunFolder, progress: bool):
+def _regenerate(recipe: Recipe, mixture, target: Target, run: RunFolder, progress: bool):
 
     kept_sources = {name for name, yes in _regenerated_sources(recipe, mixture).items() if not yes}
     # served traffic whose logged answer the target itself gave is kept as it is: it is already the target's own
@@ -369,7 +369,7 @@ def write_validation_prompts(conversations: list[dict], path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _write_features(recipe: Recipe, target, train: tuple, run: RunFolder, progress: bool = True) -> None:
+def _write_features(recipe: Recipe, target: Target, train: tuple, run: RunFolder, progress: bool = True) -> None:
     """Offline target outputs: run the target once over the train split (``train``: the split and its
     fingerprint) and store what the draft kind needs."""
     train_ds, fingerprint = train
@@ -382,7 +382,7 @@ def writes_features(recipe: Recipe) -> bool:
     return recipe.training.hidden_states == "offline" and recipe.draft is not None
 
 
-def _feature_plan(recipe: Recipe, target, fingerprint: str):
+def _feature_plan(recipe: Recipe, target: Target, fingerprint: str):
     """What the offline cache stores for this recipe's kind, and how (the split's fingerprint, the dtype)."""
     needs = run_target_needs(recipe.draft, target)
     return needs, {"split_fingerprint": fingerprint, "dtype": cache_dtype(recipe.training.feature_dtype, target),
@@ -555,7 +555,7 @@ def _totals_table(summary: PrepareSummary) -> Table:
 
 def prepare(
     recipe: Recipe,
-    target=None,
+    target: Target=None,
     *,
     limit: int | None = None,
     progress: bool = True,

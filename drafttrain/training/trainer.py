@@ -25,6 +25,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
 from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged, step_dir_name, write_manifest
+from drafttrain.targets import Target
 from drafttrain.targets.outputs import TargetOutputs, run_target
 from drafttrain.training.checkpoint import (
     DAMAGED_SUFFIX,
@@ -66,7 +67,7 @@ class TrainResult:
 
 class TrainStep(nn.Module):
     """What accelerate wraps, so DDP and ZeRO hooks see one forward: the target outputs, then the kind's loss."""
-    def __init__(self, drafter: nn.Module, target, outputs_fn: OutputsFn, mask_shift: int = 0):
+    def __init__(self, drafter: nn.Module, target: Target, outputs_fn: OutputsFn, mask_shift: int = 0):
         super().__init__()
         self.drafter, self.mask_shift = drafter, mask_shift
         self.__dict__["outputs_fn"] = outputs_fn  # not a submodule
@@ -93,7 +94,7 @@ def owners(model: nn.Module, names: list[str]) -> list[nn.Module]:
     return list(found.values())
 
 
-def online_outputs(target, drafter) -> OutputsFn:
+def online_outputs(target: Target, drafter) -> OutputsFn:
     """The target runs inside every step. Gradients flow only where the kind trains the target."""
     needs = drafter.needs()
     return lambda batch: run_target(target, batch, needs)
@@ -111,7 +112,7 @@ class Trainer:
     def __init__(
         self,
         recipe: Recipe,
-        target,
+        target: Target,
         drafter: nn.Module,
         train_dataset,
         outputs_fn: OutputsFn | None = None,
@@ -490,7 +491,7 @@ def evaluation_mode(*models: nn.Module):
             module.training = training
 
 
-def _pad_id(target) -> int:
+def _pad_id(target: Target) -> int:
     pad = getattr(getattr(target, "tokenizer", None), "pad_token_id", None)
     return int(pad) if pad is not None else 0
 

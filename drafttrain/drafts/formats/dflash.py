@@ -11,6 +11,7 @@ from drafttrain.drafts.codecs import Codec, Exported, ForeignReader
 from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.eagle3 import check_aux_layers
 from drafttrain.drafts.layers import check_foreign_layers, foreign_tensors
+from drafttrain.targets import Target
 from drafttrain.targets.loading import verifier_path
 
 
@@ -64,7 +65,7 @@ class SpeculatorsTrained(ForeignReader):
     def recognises(self, config) -> bool:
         return config.get("speculators_model_type") == "dflash"
 
-    def read_foreign(self, config, tensors, target):
+    def read_foreign(self, config, tensors, target: Target):
         layer = config["transformer_layer_config"]
         check_foreign_layers(config, target)
         if config.get("mask_token_id") is None:

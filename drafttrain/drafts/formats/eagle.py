@@ -10,6 +10,7 @@ from drafttrain.config import EagleConfig
 from drafttrain.drafts.codecs import Codec, Exported, ForeignReader
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.layers import check_target_sizes, foreign_tensors
+from drafttrain.targets import Target
 
 
 class Interchange(Codec):
@@ -64,7 +65,7 @@ class EagleTrained(ForeignReader):
         plain = config.get("architectures") == ["LlamaForCausalLM"] and "draft_vocab_size" not in config
         return plain
 
-    def read_foreign(self, config, tensors, target):
+    def read_foreign(self, config, tensors, target: Target):
         """An EAGLE-1/2 head as EAGLE's trainer saves it (the state dict of ``eagle.model.cnets1.Model``, which
         ``EaModel`` loads): ``fc`` over [embedding, hidden] (2H wide), with a bias as the config's ``bias`` says
         (default true); ``layers.{i}.*``, layer 0 without an input norm, built from the head's own config (its norm
@@ -102,7 +103,7 @@ def eagle_layer_fields(config: dict) -> dict:
             "rope_parameters": {"rope_type": "default", "rope_theta": fields["rope_theta"]}}
 
 
-def _check_same_embedding(embedding: torch.Tensor | None, target) -> None:
+def _check_same_embedding(embedding: torch.Tensor | None, target: Target) -> None:
     """EAGLE trains its head on a frozen copy of the target's embedding: another one means another target."""
     if embedding is None:
         return

@@ -19,6 +19,7 @@ from drafttrain.drafts.codecs import SPECULATORS_VERSION, Codec, ForeignReader
 from drafttrain.drafts.eagle3 import Eagle3Drafter, check_aux_layers, default_aux_layers
 from drafttrain.drafts.layers import check_foreign_layers, foreign_tensors
 from drafttrain.drafts.peagle import PEagleDrafter
+from drafttrain.targets import Target
 from drafttrain.targets.loading import verifier_path
 
 SPECULATORS_EMBEDDINGS = "embed_tokens.weight"  # the target's token embeddings, as speculators' files carry them
@@ -202,7 +203,7 @@ def foreign_section(layer: dict, ids: list[int], depth: int, fc_norm: bool, norm
                         ttt_steps=min(depth, window - 1) if window else depth, **parallel)
 
 
-def _target_embeddings(tensors: dict[str, torch.Tensor], mask_token_id: int, target) -> bool:
+def _target_embeddings(tensors: dict[str, torch.Tensor], mask_token_id: int, target: Target) -> bool:
     """Whether a P-EAGLE draft's embedding table is the target's apart from its mask token's row (compared in the
     file's dtype): what drafttrain's head computes, which reads the target's table and trains that row alone.
     speculators' P-EAGLE trains the whole table by default, which this refuses."""
@@ -217,7 +218,7 @@ def _target_embeddings(tensors: dict[str, torch.Tensor], mask_token_id: int, tar
     return bool(torch.equal(table[rows], ours[rows]))
 
 
-def _check_speculators_layers(config: dict, tensors: dict[str, torch.Tensor], mask: int | None, target) -> None:
+def _check_speculators_layers(config: dict, tensors: dict[str, torch.Tensor], mask: int | None, target: Target) -> None:
     """What speculators' EAGLE-3 and P-EAGLE drafts may set that drafttrain's head does not compute, refused."""
     if any(".q_norm." in name or ".k_norm." in name for name in tensors):
         raise DrafttrainError("the draft's layers normalise q and k (Qwen3 layers: speculators' --draft-arch qwen3, "
@@ -247,7 +248,7 @@ class SpeculatorsTrained(ForeignReader):
     def recognises(self, config) -> bool:
         return config.get("speculators_model_type") in ("eagle3", "peagle")
 
-    def read_foreign(self, config, tensors, target):
+    def read_foreign(self, config, tensors, target: Target):
         mask = config["mask_token_id"] if config.get("speculators_model_type") == "peagle" else None
         _check_speculators_layers(config, tensors, mask, target)
         ids = check_aux_layers(config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers),
@@ -278,7 +279,7 @@ class SpecForgeTrained(ForeignReader):
         # EAGLE's and SpecForge's trainers write the interchange layout (a Llama config, midlayer.*, fc, d2t/t2d)
         return config.get("architectures") == ["LlamaForCausalLMEagle3"]
 
-    def read_foreign(self, config, tensors, target):
+    def read_foreign(self, config, tensors, target: Target):
         check_foreign_layers({"transformer_layer_config": config, "target_hidden_size": config.get("target_hidden_size")},
                              target)
         if config.get("norm_output") is False:

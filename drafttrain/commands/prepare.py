@@ -9,7 +9,7 @@ import argparse
 from drafttrain.config import load_recipe
 from drafttrain.training.plan import check_fits
 from drafttrain.training.prepare import prepare, prepare_launched
-from drafttrain.training.runtime import process_state
+from drafttrain.training.runtime import end_processes, process_state
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,10 @@ def run(args: argparse.Namespace) -> int:
     check_fits(recipe, "prepare")  # an offline cache that clearly cannot fit on disk is refused before any work
     state = process_state()
     if state.num_processes > 1:
-        summary = prepare_launched(recipe, state, args.limit, not args.no_progress)
+        try:
+            summary = prepare_launched(recipe, state, args.limit, not args.no_progress)
+        finally:
+            end_processes()
     else:
         summary = prepare(recipe, limit=args.limit, progress=not args.no_progress)
     if summary is not None:

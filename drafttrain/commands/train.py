@@ -24,7 +24,7 @@ from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder_layers, final_norm
 from drafttrain.training.features import FeatureCache
 from drafttrain.training.plan import check_fits
-from drafttrain.training.runtime import build_accelerator, configured_zero_stage, gathered
+from drafttrain.training.runtime import build_accelerator, configured_zero_stage, end_processes, gathered
 from drafttrain.training.trainer import Trainer, check_zero3, online_outputs
 
 log = logging.getLogger(__name__)
@@ -82,11 +82,14 @@ def check_trainable(recipe: Recipe) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    train(recipe_from_args(args), resume=args.resume)
+    try:
+        train(recipe_from_args(args), resume=args.resume)
+    finally:
+        end_processes()
     return 0
 
 
-def train(recipe: Recipe, resume: bool = False, target: Target=None):
+def train(recipe: Recipe, resume: bool = False, target: Target | None = None):
     """Load the target (unless given), the prepared data and the draft (a fresh one of the recipe's kind, or the
     saved one draft.init_from names); train; return the TrainResult."""
     check_trainable(recipe)
@@ -106,7 +109,6 @@ def train(recipe: Recipe, resume: bool = False, target: Target=None):
     with gathered(start_weights(target, layers), zero3):  # what a draft may start from, whole while it is built
         drafter = start_drafter(recipe.draft, target, run, new_vocabulary=recipe.draft_vocab.enabled)
     if recipe.training.hidden_states == "offline":
-
         outputs = FeatureCache(run.features, target, drafter.needs(), fingerprint).outputs
     else:
         outputs = online_outputs(target, drafter)

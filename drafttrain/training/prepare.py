@@ -555,7 +555,7 @@ def _totals_table(summary: PrepareSummary) -> Table:
 
 def prepare(
     recipe: Recipe,
-    target: Target=None,
+    target: Target | None = None,
     *,
     limit: int | None = None,
     progress: bool = True,

@@ -119,6 +119,16 @@ def process_state():
     return PartialState()
 
 
+def end_processes() -> None:
+    """Leave a launch's process group before a launched process exits: its communication threads, still running when
+    the interpreter shuts down, can abort a process whose work is done (SIGABRT, "terminate called without an active
+    exception"), which the launcher then reports as a failed run. A single process keeps its group (a library caller,
+    or a test, may train again in it)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_world_size() > 1:
+        torch.distributed.destroy_process_group()
+
+
 def read_deepspeed_config(path: str) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():

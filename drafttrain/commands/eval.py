@@ -26,7 +26,7 @@ from drafttrain.decoding import PROPOSERS
 from drafttrain.decoding.proposers import model_folder_proposer, trained_draft
 from drafttrain.decoding.trees import tree_of
 from drafttrain.drafts import load_drafter, saved_kind
-from drafttrain.drafts.registry import saved_max_depth
+from drafttrain.drafts.registry import SavedDraft
 from drafttrain.evaluation.checkpoint_eval import CALIBRATION_PROMPTS
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.report import print_report, write_report
@@ -156,17 +156,18 @@ def run(args: argparse.Namespace) -> int:
     tree_of(settings)  # a bad tree spec fails now, before the target loads
     proposer = _checked_proposer(args)
     sides = [_compared_side(spec, settings) for spec in args.compare]
-    if args.draft and drafttrain_checkpoint(args.draft) is not None:
-        settings = settings.fitted_to(saved_max_depth(args.draft))
+    saved = SavedDraft.open(args.draft) if args.draft and drafttrain_checkpoint(args.draft) is not None else None
+    if saved is not None:
+        settings = settings.fitted_to(saved.max_depth())
     autos = [settings.depth, settings.tree, *(s for side in sides for s in (side.spec.depth, side.spec.tree))]
     calibration = _calibration(args, suite) if "auto" in autos else ()
     _prepare_out_dir(args.out)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    if args.draft and drafttrain_checkpoint(args.draft) is not None:
+    if saved is not None:
         # a drafttrain draft: loaded (and checked) here, so the report records which weights it measured
-        method, method_kwargs = trained_draft(proposer, target, load_drafter(args.draft, target)), {}
+        method, method_kwargs = trained_draft(proposer, target, load_drafter(saved, target)), {}
     else:
         method, method_kwargs = proposer, _proposer_kwargs(args, proposer)
     if args.draft_vocab is not None:
@@ -275,6 +276,7 @@ class Side(NamedTuple):
     spec: CompareSpec
     label: str  # the label given, else the proposer's or the draft folder's name, with the shape given
     serves: Literal["proposer", "draft", "model_folder"]  # a model folder: served by the draft-model proposer
+    saved: SavedDraft | None = None  # a drafttrain draft, opened once
 
 
 def _compared_side(spec: CompareSpec, settings: EvalConfig) -> Side:
@@ -297,15 +299,15 @@ def _compared_side(spec: CompareSpec, settings: EvalConfig) -> Side:
     config = Path(spec.source).expanduser() / CONFIG_NAME
     if config.is_file() and "drafttrain" not in read_json(config):  # a plain model (another trainer's, say)
         return Side(spec, label, "model_folder")
-    saved_kind(spec.source)  # a drafttrain checkpoint (damage named now, not after the target loads)
-    return Side(spec, label, "draft")
+    # a drafttrain checkpoint, opened now: damage is named before the target loads
+    return Side(spec, label, "draft", SavedDraft.open(spec.source))
 
 
 def _load_compared(side: Side, target: Target) -> Compared:
     shape = dict(depth=side.spec.depth, tree=side.spec.tree, label=side.label)
     if side.serves == "model_folder":
         return Compared(model_folder_proposer(), **shape, proposer_kwargs={"draft": side.spec.source})
-    proposer = load_drafter(side.spec.source, target) if side.serves == "draft" else side.spec.source
+    proposer = load_drafter(side.saved, target) if side.serves == "draft" else side.spec.source
     return Compared(proposer, **shape)
 
 

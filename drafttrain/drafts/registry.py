@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -121,16 +122,43 @@ def drafter_class(kind: str) -> type[Drafter]:
     return KINDS[kind]
 
 
-def saved_max_depth(path: str | Path) -> int | None:
+@dataclasses.dataclass(frozen=True)
+class SavedDraft:
+    """A saved draft (a checkpoint, a run's best, an export, an import), found and read once: its folder, its
+    config.json and its kind's class. Pass it on instead of its path, so nothing finds and reads it again."""
+
+    directory: Path
+    config: dict
+    kind: type[Drafter]
+
+    @classmethod
+    def open(cls, path: str | Path | SavedDraft) -> SavedDraft:
+        if isinstance(path, SavedDraft):
+            return path
+        directory = find_draft(path)
+        config = read_draft_config(directory)
+        kind = config["drafttrain"]["kind"]
+        if kind not in KINDS:
+            raise damaged(directory / CONFIG_NAME, f"names draft kind {kind!r}, which is not one of {', '.join(KINDS)}")
+        return cls(directory, config, KINDS[kind])
+
+    def section(self) -> DraftConfig:
+        """Its draft section, validated (a KeyError or ValidationError says it is damaged: callers name how)."""
+        return self.kind.config_class.model_validate(self.config["drafttrain"]["draft"])
+
+    def max_depth(self) -> int | None:
+        """The deepest draft it can propose; None: any."""
+        try:
+            section = self.section()
+        except ValidationError as err:
+            raise damaged(self.directory / CONFIG_NAME, f"holds an invalid {self.kind.kind} section "
+                                                        f"({err.errors()[0]['msg']})") from None
+        return drafter_for(section).max_draft_depth(section)
+
+
+def saved_max_depth(path: str | Path | SavedDraft) -> int | None:
     """The deepest draft the saved draft at ``path`` (checkpoint, run or export) can propose; None: any."""
-    directory = find_draft(path)
-    kind = saved_kind(directory)
-    try:
-        config = kind.config_class.model_validate(read_draft_config(directory)["drafttrain"]["draft"])
-    except ValidationError as err:
-        raise damaged(directory / CONFIG_NAME, f"holds an invalid {kind.kind} section ({err.errors()[0]['msg']})") \
-            from None
-    return drafter_for(config).max_draft_depth(config)
+    return SavedDraft.open(path).max_depth()
 
 
 def build_drafter(config: DraftConfig, target: Target, run: RunFolder | None = None) -> Drafter:
@@ -176,15 +204,15 @@ def resolved_section(config: DraftConfig) -> DraftConfig:
     training settings (read from its config alone: a recipe is checked before any model loads)."""
     if config.init_from is None:
         return config
-    directory = find_draft(config.init_from)
-    kind = saved_kind(directory)
+    draft = SavedDraft.open(config.init_from)
+    kind = draft.kind
     if kind.kind != config.kind:
         raise DrafttrainError(f"draft.init_from {config.init_from} holds a {kind.kind} draft; the recipe trains "
                               f"a {config.kind} draft")
     try:
-        saved = kind.config_class.model_validate(read_draft_config(directory)["drafttrain"]["draft"])
+        saved = draft.section()
     except (KeyError, ValidationError) as err:
-        raise damaged(directory / CONFIG_NAME, f"holds no valid {kind.kind} section ({err})") from None
+        raise damaged(draft.directory / CONFIG_NAME, f"holds no valid {kind.kind} section ({err})") from None
     return continued_config(saved, config, config.init_from)
 
 
@@ -238,13 +266,9 @@ def continued_config(saved: DraftConfig, recipe: DraftConfig, where: str) -> Dra
                               f"{err.errors()[0]['msg']}") from None
 
 
-def saved_kind(path: str | Path) -> type[Drafter]:
+def saved_kind(path: str | Path | SavedDraft) -> type[Drafter]:
     """The kind of the draft a checkpoint folder, ``checkpoints/`` folder or run folder holds."""
-    directory = find_draft(path)
-    kind = read_draft_config(directory)["drafttrain"]["kind"]
-    if kind not in KINDS:
-        raise damaged(directory / CONFIG_NAME, f"names draft kind {kind!r}, which is not one of {', '.join(KINDS)}")
-    return KINDS[kind]
+    return SavedDraft.open(path).kind
 
 
 def _from_export(kind: type[Drafter], directory: Path, config: dict, target: Target) -> tuple[Drafter, dict]:
@@ -284,7 +308,7 @@ def _params_to(drafter: Drafter, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def load_drafter(path: str | Path, target: Target, *, as_saved: bool = False) -> Drafter:
+def load_drafter(path: str | Path | SavedDraft, target: Target, *, as_saved: bool = False) -> Drafter:
     """Load a saved draft of any kind and attach ``target``. ``path`` may also be a run's output_dir or
     checkpoints folder: its best checkpoint is loaded. Its weights take the target's dtype, as the engines serve a
     draft (a head trained in fp32 beside a bf16 target failed at its first matmul on a GPU); ``as_saved`` keeps
@@ -292,16 +316,16 @@ def load_drafter(path: str | Path, target: Target, *, as_saved: bool = False) ->
 
     Checked on the way: the files against the checkpoint's manifest (checksums), the draft's recorded target
     tokenizer against this target's, its config against its weights, and the weights for NaN/inf."""
-    directory = find_draft(path)
+    directory = path.directory if isinstance(path, SavedDraft) else find_draft(path)
     checked: dict = {}  # the manifest's file entries, just verified: their sha256 need not be computed again
     if (directory / MANIFEST).is_file():
         verify_manifest(directory)
         checked = read_json(directory / MANIFEST)["files"]
-    kind = saved_kind(directory)
-    config = read_draft_config(directory)
+    saved = SavedDraft.open(path if isinstance(path, SavedDraft) else directory)
+    kind, config = saved.kind, saved.config
     check_target(config, target, directory)
     try:
-        cls = drafter_for(kind.config_class.model_validate(config["drafttrain"]["draft"]))
+        cls = drafter_for(saved.section())
         drafter, config = _from_export(cls, directory, config, target) if config["drafttrain"].get("export") \
             else (cls.from_pretrained(directory, target), config)
     except DrafttrainError:

@@ -15,10 +15,8 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.data.vocab import draft_ids, read_vocab_mapping, scatter_to_vocab
 from drafttrain.decoding.expand import TreeDrafter
-from drafttrain.decoding.proposers import register_proposer, trained_draft
+from drafttrain.decoding.proposers import is_trained_draft, register_proposer, trained_draft
 from drafttrain.decoding.trees import feed_mask
-from drafttrain.drafts import Drafter
-from drafttrain.runfolder import drafttrain_checkpoint
 from drafttrain.targets import Target, TargetCache, check_same_tokenizer, load_target
 from drafttrain.targets.outputs import plain_lm_head
 
@@ -37,7 +35,7 @@ class DraftModelProposer(TreeDrafter):
                 "the 'draft_model' proposer needs draft=<a built-in name, model folder, .gguf file or Hub id>"
             )
 
-        if isinstance(draft, Drafter) or (isinstance(draft, (str, Path)) and drafttrain_checkpoint(draft)):
+        if is_trained_draft(draft):
             # a drafttrain draft model (being trained, or a checkpoint or run): it speaks the target's tokens
             distilled = trained_draft(self.name, target, draft)
             self.draft = Target("draft_model", distilled.student, target.tokenizer)

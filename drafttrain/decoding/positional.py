@@ -36,6 +36,25 @@ def positional_draft(logits: torch.Tensor, shape: Chain | StaticTree, sampling: 
     return Draft(torch.tensor([tokens], dtype=torch.long, device=device), shape.parents), []
 
 
+class MaskSlotDrafting:
+    """For a proposer whose draft fills every depth from one forward (P-EAGLE, PARD): the root's logits give depth
+    1, and k - 1 mask slots after it, each seeing the accepted text and the earlier slots, give depths 2..k. Mixed in
+    before the proposer it completes, which gives ``_first_logits()`` ([V], depth 1), ``_mask_slot_logits(n)``
+    ([n, V], the slots fed to the draft's cache) and ``_forget_draft()`` (the slots dropped from it again)."""
+
+    shapes = (Chain, StaticTree)  # every position's distribution from one forward: no tree that grows by level
+
+    @torch.no_grad()
+    def propose(self, request) -> Draft:
+        k = request.shape.depth
+        rows = [self._first_logits()[None]]
+        if k > 1:
+            rows.append(self._mask_slot_logits(k - 1))
+            self._forget_draft()
+        draft, self.last_confidences = positional_draft(torch.cat(rows), request.shape, request.sampling, self.device)
+        return draft
+
+
 def rank_hits(ranked: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per depth and rank, how often the rank-r candidate is the wanted token: ``ranked`` [N, depths, k] candidate
     ids, ``wanted`` [N, depths], ``valid`` [N, depths] -> (hits [depths, k], counted [depths, 1])."""

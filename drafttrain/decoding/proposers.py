@@ -130,13 +130,14 @@ def build_proposer(name: str, target: Target, **kwargs) -> Proposer:
     except TypeError as err:
         raise DrafttrainError(f"proposer {name!r}: {err}") from None
     draft = kwargs.get("draft")
-    if PROPOSER_VARIANTS.get(name) and _is_trained_draft(draft):  # loaded once, here: its class picks the proposer
+    if PROPOSER_VARIANTS.get(name) and is_trained_draft(draft):  # loaded once, here: its class picks the proposer
         kwargs["draft"] = head = trained_draft(name, target, draft)
         factory = _proposer_serving(name, type(head))
     return factory(target, **kwargs)
 
 
-def _is_trained_draft(draft) -> bool:
+def is_trained_draft(draft) -> bool:
+    """Whether ``draft`` is a drafttrain draft: one in memory, or a checkpoint or run folder drafttrain wrote."""
     return isinstance(draft, Drafter) or (isinstance(draft, (str, Path)) and bool(draft)
                                           and drafttrain_checkpoint(draft) is not None)
 

@@ -22,12 +22,23 @@ import torch
 
 from drafttrain.config import DraftConfig
 from drafttrain.targets import Target
+from drafttrain.targets.loading import verifier_path
 
 # drafttrain.drafts.base.Drafter, which builds on this module (its export_formats asks the codecs)
 Drafter = Any
 
 Tensors = dict[str, torch.Tensor]
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format the exports write (and are tested with)
+
+
+def speculators_config(algorithm: str, tokens: int, target: Target) -> dict[str, Any]:
+    """speculators' ``speculators_config``: the algorithm, greedy proposals of ``tokens`` tokens, and the verifier
+    (the target, by the path or Hub id it is served from, and its architectures)."""
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier_path(target),
+                         "architectures": list(getattr(target.config, "architectures", None) or [])}}
 
 
 @dataclasses.dataclass

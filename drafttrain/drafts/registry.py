@@ -271,13 +271,13 @@ def saved_kind(path: str | Path | SavedDraft) -> type[Drafter]:
     return SavedDraft.open(path).kind
 
 
-def _from_export(kind: type[Drafter], directory: Path, config: dict, target: Target) -> tuple[Drafter, dict]:
+def _from_export(cls: type[Drafter], directory: Path, config: dict, target: Target) -> tuple[Drafter, dict]:
     """A folder ``drafttrain export`` wrote: read back into the kind's own layout, then loaded as a checkpoint.
     Returns the draft and its config in the checkpoint's layout."""
 
-    fmt, codecs = config["drafttrain"]["export"]["format"], codecs_of(kind)
+    fmt, codecs = config["drafttrain"]["export"]["format"], codecs_of(cls)
     if fmt not in codecs:
-        raise damaged(directory / CONFIG_NAME, f"says it is a {kind.kind} draft in format {fmt!r}, which the kind "
+        raise damaged(directory / CONFIG_NAME, f"says it is a {cls.kind} draft in format {fmt!r}, which the kind "
                                                f"does not write ({', '.join(codecs)})")
     if (directory / WEIGHTS_NAME).is_file() and fmt != "hf":
         tensors, _ = read_safetensors(directory / WEIGHTS_NAME)
@@ -285,8 +285,8 @@ def _from_export(kind: type[Drafter], directory: Path, config: dict, target: Tar
         with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/{WEIGHTS_NAME}")
             (Path(tmp) / CONFIG_NAME).write_text(json.dumps(config))
-            return kind.from_pretrained(tmp, target), config
-    return kind.from_pretrained(directory, target), config
+            return cls.from_pretrained(tmp, target), config
+    return cls.from_pretrained(directory, target), config
 
 
 def _check_engine_config(drafter: Drafter, config: dict, directory: Path) -> None:
@@ -321,7 +321,7 @@ def load_drafter(path: str | Path | SavedDraft, target: Target, *, as_saved: boo
     if (directory / MANIFEST).is_file():
         verify_manifest(directory)
         checked = read_json(directory / MANIFEST)["files"]
-    saved = SavedDraft.open(path if isinstance(path, SavedDraft) else directory)
+    saved = path if isinstance(path, SavedDraft) else SavedDraft.open(directory)  # read after the manifest's check
     kind, config = saved.kind, saved.config
     check_target(config, target, directory)
     try:
@@ -352,7 +352,7 @@ def foreign_kind(config: dict, where: Path) -> tuple[type[Drafter], ForeignReade
     """The kind of a draft folder another tool wrote, and the reader of its format, from its config.json."""
     found = [(kind, reader) for kind in KINDS.values() for reader in readers_of(kind) if reader.recognises(config)]
     if not found:
-        known = {k: sorted({f for r in readers_of(c) for f in r.formats}) for k, c in KINDS.items()}
+        known = {k: list(dict.fromkeys(f for r in readers_of(c) for f in r.formats)) for k, c in KINDS.items()}
         raise DrafttrainError(f"{where / CONFIG_NAME} is not a draft format drafttrain imports (known: "
                               + ", ".join(f"{k}: {', '.join(fmts)}" for k, fmts in known.items() if fmts) + ")")
     return found[0]

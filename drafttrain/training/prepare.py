@@ -137,16 +137,13 @@ class PrepareSummary:
     seconds: dict[str, float]  # per stage
     recipe: dict[str, Any]
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @property
     def summary(self) -> dict[str, Any]:
         """Plain JSON values, as ``prepare_summary.json`` holds them."""
-        return self.as_dict()
+        return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.as_dict(), indent=2) + "\n"
+        return json.dumps(self.summary, indent=2) + "\n"
 
     @property
     def run(self) -> RunFolder:

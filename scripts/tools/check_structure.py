@@ -18,6 +18,7 @@ tests/test_architecture.py runs the same checks, so CI enforces them.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -128,6 +129,7 @@ def long_functions() -> list[str]:
     return too_long
 
 
+@functools.cache
 def registry():
     sys.path.insert(0, str(PACKAGE.parent))
     from drafttrain.decoding.proposers import PROPOSER_VARIANTS, PROPOSERS
@@ -142,7 +144,8 @@ def kind_names() -> dict[str, set[str]]:
     return {kind: {kind, cls.__name__, *(v.__name__ for v in variants.get(kind, []))} for kind, cls in kinds.items()}
 
 
-def own_modules(kind: str) -> set[str]:
+@functools.cache
+def own_modules(kind: str) -> frozenset[str]:
     """The modules that are a kind's own: its class's, its variants' and their bases' in drafttrain (a head shared
     by related kinds), its and its variants' codecs', and those of its proposer and the proposer's variants (which
     are registered by its name)."""
@@ -154,8 +157,8 @@ def own_modules(kind: str) -> set[str]:
     name = kinds[kind].proposer
     served = [proposers[name], *(p for _, p in proposer_variants.get(name, []))]
     formats = [type(c) for cls in own for c in (*codecs_of(cls).values(), *readers_of(cls))]
-    return ({cls.__module__ for cls in classes} - {"drafttrain.drafts.base"} | {p.__module__ for p in served}
-            | {c.__module__ for c in formats} - {"drafttrain.drafts.codecs"})
+    return frozenset({cls.__module__ for cls in classes} - {"drafttrain.drafts.base"} | {p.__module__ for p in served}
+                     | {c.__module__ for c in formats} - {"drafttrain.drafts.codecs"})
 
 
 def may_name_kinds(module: str, kind: str) -> bool:

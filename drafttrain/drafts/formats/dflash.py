@@ -7,12 +7,11 @@ import torch
 
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DFlashConfig
-from drafttrain.drafts.codecs import Codec, Exported, ForeignReader
+from drafttrain.drafts.codecs import Codec, Exported, ForeignReader, speculators_config
 from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.eagle3 import check_aux_layers
 from drafttrain.drafts.layers import check_foreign_layers, foreign_tensors
 from drafttrain.targets import Target
-from drafttrain.targets.loading import verifier_path
 
 
 class Speculators(Codec):
@@ -21,13 +20,7 @@ class Speculators(Codec):
     def write(self, drafter: DFlashDrafter) -> Exported:
         config = drafter.checkpoint_config(export={"format": self.fmt})
         depth = drafter.max_draft_depth(drafter.config)
-        config["speculators_config"] = {
-            "algorithm": "dflash", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier_path(drafter.target),
-                         "architectures": list(getattr(drafter.target.config, "architectures", None) or [])},
-        }
+        config["speculators_config"] = speculators_config("dflash", depth, drafter.target)
         config["drafttrain"]["writer"] = f"drafttrain {__version__}"
         tensors = drafter.state_tensors()
         notes = [f"drafts {depth} tokens per forward; block attention {drafter.config.block_attention}"]

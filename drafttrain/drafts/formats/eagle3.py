@@ -15,12 +15,11 @@ from drafttrain import DrafttrainError, __version__
 from drafttrain.config import Eagle3Config
 from drafttrain.data.vocab import draft_vocab_for
 from drafttrain.drafts.base import Exported
-from drafttrain.drafts.codecs import SPECULATORS_VERSION, Codec, ForeignReader
+from drafttrain.drafts.codecs import SPECULATORS_VERSION, Codec, ForeignReader, speculators_config
 from drafttrain.drafts.eagle3 import Eagle3Drafter, check_aux_layers, default_aux_layers
 from drafttrain.drafts.layers import check_foreign_layers, foreign_tensors
 from drafttrain.drafts.peagle import PEagleDrafter
 from drafttrain.targets import Target
-from drafttrain.targets.loading import verifier_path
 
 SPECULATORS_EMBEDDINGS = "embed_tokens.weight"  # the target's token embeddings, as speculators' files carry them
 READER_OPTIONS = ("fc_norm", "norm_output", "sliding_window")
@@ -99,21 +98,13 @@ class Speculators(Codec):
             "norm_before_residual": False,  # the residual is the un-normed hidden, as in EAGLE-3
             "fc_norm": drafter.config.fc_norm, "norm_output": drafter.config.norm_output,
             "eagle_aux_hidden_state_layer_ids": list(drafter.layer_ids),
-            "speculators_config": self.speculators_config(drafter, "eagle3", drafter.config.ttt_steps),
+            "speculators_config": speculators_config("eagle3", drafter.config.ttt_steps, drafter.target),
             "torch_dtype": "float32",
             "drafttrain": {**config["drafttrain"], "writer": f"drafttrain {__version__}"},
         }
         renamed = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
                    for k, v in tensors.items()}
         return Exported({**out, **self.fields(drafter)}, self.tensors(drafter, renamed))
-
-    @staticmethod
-    def speculators_config(drafter: Eagle3Drafter, algorithm: str, tokens: int) -> dict:
-        return {"algorithm": algorithm, "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": verifier_path(drafter.target), "architectures": list(
-                    getattr(drafter.target.config, "architectures", None) or [])}}
 
     def fields(self, drafter: Eagle3Drafter) -> dict:
         """What a variant's config has instead of EAGLE-3's (its keys replace them)."""
@@ -150,7 +141,7 @@ class PEagleSpeculators(Speculators):
     def fields(self, drafter: PEagleDrafter) -> dict:
         return {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
                 "mask_token_id": drafter.mask_token_id, "embed_requires_grad": True, "norm_before_fc": False,
-                "speculators_config": self.speculators_config(drafter, "peagle", drafter.config.parallel_depths)}
+                "speculators_config": speculators_config("peagle", drafter.config.parallel_depths, drafter.target)}
 
     def tensors(self, drafter: PEagleDrafter, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """P-EAGLE trains the mask token's row (speculators trains the table: the same row)."""

@@ -85,8 +85,8 @@ def test_the_variant_scan_finds_a_flag_put_back(monkeypatch):
 
     module = Eagle3Drafter.__module__
     source = structure.MODULES[module].read_text()
-    flagged = source.replace("    def first_layer(", "    def flagged(self):\n        if self.config.parallel_depths:\n"
+    flagged = source.replace("    def first_layer(", "    def flagged(self):\n        if self.config.parallel:\n"
                              "            return 1\n\n    def first_layer(", 1)
     assert flagged != source
     monkeypatch.setitem(structure.TREES, module, structure.ast.parse(flagged))
-    assert any("parallel_depths" in line and "PEagleDrafter" in line for line in structure.variant_flags())
+    assert any("parallel" in line and "PEagleDrafter" in line for line in structure.variant_flags())

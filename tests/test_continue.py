@@ -23,8 +23,7 @@ from trainer_helpers import (  # noqa: F401 (fresh_accelerate: a fixture)
 
 import drafttrain.commands.train as train_command
 from drafttrain import DrafttrainError
-from drafttrain.config import DraftModelConfig, MedusaConfig, ReplayConfig, parse_recipe
-from drafttrain.config import LoraConfig as TargetLoraConfig
+from drafttrain.config import DraftModelConfig, MedusaConfig, ReplayConfig, TargetLora, parse_recipe
 from drafttrain.data.replay import with_replay
 from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.data.vocab import DraftVocab, DraftVocabKey, build_mapping, save_draft_vocab
@@ -96,11 +95,11 @@ def test_a_continued_draft_refuses_another_architecture_kind_or_vocabulary(tmp_p
         train_command.check_trainable(recipe_for(tmp_path / "new", {"kind": "dflash", "init_from": where}))
     with pytest.raises(DrafttrainError, match="no draft checkpoint|not found|no checkpoint"):
         train_command.check_trainable(recipe_for(tmp_path / "new", {**HEAD, "init_from": str(tmp_path / "nope")}))
-    medusa2 = MedusaConfig(lora=TargetLoraConfig(target_modules=["q_proj"]))  # its adapters load merged
+    medusa2 = MedusaConfig(target_lora=TargetLora(target_modules=["q_proj"]))  # its adapters load merged
     with pytest.raises(DrafttrainError, match="Medusa-2 draft .* is not continued yet"):
         continued_config(medusa2, MedusaConfig(), "runs/m")
     with pytest.raises(DrafttrainError, match="trained through LoRA adapters .* is not continued yet"):
-        continued_config(DraftModelConfig(cut="first:2", lora={"target_modules": ["q_proj"]}),
+        continued_config(DraftModelConfig(cut="first:2", draft_lora={"target_modules": ["q_proj"]}),
                          DraftModelConfig(cut="first:2"), "runs/d")
     with pytest.raises(DrafttrainError, match="draft_lora adapts a trained draft"):
         parse_recipe({"draft": {**HEAD, "draft_lora": {"rank": 4}}})

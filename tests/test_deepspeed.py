@@ -282,7 +282,7 @@ def test_zero3_refuses_what_it_cannot_do_before_anything_loads(tmp_path):
     from drafttrain.commands.train import check_trainable
     from drafttrain.config import load_recipe
 
-    medusa2 = {"kind": "medusa", "lora": {"target_modules": ["q_proj"]}}
+    medusa2 = {"kind": "medusa", "target_lora": {"target_modules": ["q_proj"]}}
     zero3 = {"deepspeed": str(REPO / ZERO3)}
     recipe = load_recipe(small_recipe(tmp_path, medusa2, training=zero3, eval={"every_checkpoint": False}))
     with pytest.raises(DrafttrainError, match="trains its target .* cannot run under ZeRO-3"):

@@ -407,7 +407,7 @@ def test_positions_whose_target_argmax_is_outside_the_draft_vocab_train_only_whe
 
     def losses(**option):
         torch.manual_seed(0)
-        draft = build_drafter(Eagle3Config(ttt_steps=2, draft_vocab=vocab, parallel_depths=parallel, **option),
+        draft = build_drafter(Eagle3Config(ttt_steps=2, draft_vocab=vocab, parallel={"depths": parallel} if parallel else None, **option),
                               tiny_target)
         outputs = run_target(tiny_target, batch, draft.needs())
         outside = ~torch.isin(outputs.argmax, torch.tensor(keep))
@@ -583,7 +583,7 @@ def test_a_sliding_window_head_refuses_settings_it_cannot_train_and_drafts_diffe
     with pytest.raises(ValidationError, match="must exceed ttt_steps"):
         Eagle3Config(ttt_steps=4, sliding_window=4)
     with pytest.raises(ValidationError, match="not P-EAGLE"):
-        Eagle3Config(parallel_depths=3, sliding_window=8)
+        Eagle3Config(parallel={"depths": 3}, sliding_window=8)
     torch.manual_seed(1)
     whole = build_drafter(Eagle3Config(ttt_steps=2), tiny_target).eval()
     for p in whole.parameters():

@@ -261,7 +261,7 @@ def test_medusa_for_vllm_is_its_heads_over_the_full_vocabulary(tmp_path):
 
 def test_medusa2_exports_its_adapted_target_merged(tmp_path):
     target = tiny_target()
-    drafter = build_drafter(MedusaConfig(num_heads=2, lora=LORA), target)
+    drafter = build_drafter(MedusaConfig(num_heads=2, target_lora=LORA), target)
     with torch.no_grad():
         for name, param in target.model.named_parameters():
             if "lora_B" in name:
@@ -445,7 +445,7 @@ def test_a_damaged_draft_model_or_adapter_folder_is_named_not_a_traceback(tmp_pa
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(DrafttrainError, match="student.*cannot be read|model.safetensors"):
         load_drafter(folder, target)
-    medusa = build_drafter(MedusaConfig(num_heads=2, lora=LORA), tiny_target())
+    medusa = build_drafter(MedusaConfig(num_heads=2, target_lora=LORA), tiny_target())
     folder = medusa.save_pretrained(tmp_path / "medusa2")
     (folder / "adapter" / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(DrafttrainError, match="adapter_model.safetensors|cannot be read"):
@@ -460,7 +460,7 @@ SPECULATORS_PYTHON = os.environ.get("DRAFTTRAIN_SPECULATORS_PYTHON")
                     "Python with speculators==0.9.0 (its own venv, never a drafttrain dependency) to run this check")
 @pytest.mark.parametrize("config", [pytest.param(Eagle3Config(), id="eagle3"),
                                     pytest.param(DFlashConfig(num_layers=2, block_size=4), id="dflash"),
-                                    pytest.param(Eagle3Config(parallel_depths=4), id="peagle"),
+                                    pytest.param(Eagle3Config(parallel={"depths": 4}), id="peagle"),
                                     pytest.param(Eagle3Config(fc_norm=True, norm_output=True), id="eagle31")])
 def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_path, smollm2, config):
     """The export loaded by speculators' own model class (EAGLE-3: its token embeddings included, since an export
@@ -486,7 +486,7 @@ def test_a_p_eagle_head_names_the_formats_it_exports_to(tmp_path):
     """Asked for hf, a P-EAGLE head answered "a eagle3 draft exports to vllm, sglang, speculators", and then vllm
     and sglang were refused for it: the formats named are the ones this draft can be written in."""
     target = tiny_target()
-    checkpoint = checkpoint_of(build_drafter(Eagle3Config(parallel_depths=3), target), tmp_path)
+    checkpoint = checkpoint_of(build_drafter(Eagle3Config(parallel={"depths": 3}), target), tmp_path)
     with pytest.raises(DrafttrainError, match=r"exports to speculators, not hf \(--format speculators\)"):
         export_draft(checkpoint, "hf", tmp_path / "hf", target)
     with pytest.raises(DrafttrainError, match="P-EAGLE head .* is served from speculators' format"):

@@ -28,9 +28,9 @@ SHAPES = {"chain": dict(depth=3), "static_tree": dict(tree=[[0], [1], [0, 0], [0
           "dynamic_tree": dict(tree=DynamicTree(total_tokens=8, depth=3, top_k=3))}
 TREES_REFUSED = {"recurrent", "conv"}  # one forward cannot verify branches through layers that run tokens in order
 KINDS = {"eagle3": {"kind": "eagle3"}, "eagle": {"kind": "eagle"}, "medusa": {"kind": "medusa"},
-         "peagle": {"kind": "eagle3", "parallel_depths": 3}, "dflash": {"kind": "dflash"},
+         "peagle": {"kind": "eagle3", "parallel": {"depths": 3}}, "dflash": {"kind": "dflash"},
          "draft_model": {"kind": "draft_model", "cut": "first:2"},
-         "pard": {"kind": "draft_model", "cut": "first:2", "parallel": 3}}
+         "pard": {"kind": "draft_model", "cut": "first:2", "parallel": {"depths": 3}}}
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ def test_medusa2_trains_only_the_named_adapters_and_keeps_the_base_bit_identical
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         original = target.model(ids).logits
-    drafter = build_drafter(MedusaConfig(num_heads=2, lora=dict(LORA, heads_only_steps=2)), target)
+    drafter = build_drafter(MedusaConfig(num_heads=2, target_lora=dict(LORA, heads_only_steps=2)), target)
     lora = drafter.trainable_target_parameters()
     assert lora and all(("q_proj" in n or "v_proj" in n) and "lora_" in n for n in lora)
     adapters = dict(target.model.named_parameters())
@@ -98,7 +98,7 @@ def test_medusa2_sees_the_adapted_targets_own_logits_and_no_kl_while_its_adapter
     model's own forward (a wrapper once hid the decoder from the logits path, which then scored dummy input), and
     the KL to the original is zero until the adapters change."""
     target = tiny_target()
-    drafter = build_drafter(MedusaConfig(num_heads=2, lora=dict(LORA, dropout=0.0)), target)
+    drafter = build_drafter(MedusaConfig(num_heads=2, target_lora=dict(LORA, dropout=0.0)), target)
     batch = batch_of(target)
     with torch.no_grad():
         assert drafter.training_step(batch, run_target(target, batch, drafter.needs())).metrics["loss_kl"] == 0.0
@@ -113,7 +113,7 @@ def test_medusa2_sees_the_adapted_targets_own_logits_and_no_kl_while_its_adapter
 
 def test_medusa2_checkpoint_round_trip_adapts_a_fresh_target(tmp_path):
     target = tiny_target(vocab=64)
-    drafter = build_drafter(MedusaConfig(num_heads=2, lora=dict(LORA, save_merged=True)), target)
+    drafter = build_drafter(MedusaConfig(num_heads=2, target_lora=dict(LORA, save_merged=True)), target)
     with torch.no_grad():
         for name, param in target.model.named_parameters():
             if "lora_B" in name:
@@ -188,12 +188,12 @@ def test_a_tree_deeper_than_the_heads_is_refused():
 
 def test_a_lora_module_the_target_lacks_is_refused():
     with pytest.raises(DrafttrainError, match=r"target_modules \['qkv_proj'\] are not modules of tiny"):
-        build_drafter(MedusaConfig(lora=dict(LORA, target_modules=["q_proj", "qkv_proj"])), tiny_target())
+        build_drafter(MedusaConfig(target_lora=dict(LORA, target_modules=["q_proj", "qkv_proj"])), tiny_target())
 
 
 def test_medusa2_with_offline_hidden_states_is_refused_by_the_recipe():
     with pytest.raises(DrafttrainError, match="trains the target .* cannot be cached"):
-        parse_recipe({"draft": {"kind": "medusa", "lora": LORA}, "training": {"hidden_states": "offline"}})
+        parse_recipe({"draft": {"kind": "medusa", "target_lora": LORA}, "training": {"hidden_states": "offline"}})
 
 
 def test_the_tree_builder_takes_the_likeliest_paths_and_keeps_trees_closed():
@@ -212,7 +212,7 @@ def test_the_tree_builder_takes_the_likeliest_paths_and_keeps_trees_closed():
 def test_medusa_recipes_validate(name, monkeypatch):
     monkeypatch.chdir(REPO)
     recipe = load_recipe(REPO / "recipes" / name)
-    assert recipe.draft.kind == "medusa" and (recipe.draft.lora is not None) == ("medusa2" in name)
+    assert recipe.draft.kind == "medusa" and (recipe.draft.target_lora is not None) == ("medusa2" in name)
 
 
 def test_medusa2_resume_restores_heads_adapters_and_optimizer(tmp_path):
@@ -224,7 +224,7 @@ def test_medusa2_resume_restores_heads_adapters_and_optimizer(tmp_path):
         reset_accelerate()
         target = tiny_target(vocab=128)
         torch.manual_seed(3)  # the same heads and adapters at the start of both runs
-        drafter = build_drafter(MedusaConfig(num_heads=2, lora=dict(LORA, heads_only_steps=1)), target)
+        drafter = build_drafter(MedusaConfig(num_heads=2, target_lora=dict(LORA, heads_only_steps=1)), target)
         recipe = tiny_recipe(folder, max_steps=4, save_every=2, batch_size=2)
         return Trainer(recipe, target, drafter, tiny_dataset(16), callbacks=callbacks)
 
@@ -248,7 +248,7 @@ def test_medusa2_trains_and_every_checkpoint_reports_its_drift_from_the_original
     from drafttrain.commands import main
 
     path = small_recipe(
-        tmp_path, {"kind": "medusa", "num_heads": 2, "lora": dict(LORA, learning_rate=1e-3, heads_only_steps=1)},
+        tmp_path, {"kind": "medusa", "num_heads": 2, "target_lora": dict(LORA, learning_rate=1e-3, heads_only_steps=1)},
         draft_vocab={"enabled": True, "size": 512},
         training={"max_steps": 4, "save_every": 2, "log_every": 1, "learning_rate": 1e-3},
         eval={"num_prompts": 1, "max_new_tokens": 8, "depth": 2, "tree": "medusa-4"})
@@ -303,7 +303,7 @@ def test_trained_drafts_share_a_run_with_their_own_shapes_but_a_target_adapter_c
     described = report.config["compare"][0]
     assert described["proposer"] == "medusa" and described["tree"]["kind"] == "static"
     adapted = tiny_target(vocab=64)
-    adapter = build_drafter(MedusaConfig(num_heads=2, lora=LORA), adapted)
+    adapter = build_drafter(MedusaConfig(num_heads=2, target_lora=LORA), adapted)
     with pytest.raises(DrafttrainError, match="adapts its target cannot share a run"):
         settings = DecodeSettings.of(depth=2, max_depth=4, max_new_tokens=8)
         SideBuilder(adapted, settings, (), [], PackedLinears(mode="default")).compared(Compared(adapter))
@@ -320,7 +320,7 @@ def test_eval_of_medusa2_reports_how_far_the_adapted_target_moved_from_the_origi
     config = LlamaConfig(vocab_size=smollm2.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     target = Target("tiny", LlamaForCausalLM(config).eval().requires_grad_(False), smollm2.tokenizer)
-    drafter = build_drafter(MedusaConfig(num_heads=2, lora=LORA), target).eval()
+    drafter = build_drafter(MedusaConfig(num_heads=2, target_lora=LORA), target).eval()
     prompts = load_suite("gsm8k").select(2, turns="1")
     fresh = evaluate(target, drafter, prompts, tree=NAMED_TREES["medusa-4"], max_new_tokens=12, progress=False,
                      warmup=False)

@@ -43,8 +43,8 @@ def _absent(monkeypatch, module: str) -> None:
 def test_what_a_recipe_needs_is_read_from_its_sections(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     recipe = parse_recipe({"target": {"adapter": "x"}, "training": {"deepspeed": "z.json"},
-                           "draft": {"kind": "medusa", "lora": {"target_modules": ["q_proj"]}}})
-    assert sorted(needed_packages(recipe)) == [("draft.lora", "peft"), ("target.adapter", "peft"),
+                           "draft": {"kind": "medusa", "target_lora": {"target_modules": ["q_proj"]}}})
+    assert sorted(needed_packages(recipe)) == [("draft.target_lora", "peft"), ("target.adapter", "peft"),
                                                ("training.deepspeed", "deepspeed"), ("wandb.mode", "wandb")]
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert ("wandb.mode", "wandb") not in needed_packages(recipe)
@@ -52,7 +52,7 @@ def test_what_a_recipe_needs_is_read_from_its_sections(monkeypatch):
 
 @pytest.mark.parametrize("recipe, module, field", [
     ("recipes/smollm2_eagle3_quick.yaml", "wandb", "wandb.mode"),
-    ("recipes/smollm2_medusa2.yaml", "peft", "draft.lora"),
+    ("recipes/smollm2_medusa2.yaml", "peft", "draft.target_lora"),
 ])
 def test_a_recipe_whose_package_is_missing_is_refused_before_prepare(recipe, module, field, monkeypatch, tmp_path,
                                                                      capsys):
@@ -69,4 +69,4 @@ def test_a_recipe_whose_package_is_missing_is_refused_before_prepare(recipe, mod
 
 def test_a_recipe_with_its_packages_present_loads(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    assert load_recipe(REPO / "recipes/smollm2_medusa2.yaml").draft.lora is not None
+    assert load_recipe(REPO / "recipes/smollm2_medusa2.yaml").draft.target_lora is not None

@@ -21,7 +21,7 @@ MASK = 63
 
 
 def tiny_pard(target, depths: int = 4, **changes):
-    return build_drafter(DraftModelConfig(cut="first:2", parallel=depths, mask_token_id=MASK, **changes), target)
+    return build_drafter(DraftModelConfig(cut="first:2", parallel={"depths": depths, "mask_token_id": MASK}, **changes), target)
 
 
 def test_a_pard_training_step_scores_every_depth_of_the_cod_rollouts():
@@ -65,7 +65,7 @@ def test_the_pard_proposer_samples_the_target_exactly(tree):
 
     def pard(target):
         return build_proposer("draft_model", target,
-                              draft=build_drafter(DraftModelConfig(cut="first:1", parallel=3, mask_token_id=5), target))
+                              draft=build_drafter(DraftModelConfig(cut="first:1", parallel={"depths": 3, "mask_token_id": 5}), target))
 
     assert engine_pvalue(tree, proposer=pard) > P_THRESHOLD
 
@@ -83,15 +83,15 @@ def test_a_saved_pard_draft_names_its_mask_token_for_engines_and_loads_back_para
 
 
 def test_bad_parallel_settings_are_refused_with_their_reason():
-    with pytest.raises(ValidationError, match="parallel 1"):
-        DraftModelConfig(cut="first:1", parallel=1)
+    with pytest.raises(ValidationError, match="1 is one token per forward"):
+        DraftModelConfig(cut="first:1", parallel={"depths": 1})
     with pytest.raises(ValidationError, match="on_policy must be 0"):
-        DraftModelConfig(cut="first:1", parallel=4, on_policy=0.5)
+        DraftModelConfig(cut="first:1", parallel={"depths": 4}, on_policy=0.5)
 
 
 @pytest.mark.slow
 def test_greedy_output_is_the_targets_on_smollm2_chain_and_tree(smollm2):
-    drafter, prompt, greedy, losses = fitted_on_its_answer(smollm2, DraftModelConfig(cut="every:6", parallel=4), 12, 3e-4)
+    drafter, prompt, greedy, losses = fitted_on_its_answer(smollm2, DraftModelConfig(cut="every:6", parallel={"depths": 4}), 12, 3e-4)
     assert losses[-1] < losses[0], losses
     for tree in ("chain", StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])):
         out = SpeculativeDecoder(smollm2, build_proposer("draft_model", smollm2, draft=drafter), depth=4,

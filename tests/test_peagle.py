@@ -1,4 +1,4 @@
-"""P-EAGLE (the EAGLE-3 kind's parallel_depths): COD sampling, the mask, a training step, the proposer drafting what
+"""P-EAGLE (the EAGLE-3 kind's parallel section): COD sampling, the mask, a training step, the proposer drafting what
 training computes, losslessness, and the speculators export."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MASK = 63
 
 
 def tiny_peagle(target, depths: int = 4, **changes):
-    config = Eagle3Config(parallel_depths=depths, mask_token_id=MASK, ttt_steps=1, **changes)
+    config = Eagle3Config(parallel={"depths": depths, "mask_token_id": MASK}, ttt_steps=1, **changes)
     return randomised(build_drafter(config, target))
 
 
@@ -151,7 +151,7 @@ def test_the_parallel_proposer_samples_the_target_exactly(tree):
     from test_decoding_sampling import P_THRESHOLD, engine_pvalue
 
     def peagle(target):
-        config = Eagle3Config(parallel_depths=3, mask_token_id=5, ttt_steps=1)
+        config = Eagle3Config(parallel={"depths": 3, "mask_token_id": 5}, ttt_steps=1)
         return build_proposer("eagle", target, draft=randomised(build_drafter(config, target)))
 
     assert engine_pvalue(tree, proposer=peagle) > P_THRESHOLD
@@ -193,13 +193,13 @@ def test_export_without_a_format_writes_the_one_a_p_eagle_head_can_be_served_fro
 
 
 def test_parallel_depths_of_one_is_refused_with_its_reason():
-    with pytest.raises(ValueError, match="parallel_depths 1"):
-        Eagle3Config(parallel_depths=1)
+    with pytest.raises(ValueError, match="1 is one token per forward"):
+        Eagle3Config(parallel={"depths": 1})
 
 
 @pytest.mark.slow
 def test_greedy_output_is_the_targets_on_smollm2_chain_and_tree(smollm2):
-    config = Eagle3Config(parallel_depths=4, init_from_target=["lm_head", "layer", "fc"])
+    config = Eagle3Config(parallel={"depths": 4}, init_from_target=["lm_head", "layer", "fc"])
     drafter, prompt, greedy, losses = fitted_on_its_answer(smollm2, config, 20, 1e-3)
     assert losses[-1] < losses[0] / 2, losses
     for tree in ("chain", StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])):

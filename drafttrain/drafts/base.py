@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from drafttrain import DrafttrainError, __version__
-from drafttrain.config import DraftConfig
+from drafttrain.config import DraftConfig, LoraSettings
 from drafttrain.data.vocab import mapping_problem
 from drafttrain.drafts.codecs import Exported, writable_formats
 from drafttrain.drafts.lora import has_lora, merged_state
@@ -291,16 +291,16 @@ class Drafter(nn.Module):
             raise damaged(Path(directory) / WEIGHTS_NAME, f"holds non-finite weights (NaN or inf) in {bad[:5]}")
 
 
-def with_lora(model: nn.Module, lora, owner: str) -> nn.Module:
+def with_lora(model: nn.Module, lora: LoraSettings, owner: str, field: str) -> nn.Module:
     """``model`` wrapped in peft LoRA adapters on ``lora.target_modules`` (rank, alpha, dropout from ``lora``);
-    module names the model lacks are refused, naming ``owner`` and some names it has."""
-    from peft import LoraConfig, get_peft_model  # peft imports in seconds: only for draft.lora
+    module names the model lacks are refused, naming the recipe's ``field``, ``owner`` and some names it has."""
+    from peft import LoraConfig, get_peft_model  # peft imports in seconds: only for LoRA sections
 
     present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
     missing = [m for m in lora.target_modules if m not in present]
     if missing:
         examples = sorted(n for n in present if n and not n.isdigit())[:12]
-        raise DrafttrainError(f"draft.lora.target_modules {missing} are not modules of {owner} (it has e.g. "
+        raise DrafttrainError(f"{field}.target_modules {missing} are not modules of {owner} (it has e.g. "
                               f"{', '.join(examples)})")
     return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                             target_modules=list(lora.target_modules), bias="none"))
@@ -325,6 +325,11 @@ def check_target(config: dict[str, Any], target: Target, directory: Path) -> Non
             f"{target.name!r} has {current}): its token ids would mean other tokens. Serve it with the target it "
             "was trained for"
         )
+
+
+def saved_section(config_class: type[DraftConfig], config: dict[str, Any]) -> DraftConfig:
+    """The draft section a saved draft's config.json holds (read in today's names, whichever drafttrain saved it)."""
+    return config_class.from_saved(config["drafttrain"]["draft"])
 
 
 def read_draft_config(directory: str | Path) -> dict[str, Any]:

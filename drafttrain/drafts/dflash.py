@@ -38,7 +38,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DFlashConfig
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, top1_hits
+from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, saved_section, top1_hits
 from drafttrain.drafts.codecs import SPECULATORS_VERSION
 from drafttrain.drafts.eagle3 import check_aux_layers, default_aux_layers
 from drafttrain.drafts.layers import (
@@ -257,7 +257,7 @@ class DFlashDrafter(Drafter):
             raise DrafttrainError(f"draft at {directory} was trained for a target with vocab {layer['vocab_size']} and "
                                   f"hidden {layer['hidden_size']}; this target has {target.vocab_size} and "
                                   f"{target.hidden_size}")
-        cfg = DFlashConfig.model_validate(config["drafttrain"]["draft"])
+        cfg = saved_section(DFlashConfig, config)
         ids = check_aux_layers(config["aux_hidden_state_layer_ids"], target.num_layers)
         layer_config = llama_config_like(target.config, intermediate_size=layer["intermediate_size"],
                                          num_hidden_layers=cfg.num_layers)

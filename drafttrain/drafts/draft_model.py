@@ -40,7 +40,7 @@ from drafttrain.config import DraftModelConfig
 from drafttrain.data.chat import stop_token_ids
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, read_vocab_mapping, target_to_draft
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, Exported, StepOutput, top1_hits, with_lora
+from drafttrain.drafts.base import Drafter, Exported, StepOutput, saved_section, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets import Target, check_same_tokenizer, load_target
@@ -102,8 +102,8 @@ class DraftModelDrafter(Drafter):
             student = named.model
         warn_if_larger(student, target)
         student.requires_grad_(True)
-        if config.lora is not None:
-            student = with_lora(student, config.lora, "the draft model")
+        if config.draft_lora is not None:
+            student = with_lora(student, config.draft_lora, "the draft model", "draft.draft_lora")
         d2t, t2d = draft_vocab_for(config.draft_vocab, run, target.vocab_size)
         vocab = (d2t, t2d) if d2t.numel() < t2d.numel() else None
         if config.loss_vocab == "draft":
@@ -126,7 +126,7 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_pretrained(cls, directory, target: Target) -> "DraftModelDrafter":
         directory = Path(directory)
-        config = DraftModelConfig.model_validate(read_json(directory / CONFIG_NAME)["drafttrain"]["draft"])
+        config = saved_section(DraftModelConfig, read_json(directory / CONFIG_NAME))
         student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
         vocab_file = directory / SERVING_VOCAB
         vocab = read_vocab_mapping(vocab_file, target.vocab_size) if vocab_file.is_file() else None
@@ -137,7 +137,7 @@ class DraftModelDrafter(Drafter):
         """A plain HF model folder (weights, config, the target's tokenizer) with a ``drafttrain`` section in its
         config: what vLLM, SGLang or HF assisted generation take as a draft model."""
         directory = Path(directory)
-        model = _merged_copy(self.student) if self.config.lora is not None else self.student
+        model = _merged_copy(self.student) if self.config.draft_lora is not None else self.student
         model.save_pretrained(str(directory), safe_serialization=True)
         tokenizer = getattr(self.target, "tokenizer", None)
         if tokenizer is not None:

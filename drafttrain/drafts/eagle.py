@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from drafttrain.config import EagleConfig
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import StepOutput, top1_hits
+from drafttrain.drafts.base import StepOutput, saved_section, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import (
     DraftDecoderLayer,
@@ -59,7 +59,7 @@ class EagleDrafter(EagleHead):
     @classmethod
     def from_pretrained(cls, directory, target: Target) -> "EagleDrafter":
         config = cls.read_checked_config(directory, target)
-        cfg = EagleConfig.model_validate(config["drafttrain"]["draft"])
+        cfg = saved_section(EagleConfig, config)
         head = cls(cfg, llama_config_like(target.config, **saved_layer_fields(config)), target.num_layers)
         head.load_weights(directory)
         return head.to(target.device).attach_target(target)

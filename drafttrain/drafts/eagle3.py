@@ -17,7 +17,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import StepOutput, top1_hits
+from drafttrain.drafts.base import StepOutput, saved_section, top1_hits
 from drafttrain.drafts.eagle_head import EagleHead
 from drafttrain.drafts.layers import (
     DraftDecoderLayer,
@@ -137,7 +137,7 @@ class Eagle3Drafter(EagleHead):
     @classmethod
     def from_pretrained(cls, directory, target: Target) -> "Eagle3Drafter":
         config = cls.read_checked_config(directory, target)
-        cfg = Eagle3Config.model_validate(config["drafttrain"]["draft"])
+        cfg = saved_section(Eagle3Config, config)
         layer_ids = check_aux_layers(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers)
         n = config["draft_vocab_size"]
         layer_config = llama_config_like(target.config, intermediate_size=config["intermediate_size"],

@@ -305,9 +305,9 @@ def llama_config_like(target_config, **overrides) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
-def resolve_mask_token(configured: int | None, target: Target) -> int:
+def resolve_mask_token(configured: int | None, target: Target, field: str = "draft.mask_token_id") -> int:
     """The mask token: the recipe's; else the tokenizer's mask token; else the first embedding row no token uses;
-    else unk / pad / eos (as the references choose it)."""
+    else unk / pad / eos (as the references choose it). ``field`` names the recipe's setting in an error."""
     tokenizer, vocab = target.tokenizer, target.vocab_size
     if tokenizer is None and configured is None:  # a target known by its config alone (`drafttrain plan`): any row
         return vocab - 1
@@ -316,7 +316,7 @@ def resolve_mask_token(configured: int | None, target: Target) -> int:
                   *(getattr(tokenizer, f"{name}_token_id", None) for name in ("unk", "pad", "eos"))]
     chosen = next((c for c in candidates if c is not None), None)
     if chosen is None or not 0 <= chosen < vocab:
-        raise DrafttrainError(f"draft.mask_token_id {chosen!r} is not a row of the target's {vocab}-token embeddings")
+        raise DrafttrainError(f"{field} {chosen!r} is not a row of the target's {vocab}-token embeddings")
     return int(chosen)
 
 

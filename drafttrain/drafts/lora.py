@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from drafttrain import DrafttrainError
-from drafttrain.config import DraftLoraConfig
+from drafttrain.config import LoraSettings
 from drafttrain.packages import require
 
 ADAPTER = "default"  # peft's adapter name
@@ -22,7 +22,7 @@ def default_modules(drafter: nn.Module) -> list[str]:
             if isinstance(module, nn.Linear) and "lm_head" not in name]
 
 
-def add_draft_lora(drafter: nn.Module, lora: DraftLoraConfig) -> None:
+def add_draft_lora(drafter: nn.Module, lora: LoraSettings) -> None:
     """Wrap the draft's linear layers named by ``lora`` (default: :func:`default_modules`) in LoRA adapters, in
     place; every weight but the adapters' stops training."""
     peft = require("peft", "draft.draft_lora")

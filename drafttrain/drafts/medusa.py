@@ -30,7 +30,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import MedusaConfig
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, top1_hits, with_lora
+from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, saved_section, top1_hits, with_lora
 from drafttrain.drafts.layers import check_target_sizes, shift_left
 from drafttrain.runfolder import RunFolder, read_json, read_safetensors
 from drafttrain.targets import Target
@@ -90,7 +90,7 @@ class MedusaDrafter(Drafter):
                 rows = target.model.get_output_embeddings().weight[drafter.draft_to_target]
                 for head in drafter.lm_heads:
                     head.weight.copy_(rows)
-        if config.lora is not None:
+        if config.target_lora is not None:
             drafter.lora_names = add_lora(target, config)
         return drafter
 
@@ -98,7 +98,7 @@ class MedusaDrafter(Drafter):
     def from_pretrained(cls, directory, target: Target) -> "MedusaDrafter":
         directory = Path(directory)
         config = read_draft_config(directory)
-        cfg = MedusaConfig.model_validate(config["drafttrain"]["draft"])
+        cfg = saved_section(MedusaConfig, config)
         check_target_sizes(config, target, "the heads'")
         n = config.get("truncated_vocab_size") or target.vocab_size
         drafter = cls(cfg, target.hidden_size, torch.zeros(n, dtype=torch.long),
@@ -118,7 +118,7 @@ class MedusaDrafter(Drafter):
         return list(self.lora_names)
 
     def target_learning(self) -> tuple[float | None, int]:
-        lora = self.config.lora
+        lora = self.config.target_lora
         return (lora.learning_rate, lora.heads_only_steps) if lora is not None else (None, 0)
 
     @property
@@ -162,7 +162,7 @@ class MedusaDrafter(Drafter):
         directory = super().save_pretrained(directory, **meta)
         if self.adapts_target:
             save_lora(self.target, directory / ADAPTER_DIR)
-            if self.config.lora.save_merged:
+            if self.config.target_lora.save_merged:
                 save_merged(self.target, directory / MERGED_DIR)
         return directory
 
@@ -189,10 +189,10 @@ class MedusaDrafter(Drafter):
                 metrics[f"top{cfg.top_k}_{i}"] = float((top_k.float() * weight).sum() / weight.sum().clamp(min=1))
             correct.append(hits)
             counted.append(n)
-        if cfg.lora is not None and cfg.lora.kl_weight > 0:
+        if cfg.target_lora is not None and cfg.target_lora.kl_weight > 0:
             kl = self._stay_close(batch, outputs.logits, loss_mask)
             metrics["loss_kl"] = float(kl.detach())
-            total = total + cfg.lora.kl_weight * kl
+            total = total + cfg.target_lora.kl_weight * kl
         return StepOutput(loss=total, metrics=metrics, correct=correct, counted=counted)
 
     def _stay_close(self, batch, adapted_logits: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,7 @@ class MedusaDrafter(Drafter):
 
 def add_lora(target: Target, config: MedusaConfig) -> list[str]:
     """Wrap the target in LoRA adapters on the named modules; returns the names of the adapters' parameters."""
-    target.model = with_lora(target.model, config.lora, target.name)
+    target.model = with_lora(target.model, config.target_lora, target.name, "draft.target_lora")
     return [name for name, p in target.model.named_parameters() if p.requires_grad]
 
 

@@ -24,7 +24,7 @@ from drafttrain.targets.outputs import TargetOutputs
 class PardDrafter(DraftModelDrafter):
     @classmethod
     def serves(cls, config: DraftModelConfig) -> bool:
-        return config.parallel > 0
+        return config.parallel is not None
 
     def __init__(self, config: DraftModelConfig, student: torch.nn.Module,
                  vocab: tuple[torch.Tensor, torch.Tensor] | None = None, *, mask_token_id: int):
@@ -33,7 +33,7 @@ class PardDrafter(DraftModelDrafter):
 
     @classmethod
     def built_extras(cls, config: DraftModelConfig, target: Target) -> dict:
-        return {"mask_token_id": resolve_mask_token(config.mask_token_id, target)}
+        return {"mask_token_id": resolve_mask_token(config.parallel.mask_token_id, target, "draft.parallel.mask_token_id")}
 
     @classmethod
     def saved_extras(cls, config: dict) -> dict:
@@ -41,14 +41,14 @@ class PardDrafter(DraftModelDrafter):
 
     @classmethod
     def max_draft_depth(cls, config: DraftModelConfig) -> int | None:
-        return config.parallel
+        return config.parallel.depths
 
     def vllm_speculative_config(self) -> dict:
         """A PARD draft is served by vLLM 0.16 and later with parallel drafting (its mask token is ``pard_token``)."""
         return {**super().vllm_speculative_config(), "parallel_drafting": True}
 
     def card_notes(self) -> list[str]:
-        return [f"A PARD draft: it proposes up to {self.config.parallel} tokens per forward after mask token "
+        return [f"A PARD draft: it proposes up to {self.config.parallel.depths} tokens per forward after mask token "
                 f"{self.mask_token_id} (`pard_token` in config.json); vLLM 0.16 and later draft them in one forward."]
 
     def interchange_config(self) -> dict:
@@ -74,7 +74,8 @@ class PardDrafter(DraftModelDrafter):
         outs, places, levels = [], [], []
         for row in range(input_ids.shape[0]):
             ids, t = input_ids[row], input_ids.shape[1]
-            rollouts = cod_rollouts(trainable[row], self.config.parallel, self.config.cod_ratio, self.config.cod_min)
+            rollouts = cod_rollouts(trainable[row], self.config.parallel.depths, self.config.parallel.cod_ratio,
+                                    self.config.parallel.cod_min)
             masks = torch.full_like(rollouts.anchors, self.mask_token_id)
             positions = torch.cat([torch.arange(t, device=ids.device), rollouts.positions])
             mask = additive_mask(parallel_mask(t, rollouts), 0, self.student.dtype, ids.device)

@@ -1,5 +1,5 @@
 """P-EAGLE: an EAGLE-3 head that drafts several tokens in one forward (an EAGLE-3 draft section with
-``parallel_depths``, as speculators' ``peagle`` and SpecForge's ``peagle`` train it).
+``parallel``, as speculators' ``peagle`` and SpecForge's ``peagle`` train it).
 
 After the accepted text (pairs of a target state and the next token, as EAGLE-3 reads them), a proposal appends
 k - 1 mask slots (drafttrain.drafts.parallel): the mask token's embedding (a learned row) and a learned hidden input
@@ -31,7 +31,7 @@ class PEagleDrafter(Eagle3Drafter):
 
     @classmethod
     def serves(cls, config: Eagle3Config) -> bool:
-        return config.parallel_depths > 0
+        return config.parallel is not None
 
     def __init__(self, config: Eagle3Config, layer_config, layer_ids: list[int], d2t, t2d, mask_token_id: int):
         super().__init__(config, layer_config, layer_ids, d2t, t2d)
@@ -42,7 +42,7 @@ class PEagleDrafter(Eagle3Drafter):
 
     @classmethod
     def built_extras(cls, config: Eagle3Config, target: Target) -> dict:
-        return {"mask_token_id": resolve_mask_token(config.mask_token_id, target)}
+        return {"mask_token_id": resolve_mask_token(config.parallel.mask_token_id, target, "draft.parallel.mask_token_id")}
 
     @classmethod
     def saved_extras(cls, config: dict) -> dict:
@@ -56,7 +56,7 @@ class PEagleDrafter(Eagle3Drafter):
 
     @classmethod
     def max_draft_depth(cls, config: Eagle3Config) -> int | None:
-        return config.parallel_depths
+        return config.parallel.depths
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embeds = super().embed(input_ids)
@@ -74,7 +74,7 @@ class PEagleDrafter(Eagle3Drafter):
         return {**super().vllm_speculative_config(), "parallel_drafting": True}
 
     def card_notes(self) -> list[str]:
-        return [f"A P-EAGLE head: it proposes up to {self.config.parallel_depths} tokens per forward from mask slots "
+        return [f"A P-EAGLE head: it proposes up to {self.config.parallel.depths} tokens per forward from mask slots "
                 f"(mask token {self.mask_token_id}). vLLM reads its speculators export (`speculators_model_type: "
                 "peagle`) as EAGLE-3 with parallel drafting."]
 
@@ -89,12 +89,12 @@ class PEagleDrafter(Eagle3Drafter):
         taps = outputs.hidden.to(self.fc.weight.dtype)
         if self.training and self.config.noise > 0:
             taps = taps + (torch.rand_like(taps) - 0.5) * self.config.noise
-        k, total, weight = self.config.parallel_depths, 0.0, 0.0
+        k, total, weight = self.config.parallel.depths, 0.0, 0.0
         correct, counted = [0.0] * k, [0.0] * k
         for row in range(input_ids.shape[0]):
             # a slot at position p predicts token p + 2 from the target's distribution at p + 1
             trainable = shift_left(loss_mask[row: row + 1], 2)[0] * shift_left(by_argmax[row: row + 1], 1)[0]
-            rollouts = cod_rollouts(trainable, k, self.config.cod_ratio, self.config.cod_min)
+            rollouts = cod_rollouts(trainable, k, self.config.parallel.cod_ratio, self.config.parallel.cod_min)
             logits, positions, depths = self._parallel_logits(taps[row], input_ids[row], rollouts)
             labels = shift_left(target_logits[row: row + 1], 1)[0][positions]
             mask = trainable[positions]

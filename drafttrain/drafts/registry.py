@@ -6,6 +6,7 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import ValidationError
@@ -13,10 +14,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
-from drafttrain.config import DraftConfig, register_draft_section, unregister_draft_section
+from drafttrain.config import DraftConfig, Section, register_draft_section, unregister_draft_section
 from drafttrain.data.vocab import draft_ids, draft_vocab_for
-from drafttrain.drafts.base import Drafter, check_target, read_draft_config
-from drafttrain.drafts.codecs import ForeignReader, codecs_of, readers_of, register_codecs
+from drafttrain.drafts.base import Drafter, check_target, read_draft_config, saved_section
+from drafttrain.drafts.codecs import Codec, ForeignReader, codecs_of, readers_of, register_codecs
 from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.draft_model import DraftModelDrafter
 from drafttrain.drafts.eagle import EagleDrafter
@@ -93,16 +94,34 @@ def drafter_for(config: DraftConfig) -> type[Drafter]:
     return max(serving, key=lambda variant: len(variant.__mro__), default=base)
 
 
-# The built-in kinds, their variants and, where a kind's formats are codecs, its codecs and its variants'
-for _kind, _variants in ((Eagle3Drafter, (PEagleDrafter,)), (EagleDrafter, ()), (MedusaDrafter, ()),
-                         (DraftModelDrafter, (PardDrafter,)), (DFlashDrafter, ())):
-    register_kind(_kind, _variants)
-register_codecs(Eagle3Drafter, eagle3_formats.EAGLE3_CODECS, eagle3_formats.EAGLE3_READERS)
-register_codecs(PEagleDrafter, eagle3_formats.PEAGLE_CODECS, eagle3_formats.EAGLE3_READERS)
-register_codecs(EagleDrafter, eagle_formats.EAGLE_CODECS, eagle_formats.EAGLE_READERS)
-register_codecs(MedusaDrafter, medusa_formats.MEDUSA_CODECS, medusa_formats.MEDUSA_READERS)
-register_codecs(DFlashDrafter, dflash_formats.DFLASH_CODECS, dflash_formats.DFLASH_READERS)
-# the draft model keeps its one format, the checkpoint itself, in its class
+@dataclasses.dataclass(frozen=True)
+class BuiltinKind:
+    """A kind drafttrain ships: its class (which names its recipe section and its proposer), its variants, and for
+    each of these classes whose formats are codecs, its codecs and the other tools' formats it reads."""
+
+    drafter: type[Drafter]
+    variants: tuple[type[Drafter], ...] = ()
+    codecs: tuple[tuple[type[Drafter], list[Codec], list[ForeignReader]], ...] = ()
+
+    def register(self) -> None:
+        register_kind(self.drafter, self.variants)
+        for cls, codecs, readers in self.codecs:
+            register_codecs(cls, codecs, readers)
+
+
+# Every built-in kind, in one list. Their proposers (the decoding layer, above this one) register under the names
+# the classes give; the draft model keeps its one format, the checkpoint itself, in its class.
+BUILTIN_KINDS = (
+    BuiltinKind(Eagle3Drafter, (PEagleDrafter,),
+                ((Eagle3Drafter, eagle3_formats.EAGLE3_CODECS, eagle3_formats.EAGLE3_READERS),
+                 (PEagleDrafter, eagle3_formats.PEAGLE_CODECS, eagle3_formats.EAGLE3_READERS))),
+    BuiltinKind(EagleDrafter, (), ((EagleDrafter, eagle_formats.EAGLE_CODECS, eagle_formats.EAGLE_READERS),)),
+    BuiltinKind(MedusaDrafter, (), ((MedusaDrafter, medusa_formats.MEDUSA_CODECS, medusa_formats.MEDUSA_READERS),)),
+    BuiltinKind(DraftModelDrafter, (PardDrafter,)),
+    BuiltinKind(DFlashDrafter, (), ((DFlashDrafter, dflash_formats.DFLASH_CODECS, dflash_formats.DFLASH_READERS),)),
+)
+for _builtin in BUILTIN_KINDS:
+    _builtin.register()
 
 
 def known_formats() -> tuple[str, ...]:
@@ -144,7 +163,7 @@ class SavedDraft:
 
     def section(self) -> DraftConfig:
         """Its draft section, validated (a KeyError or ValidationError says it is damaged: callers name how)."""
-        return self.kind.config_class.model_validate(self.config["drafttrain"]["draft"])
+        return saved_section(self.kind.config_class, self.config)
 
     def max_depth(self) -> int | None:
         """The deepest draft it can propose; None: any."""
@@ -181,7 +200,7 @@ def start_drafter(config: DraftConfig, target: Target, run: RunFolder | None = N
         drafter = continued_drafter(config, target)
         if new_vocabulary:
             drafter.adopt_vocabulary(*draft_vocab_for(None, run, target.vocab_size))
-    if config.draft_lora is not None:
+    if config.draft_lora is not None and not config.builds_with_lora:
         add_draft_lora(drafter, config.draft_lora)
     return drafter
 
@@ -248,22 +267,47 @@ def continued_config(saved: DraftConfig, recipe: DraftConfig, where: str) -> Dra
     cannot = saved.cannot_continue()
     if cannot:
         raise DrafttrainError(f"draft.init_from {where}: {cannot}")
-    given = recipe.model_fields_set - {"kind", "init_from", "draft_lora"}
-    clashes = [name for name in sorted(given - recipe.training_settings)
-               if getattr(recipe, name) != getattr(saved, name)]
+    clashes, changes = _recipe_changes(saved, recipe, "draft.", skip={"kind", "init_from", "draft_lora"})
     if clashes:
         raise DrafttrainError(f"draft.init_from keeps the architecture of the draft at {where}, which the recipe "
-                              "contradicts: " + "; ".join(f"draft.{name} is {getattr(recipe, name)!r} in the recipe, "
-                                                          f"{getattr(saved, name)!r} in the draft" for name in clashes)
+                              "contradicts: " + "; ".join(f"{name} is {mine!r} in the recipe, {theirs!r} in the draft"
+                                                          for name, mine, theirs in clashes)
                               + " (leave these out of the recipe)")
-    changes = {name: getattr(recipe, name) for name in given & recipe.training_settings}
-    merged = {**saved.model_dump(), **changes, "init_from": recipe.init_from,
+    merged = {**_merged(saved.model_dump(), changes), "init_from": recipe.init_from,
               "draft_lora": recipe.draft_lora.model_dump() if recipe.draft_lora else None}
     try:
         return type(saved).model_validate(merged)
     except ValidationError as err:
         raise DrafttrainError(f"draft.init_from {where}: the recipe's settings do not fit the saved draft: "
                               f"{err.errors()[0]['msg']}") from None
+
+
+def _recipe_changes(saved: Section, recipe: Section, prefix: str, skip: frozenset[str] | set[str] = frozenset()
+                    ) -> tuple[list[tuple[str, Any, Any]], dict[str, Any]]:
+    """What the recipe sets against a saved section: (dotted name, recipe's, saved) for each setting of the weights'
+    that differs, and the training settings it gives, sub-sections (``parallel``) compared setting by setting."""
+    clashes, changes = [], {}
+    for name in sorted(recipe.model_fields_set - skip):
+        mine, theirs = getattr(recipe, name), getattr(saved, name)
+        if name in recipe.training_settings:
+            changes[name] = mine
+        elif isinstance(mine, Section) and type(mine) is type(theirs):
+            inner_clashes, inner = _recipe_changes(theirs, mine, f"{prefix}{name}.")
+            clashes += inner_clashes
+            if inner:
+                changes[name] = _SubChanges(inner)
+        elif mine != theirs:
+            clashes.append((f"{prefix}{name}", mine, theirs))
+    return clashes, changes
+
+
+class _SubChanges(dict):
+    """A sub-section's changes, merged into the saved sub-section rather than replacing it."""
+
+
+def _merged(saved: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    return {**saved, **{name: _merged(saved[name], value) if isinstance(value, _SubChanges) else value
+                        for name, value in changes.items()}}
 
 
 def saved_kind(path: str | Path | SavedDraft) -> type[Drafter]:

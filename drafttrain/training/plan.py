@@ -350,7 +350,7 @@ def draft_footprint(recipe: Recipe, target: Target) -> dict[str, int]:
         # generation, dropout masks) that a meta tensor cannot decide
         with init_empty_weights():  # parameters made on meta, never initialised: an 8B target's took 12 s on a CPU
             drafter = drafter_for(section).build(section, target, run).to("meta").eval()
-            if section.draft_lora is not None:  # only the adapters train
+            if section.draft_lora is not None and not section.builds_with_lora:  # only the adapters train
                 add_draft_lora(drafter, section.draft_lora)
         if recipe.training.mixed_precision != "no":  # activations in the half type (autocast, or DeepSpeed's cast)
             drafter.to(torch.bfloat16 if recipe.training.mixed_precision == "bf16" else torch.float16)

@@ -3,7 +3,8 @@
 * no import circles and no upward imports between the pipeline's layers;
 * no function over 80 lines, and ``evaluate()`` at most 60;
 * no draft kind or variant named (as a string or by its class) outside its own modules (the kind's and its variants'
-  in drafts/, their proposers' modules), config.py and drafts/registry.py (the list of built-in kinds);
+  in drafts/, their proposers' modules, the kind's recipe section in config/kinds/), and the lists of built-in kinds
+  (config/kinds/__init__.py, drafts/registry.py);
 * no branch in a kind's own class on what selects one of its variants (the attributes the variant's ``serves``
   reads), and no ``getattr(..., "parallel")``: a variant is a subclass, never a flag;
 * no side of an evaluation told apart by a string prefix;
@@ -25,8 +26,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "drafttrain"
 LAYERS = ["foundation", "data", "targets", "drafts", "training", "decoding", "evaluation", "export", "serving", "commands",
           "main"]
-FOUNDATION = {"drafttrain", "drafttrain.config", "drafttrain.packages", "drafttrain.userfiles", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear",
+FOUNDATION = {"drafttrain", "drafttrain.packages", "drafttrain.userfiles", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear",
               "drafttrain.progress"}
+FOUNDATION_PACKAGES = ("drafttrain.config",)  # every module of these packages is foundation
 MAX_FUNCTION_LINES = 80
 MAX_EVALUATE_LINES = 60
 SIDE_MODULES = {"drafttrain.evaluation.evaluate", "drafttrain.evaluation.sides", "drafttrain.evaluation.records"}
@@ -42,7 +44,8 @@ TREES = {module: ast.parse(path.read_text()) for module, path in MODULES.items()
 
 
 def layer_of(module: str) -> str:
-    if module in FOUNDATION:
+    if module in FOUNDATION or module.startswith(tuple(f"{p}." for p in FOUNDATION_PACKAGES)) \
+            or module in FOUNDATION_PACKAGES:
         return "foundation"
     if module == "drafttrain.__main__":
         return "main"
@@ -157,12 +160,14 @@ def own_modules(kind: str) -> frozenset[str]:
     name = kinds[kind].proposer
     served = [proposers[name], *(p for _, p in proposer_variants.get(name, []))]
     formats = [type(c) for cls in own for c in (*codecs_of(cls).values(), *readers_of(cls))]
-    return frozenset({cls.__module__ for cls in classes} - {"drafttrain.drafts.base"} | {p.__module__ for p in served}
+    sections = [cls.config_class for cls in own]
+    return frozenset({cls.__module__ for cls in [*classes, *sections]} - {"drafttrain.drafts.base"}
+                     | {p.__module__ for p in served}
                      | {c.__module__ for c in formats} - {"drafttrain.drafts.codecs"})
 
 
 def may_name_kinds(module: str, kind: str) -> bool:
-    return module in own_modules(kind) | {"drafttrain.config", "drafttrain.drafts.registry"}
+    return module in own_modules(kind) | {"drafttrain.config.kinds", "drafttrain.drafts.registry"}
 
 
 def named_kinds() -> list[str]:

@@ -1,4 +1,4 @@
-"""Write docs/recipe-reference.md from the recipe schema itself (drafttrain/config.py): every key of every section,
+"""Write docs/recipe-reference.md from the recipe schema itself (drafttrain/config/): every key of every section,
 its type, its default and the description (or comment) the schema gives it, so the reference cannot drift from the
 code (tests/test_docs.py checks the file is current and names every key).
 
@@ -26,7 +26,7 @@ def field_comments(cls: type) -> dict[str, str]:
     """Each field's comment in the sources of the class and its bases (a subclass's own comment wins): the comment
     lines right above the field, then its inline comment."""
     comments: dict[str, str] = {}
-    for base in reversed([c for c in cls.__mro__ if issubclass(c, BaseModel) and c.__module__ == schema.__name__]):
+    for base in reversed([c for c in cls.__mro__ if issubclass(c, BaseModel) and c.__module__.startswith(schema.__name__)]):
         comments.update({k: v for k, v in own_comments(base).items() if v})
     return comments
 
@@ -49,7 +49,7 @@ def type_name(annotation) -> str:
     if len(_section_classes(annotation)) > 1:
         return "a section: `kind` picks which"
     text = getattr(annotation, "__name__", None) if not typing.get_args(annotation) else None
-    text = text or str(annotation).replace("typing.", "").replace("drafttrain.config.", "")
+    text = text or re.sub(r"drafttrain\.config\.[\w.]*?(\w+)\b(?!\.)", r"\1", str(annotation).replace("typing.", ""))
     return text.replace("|", "or").replace("NoneType", "None")
 
 

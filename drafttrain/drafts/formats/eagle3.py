@@ -141,7 +141,7 @@ class PEagleSpeculators(Speculators):
     def fields(self, drafter: PEagleDrafter) -> dict:
         return {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
                 "mask_token_id": drafter.mask_token_id, "embed_requires_grad": True, "norm_before_fc": False,
-                "speculators_config": speculators_config("peagle", drafter.config.parallel_depths, drafter.target)}
+                "speculators_config": speculators_config("peagle", drafter.config.parallel.depths, drafter.target)}
 
     def tensors(self, drafter: PEagleDrafter, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """P-EAGLE trains the mask token's row (speculators trains the table: the same row)."""
@@ -188,7 +188,7 @@ def foreign_section(layer: dict, ids: list[int], depth: int, fc_norm: bool, norm
     length ``depth`` kept as the training-time test's depth (below the window, which must exceed it). With a
     ``mask_token_id`` it is a P-EAGLE head drafting ``depth`` tokens a forward."""
     window = foreign_window(layer)
-    parallel = {} if mask_token_id is None else {"parallel_depths": depth, "mask_token_id": mask_token_id}
+    parallel = {} if mask_token_id is None else {"parallel": {"depths": depth, "mask_token_id": mask_token_id}}
     return Eagle3Config(num_layers=layer["num_hidden_layers"], layers=ids, intermediate_size=layer["intermediate_size"],
                         fc_norm=fc_norm, norm_output=norm_output, sliding_window=window,
                         ttt_steps=min(depth, window - 1) if window else depth, **parallel)
@@ -286,7 +286,7 @@ class SpecForgeTrained(ForeignReader):
         return draft, config, tensors, []
 
 
-PEAGLE_WHY = ("a P-EAGLE head (parallel_depths {drafter.config.parallel_depths}) is served from speculators' format "
+PEAGLE_WHY = ("a P-EAGLE head (parallel.depths {drafter.config.parallel.depths}) is served from speculators' format "
               "(vLLM reads its mask slots from there)")
 EAGLE3_CODECS = [Interchange("vllm"), Interchange("sglang"), Speculators()]
 PEAGLE_CODECS = [NotWritten("vllm", PEAGLE_WHY), NotWritten("sglang", PEAGLE_WHY), PEagleSpeculators()]

@@ -1,0 +1,137 @@
+"""How speculative decoding runs (``drafttrain eval`` and a recipe's eval section)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from drafttrain import DrafttrainError
+from drafttrain.config.base import Section, positive_int, setting_error
+from drafttrain.config.errors import describe_errors
+from drafttrain.sampling import check_sampling
+
+
+class DecodeSettings(Section):
+    """How speculative decoding runs, built and validated once: from a recipe's eval section or from the flags of
+    ``drafttrain eval`` (which fill this schema), or with :meth:`of` by a library caller. The engine, the auto
+    choice and ``evaluate()`` take it as it is."""
+
+    # inf / nan reach check_sampling, whose message names the rule; tree shapes from library callers are objects
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True,
+                              allow_inf_nan=True)
+
+    # The descriptions are the help of `drafttrain eval`'s flags (generated from these fields) and the recipe
+    # reference's text alike.
+    depth: int | Literal["auto"] = Field(5, description=(
+        'chain length / tree depth; "auto" chooses the chain depth and a confidence threshold from this machine\'s '
+        "measured costs and the draft's acceptance on held-out prompts (drafttrain.decoding.autodepth)"))
+    max_depth: int = Field(8, description='the deepest chain "auto" considers')
+    min_confidence: float = Field(0.0, description="stop a chain once the draft is this unsure (0: never)")
+    tree: Any = Field("chain", description=(
+        "chain | dynamic (EAGLE-2) | auto | a named static tree (medusa-16, ...) | a .json file of paths | "
+        "static:PATHS; library callers may also give a list of paths or a shape object (drafttrain.decoding.trees)"))
+    total_tokens: int = Field(60, description="dynamic tree: nodes verified per step")
+    tree_top_k: int = Field(10, description="dynamic tree: children expanded per node")
+    temperature: float = Field(0.0, description=(
+        "0: greedy (lossless token for token); above: sampling (Leviathan/Chen)"))
+    top_p: float = Field(1.0, description="sampling's nucleus")
+    top_k: int = Field(0, description="sampling's top-k (0: off)")
+    seed: int = Field(0, description="sampling's seed per prompt")
+    max_new_tokens: int = Field(64, description="per turn")
+    runtime_check: bool = Field(True, description=(
+        "an auto choice that speculates is checked while decoding and falls back (to a shallower chain, or plain "
+        "decoding) when it does not pay on this machine now (drafttrain.decoding.guard); a fixed depth is never "
+        "changed"))
+
+    @field_validator("depth", mode="before")
+    @classmethod
+    def _depth(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise setting_error(f"(k) must be positive, or 'auto'; got {value!r}")
+        return value
+
+    _positive = field_validator("max_depth", "total_tokens", "tree_top_k", "max_new_tokens", mode="before")(
+        classmethod(lambda cls, value: positive_int(value)))
+
+    @field_validator("min_confidence")
+    @classmethod
+    def _confidence(cls, value: float) -> float:
+        if not 0 <= value < 1:
+            raise setting_error(f"must be in [0, 1), got {value!r}")
+        return value
+
+    @field_validator("tree")
+    @classmethod
+    def _tree(cls, value: Any) -> Any:
+        if not isinstance(value, (str, list, tuple)) and not hasattr(value, "depth"):
+            raise setting_error(f"must be a tree spec (chain, dynamic, auto, medusa-16, ...), a list of paths or a "
+                                 f"tree shape, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "DecodeSettings":
+        try:
+            check_sampling(self.temperature, self.top_p, self.top_k)
+        except DrafttrainError as err:
+            raise setting_error(str(err)) from None
+        if self.depth == "auto" and self.tree != "chain":
+            raise setting_error("depth auto chooses chain depths: use tree chain (the default), or give a depth")
+        return self
+
+    @property
+    def deepest(self) -> int:
+        """The deepest chain these settings may draft: the depth, or under "auto" the deepest it considers."""
+        return self.max_depth if self.depth == "auto" else self.depth
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+    @classmethod
+    def of(cls, settings: "DecodeSettings | None" = None, /, **changes: Any) -> "DecodeSettings":
+        """``settings`` (or the defaults) with ``changes``, validated; a bad value is a DrafttrainError naming it."""
+        values = {name: getattr(settings, name) for name in cls.model_fields} if settings is not None else {}
+        try:
+            return cls.model_validate({**values, **changes})
+        except ValidationError as err:
+            raise DrafttrainError(describe_errors(err, lambda loc: ".".join(map(str, loc)))) from None
+
+    def fitted_to(self, deepest: int | None) -> "DecodeSettings":
+        """These settings with a default depth, or the default deepest depth "auto" considers, lowered to what the
+        draft can fill (``deepest``; None: any). A depth the user gave is kept as it is (and refused, naming both,
+        when it is deeper)."""
+        if deepest is None:
+            return self
+        if self.depth == "auto":
+            if "max_depth" in self.model_fields_set or self.max_depth <= deepest:
+                return self
+            return type(self).of(self, max_depth=deepest)  # a DFlash block of 8 fills 7, under auto's default 8
+        if "depth" in self.model_fields_set or self.depth <= deepest:
+            return self
+        return type(self).of(self, depth=deepest)
+
+    def decode_settings(self) -> "DecodeSettings":
+        """Only the decode settings (a subclass's other fields left out)."""
+        return DecodeSettings.of(self)
+
+
+class EvalConfig(DecodeSettings):
+    """The recipe's eval section: the prompts, and how to decode them."""
+
+    suite: str = Field("mt_bench", description="the prompts reported on: a built-in suite or a FastChat .jsonl")
+    num_prompts: int | None = Field(8, description=(
+        "how many questions are reported on, taken one category at a time in turn (each category's in file order, "
+        "so a few cover every category); None: every question of the suite"))
+
+    @field_validator("num_prompts", mode="before")
+    @classmethod
+    def _num_prompts(cls, value: Any) -> Any:
+        return None if value is None else positive_int(value)
+
+    every_checkpoint: bool = True  # measure τ and speedup on held-out prompts at every checkpoint
+    # a checkpoint evaluation during training starts no new prompt after this many minutes, and says it ran over
+    # (a busy machine once made a 4-prompt evaluation take 15 minutes); None: no budget
+    checkpoint_budget_minutes: float | None = Field(5.0, gt=0)

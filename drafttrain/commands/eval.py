@@ -25,14 +25,14 @@ from drafttrain.cpu_linear import cpu_linear_mode
 from drafttrain.decoding import PROPOSERS
 from drafttrain.decoding.proposers import model_folder_proposer, trained_draft
 from drafttrain.decoding.trees import tree_of
-from drafttrain.drafts import load_drafter, saved_kind
+from drafttrain.drafts import load_drafter
 from drafttrain.drafts.registry import SavedDraft
 from drafttrain.evaluation.checkpoint_eval import CALIBRATION_PROMPTS
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.report import print_report, write_report
 from drafttrain.evaluation.sides import Compared
 from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without_reported
-from drafttrain.runfolder import CONFIG_NAME, RunFolder, drafttrain_checkpoint, read_json
+from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets import BUILTIN_TARGETS, Target, load_target
 
 log = logging.getLogger(__name__)
@@ -154,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
     settings = eval_settings(args)
     suite = load_suite(settings.suite).select(settings.num_prompts, turns=args.turns)
     tree_of(settings)  # a bad tree spec fails now, before the target loads
-    proposer = _checked_proposer(args)
+    saved = _saved_draft(args.draft)
+    proposer = _checked_proposer(args, saved)
     sides = [_compared_side(spec, settings) for spec in args.compare]
-    saved = SavedDraft.open(args.draft) if args.draft and drafttrain_checkpoint(args.draft) is not None else None
     if saved is not None:
         settings = settings.fitted_to(saved.max_depth())
     autos = [settings.depth, settings.tree, *(s for side in sides for s in (side.spec.depth, side.spec.tree))]
@@ -249,13 +249,19 @@ def _prepare_out_dir(out: str) -> None:
         raise DrafttrainError(f"cannot create the output folder {out}: {err.strerror}") from None
 
 
-def _checked_proposer(args: argparse.Namespace) -> str:
-    """The proposer named, or without --proposer the one that serves the --draft checkpoint's kind; checked before
-    the target loads: an unknown name, or a draft that is needed but missing, fails now."""
+def _saved_draft(draft: str | None) -> SavedDraft | None:
+    """The --draft when drafttrain saved it (opened once, here: damage is named before the target loads); None for
+    no draft, or a plain model folder, built-in name or Hub id. A missing local path is refused."""
+    if draft and _looks_like_path(draft) and not Path(draft).expanduser().exists():
+        raise DrafttrainError(f"draft not found: {draft}")
+    return SavedDraft.find(draft) if draft else None
+
+
+def _checked_proposer(args: argparse.Namespace, saved: SavedDraft | None) -> str:
+    """The proposer named, or without --proposer the one that serves the --draft checkpoint's kind (``saved``);
+    checked before the target loads: an unknown name, or a draft that is needed but missing, fails now."""
     known = set(PROPOSERS)
-    if args.draft and _looks_like_path(args.draft) and not Path(args.draft).expanduser().exists():
-        raise DrafttrainError(f"draft not found: {args.draft}")
-    proposer = args.proposer if args.proposer is not None else _default_proposer(args.draft)
+    proposer = args.proposer if args.proposer is not None else _default_proposer(args.draft, saved)
     if proposer not in known:
         raise DrafttrainError(f"unknown proposer {proposer!r}: choose one of {', '.join(sorted(known))}")
     if args.draft and "draft" not in _proposer_options(proposer):
@@ -311,13 +317,12 @@ def _load_compared(side: Side, target: Target) -> Compared:
     return Compared(proposer, **shape)
 
 
-def _default_proposer(draft: str | None) -> str:
-    """The proposer that serves the --draft checkpoint's kind; a folder that is no drafttrain checkpoint (a plain
-    model, a built-in name) is served as a draft model. A damaged checkpoint fails here, naming its file."""
+def _default_proposer(draft: str | None, saved: SavedDraft | None) -> str:
+    """The proposer that serves the --draft checkpoint's kind; a --draft that is no drafttrain checkpoint (a plain
+    model, a built-in name) is served as a draft model."""
     if not draft:
         raise DrafttrainError("give --proposer (e.g. prompt_lookup), or --draft with a checkpoint written by drafttrain")
-    directory = drafttrain_checkpoint(draft)
-    return model_folder_proposer() if directory is None else saved_kind(directory).proposer
+    return model_folder_proposer() if saved is None else saved.kind.proposer
 
 
 def _proposer_options(name: str) -> set[str]:

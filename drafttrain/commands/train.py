@@ -141,7 +141,7 @@ def check_split_is_current(run: RunFolder, dataset, target: Target) -> str:
     manifest = DataManifest.read(run)
     fingerprint = split_fingerprint(dataset)
     validation = open_dataset(run.validation_split) if run.validation_split.is_dir() else None
-    tokenizer_id = getattr(target, "tokenizer_fingerprint", None)
+    tokenizer_id = target.tokenizer_fingerprint
     manifest.check(describe_run_data(run, fingerprint, validation, tokenizer_id, target.name), run)
     return fingerprint
 

@@ -42,7 +42,7 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.decoding.trees import Chain, Draft, DynamicTree, StaticTree, TreeShape
 from drafttrain.drafts import Drafter, load_drafter
-from drafttrain.runfolder import drafttrain_checkpoint
+from drafttrain.drafts.registry import SavedDraft
 from drafttrain.sampling import Sampling
 from drafttrain.targets import Target
 
@@ -137,9 +137,10 @@ def build_proposer(name: str, target: Target, **kwargs) -> Proposer:
 
 
 def is_trained_draft(draft) -> bool:
-    """Whether ``draft`` is a drafttrain draft: one in memory, or a checkpoint or run folder drafttrain wrote."""
-    return isinstance(draft, Drafter) or (isinstance(draft, (str, Path)) and bool(draft)
-                                          and drafttrain_checkpoint(draft) is not None)
+    """Whether ``draft`` is a drafttrain draft: one in memory, one opened, or a checkpoint or run folder drafttrain
+    wrote."""
+    return isinstance(draft, (Drafter, SavedDraft)) or (isinstance(draft, (str, Path)) and bool(draft)
+                                                        and SavedDraft.find(draft) is not None)
 
 
 def _proposer_serving(name: str, drafter: type[Drafter]) -> Callable[..., Proposer]:

@@ -3,13 +3,13 @@
 from drafttrain.drafts.base import Drafter, StepOutput
 from drafttrain.drafts.registry import (
     KINDS,
+    SavedDraft,
     build_drafter,
     drafter_class,
     drafter_for,
     load_drafter,
-    saved_kind,
     start_drafter,
 )
 
-__all__ = ["KINDS", "Drafter", "StepOutput", "build_drafter", "drafter_class", "drafter_for", "load_drafter", "saved_kind",
+__all__ = ["KINDS", "Drafter", "SavedDraft", "StepOutput", "build_drafter", "drafter_class", "drafter_for", "load_drafter",
            "start_drafter"]

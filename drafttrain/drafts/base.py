@@ -312,7 +312,7 @@ def target_identity(target: Target) -> dict[str, Any]:
     return {"name": target.name, "vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
             "num_hidden_layers": target.num_layers, "model_type": getattr(config, "model_type", None),
             "architectures": list(getattr(config, "architectures", None) or [type(target.model).__name__]),
-            "tokenizer": getattr(target, "tokenizer_fingerprint", None)}
+            "tokenizer": target.tokenizer_fingerprint}
 
 
 def check_target(config: dict[str, Any], target: Target, directory: Path) -> None:

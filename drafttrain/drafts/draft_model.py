@@ -97,7 +97,7 @@ class DraftModelDrafter(Drafter):
         else:
             named = load_target(config.student, dtype=str(target.model.dtype).removeprefix("torch."),
                                 device=str(target.device), role="draft model (draft.student)")
-            if getattr(target, "tokenizer", None) is not None:
+            if target.tokenizer is not None:
                 check_same_tokenizer(target, named)
             student = named.model
         warn_if_larger(student, target)
@@ -139,7 +139,7 @@ class DraftModelDrafter(Drafter):
         directory = Path(directory)
         model = _merged_copy(self.student) if self.config.draft_lora is not None else self.student
         model.save_pretrained(str(directory), safe_serialization=True)
-        tokenizer = getattr(self.target, "tokenizer", None)
+        tokenizer = self.target.tokenizer
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
         config = {**json.loads((directory / CONFIG_NAME).read_text()), **self.checkpoint_config(**meta)}

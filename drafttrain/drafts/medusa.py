@@ -249,5 +249,5 @@ def save_merged(target: Target, directory: Path) -> None:
             state[clean] = param
     base.save_pretrained(str(directory), state_dict={k: v.contiguous() for k, v in state.items()},
                          safe_serialization=True)
-    if getattr(target, "tokenizer", None) is not None:
+    if target.tokenizer is not None:
         target.tokenizer.save_pretrained(str(directory))

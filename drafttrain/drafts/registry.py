@@ -36,6 +36,7 @@ from drafttrain.runfolder import (
     WEIGHTS_NAME,
     RunFolder,
     damaged,
+    drafttrain_checkpoint,
     file_sha256,
     find_draft,
     read_json,
@@ -151,6 +152,15 @@ class SavedDraft:
     kind: type[Drafter]
 
     @classmethod
+    def find(cls, path: str | Path | SavedDraft) -> SavedDraft | None:
+        """The draft at ``path`` when drafttrain saved one there (a checkpoint, its run or checkpoints folder), else
+        None (a plain model folder, a built-in name, a Hub id); a damaged one is refused naming its file."""
+        if isinstance(path, SavedDraft):
+            return path
+        directory = drafttrain_checkpoint(path)
+        return None if directory is None else cls.open(directory)
+
+    @classmethod
     def open(cls, path: str | Path | SavedDraft) -> SavedDraft:
         if isinstance(path, SavedDraft):
             return path
@@ -160,6 +170,15 @@ class SavedDraft:
         if kind not in KINDS:
             raise damaged(directory / CONFIG_NAME, f"names draft kind {kind!r}, which is not one of {', '.join(KINDS)}")
         return cls(directory, config, KINDS[kind])
+
+    @property
+    def target_name(self) -> str | None:
+        """The target it was trained for: recorded in its config, or (older checkpoints) in its manifest's recipe."""
+        named = (self.config["drafttrain"].get("target") or {}).get("name")
+        if named is None and (self.directory / MANIFEST).is_file():
+            recipe = read_json(self.directory / MANIFEST).get("built_from", {}).get("recipe") or {}
+            named = (recipe.get("target") or {}).get("model")
+        return named
 
     def section(self) -> DraftConfig:
         """Its draft section, validated (a KeyError or ValidationError says it is damaged: callers name how)."""
@@ -173,11 +192,6 @@ class SavedDraft:
             raise damaged(self.directory / CONFIG_NAME, f"holds an invalid {self.kind.kind} section "
                                                         f"({err.errors()[0]['msg']})") from None
         return drafter_for(section).max_draft_depth(section)
-
-
-def saved_max_depth(path: str | Path | SavedDraft) -> int | None:
-    """The deepest draft the saved draft at ``path`` (checkpoint, run or export) can propose; None: any."""
-    return SavedDraft.open(path).max_depth()
 
 
 def build_drafter(config: DraftConfig, target: Target, run: RunFolder | None = None) -> Drafter:
@@ -248,14 +262,14 @@ def check_vocabulary_choice(config: DraftConfig, new_vocabulary: bool) -> None:
                               "with; set draft_vocab.enabled: false")
 
 
-def saved_draft_ids(path: str | Path) -> torch.Tensor | None:
+def saved_draft_ids(path: str | Path | SavedDraft) -> torch.Tensor | None:
     """The target ids the saved draft at ``path`` drafts over (from its d2t), None when it has no draft vocabulary."""
-    weights = find_draft(path) / WEIGHTS_NAME
+    weights = SavedDraft.open(path).directory / WEIGHTS_NAME
     with safe_open(str(weights), "pt") as tensors:
         return draft_ids(tensors.get_tensor("d2t")) if "d2t" in tensors.keys() else None
 
 
-def saved_draft_vocab_size(path: str | Path) -> int | None:
+def saved_draft_vocab_size(path: str | Path | SavedDraft) -> int | None:
     """How many tokens the saved draft at ``path`` drafts over (its d2t), None when it has no draft vocabulary."""
     ids = saved_draft_ids(path)
     return None if ids is None else ids.numel()
@@ -308,11 +322,6 @@ class _SubChanges(dict):
 def _merged(saved: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return {**saved, **{name: _merged(saved[name], value) if isinstance(value, _SubChanges) else value
                         for name, value in changes.items()}}
-
-
-def saved_kind(path: str | Path | SavedDraft) -> type[Drafter]:
-    """The kind of the draft a checkpoint folder, ``checkpoints/`` folder or run folder holds."""
-    return SavedDraft.open(path).kind
 
 
 def _from_export(cls: type[Drafter], directory: Path, config: dict, target: Target) -> tuple[Drafter, dict]:

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
 from drafttrain.drafts import load_drafter
-from drafttrain.drafts.base import Drafter, read_draft_config
+from drafttrain.drafts.base import Drafter
 from drafttrain.drafts.codecs import codecs_of, refused, writable_formats
-from drafttrain.drafts.registry import known_formats
+from drafttrain.drafts.registry import SavedDraft, known_formats
 from drafttrain.evaluation.evaluate import EvalReport
 from drafttrain.evaluation.report import ACCEPTANCE_PLOT, CONTEXT_PLOT, plot_acceptance, plot_by_context
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
@@ -32,7 +32,6 @@ from drafttrain.runfolder import (
     MANIFEST,
     WEIGHTS_NAME,
     RunFolder,
-    find_draft,
     read_json,
     write_manifest,
     write_text_atomic,
@@ -44,33 +43,29 @@ REPORT_NAME = "report.json"
 BENCH_DIR = "bench"  # drafttrain bench leaves its sweep's report here, beside the checkpoint it served
 
 
-def recorded_target(checkpoint: Path) -> str:
-    """The target a checkpoint was trained for: recorded in its config, or (older checkpoints) in its manifest's
-    recipe."""
-    named = (read_draft_config(checkpoint)["drafttrain"].get("target") or {}).get("name")
-    if named is None and (checkpoint / MANIFEST).is_file():
-        recipe = read_json(checkpoint / MANIFEST).get("built_from", {}).get("recipe") or {}
-        named = (recipe.get("target") or {}).get("model")
-    if named is None:
-        raise DrafttrainError(f"{checkpoint} does not record the target it was trained for: pass --target")
-    return named
+def recorded_target(saved: SavedDraft) -> str:
+    """The target a saved draft was trained for; refused when it does not record one."""
+    if saved.target_name is None:
+        raise DrafttrainError(f"{saved.directory} does not record the target it was trained for: pass --target")
+    return saved.target_name
 
 
-def export_checkpoint(source: str | Path, fmt: str | None, out: str | Path | None, target_name: str | None = None,
-                      device: str = "cpu", **options) -> Path:
+def export_checkpoint(source: str | Path | SavedDraft, fmt: str | None, out: str | Path | None,
+                      target_name: str | None = None, device: str = "cpu", **options) -> Path:
     """``export_draft`` for the commands: the draft at ``source`` with the target it was trained for (or
     ``target_name``), in ``fmt`` (default: the first it can be written in), to ``out`` (default: the run's
     ``exports/<fmt>``, replaced)."""
-    checkpoint = find_draft(source)
-    target = load_target(target_name or recorded_target(checkpoint), device=device)
+    saved = SavedDraft.open(source)
+    target = load_target(target_name or recorded_target(saved), device=device)
     # the draft as configured says which formats it can be written in (a P-EAGLE head: speculators' only)
-    fmt = fmt or writable_formats(load_drafter(checkpoint, target, as_saved=True))[0]
+    fmt = fmt or writable_formats(load_drafter(saved, target, as_saved=True))[0]
     if out is None:
+        checkpoint = saved.directory
         out, options["overwrite"] = (RunFolder.of_checkpoint(checkpoint) or RunFolder.of(checkpoint)).export(fmt), True
-    return export_draft(checkpoint, fmt, out, target, **options)
+    return export_draft(saved, fmt, out, target, **options)
 
 
-def export_draft(source: str | Path, fmt: str, out: str | Path, target: Target, overwrite: bool = False,
+def export_draft(source: str | Path | SavedDraft, fmt: str, out: str | Path, target: Target, overwrite: bool = False,
                  report: str | Path | None = None, verifier: str | None = None) -> Path:
     """Write the draft at ``source`` (a checkpoint, or a run: its best checkpoint) in format ``fmt`` to ``out``.
 
@@ -82,8 +77,8 @@ def export_draft(source: str | Path, fmt: str, out: str | Path, target: Target, 
         raise DrafttrainError(f"unknown export format {fmt!r}; formats: {', '.join(known_formats())}")
     out = Path(out)
     staging = staging_for(out, overwrite)
-    checkpoint = find_draft(source)
-    drafter = load_drafter(checkpoint, target, as_saved=True)
+    saved = SavedDraft.open(source)
+    checkpoint, drafter = saved.directory, load_drafter(saved, target, as_saved=True)
     refusal = refused(drafter, fmt)
     if refusal is not None:
         raise DrafttrainError(refusal)

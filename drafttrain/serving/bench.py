@@ -21,10 +21,11 @@ from typing import Any
 from drafttrain import DrafttrainError
 from drafttrain.config import BenchConfig
 from drafttrain.drafts import load_drafter
+from drafttrain.drafts.registry import SavedDraft
 from drafttrain.evaluation.run_info import machine_description, now
 from drafttrain.evaluation.serving_report import PLOT_NAME, plot, write_markdown
 from drafttrain.export.writer import BENCH_DIR, REPORT_NAME, export_draft, recorded_target
-from drafttrain.runfolder import MANIFEST, find_draft, read_json, write_text_atomic
+from drafttrain.runfolder import MANIFEST, read_json, write_text_atomic
 from drafttrain.serving.agreement import compare, drafttrain_side
 from drafttrain.serving.engines import (
     ENGINES,
@@ -79,9 +80,10 @@ def resolve_draft(source: str, engine: Engine, target: Target, out: Path) -> Dra
     engine reads)."""
     if source == NGRAM:
         return Draft(NGRAM, NGRAM_METHODS, {})
-    path = find_draft(source)
+    saved = SavedDraft.open(source)
+    path = saved.directory
     built_from = export_record(path)
-    drafter = load_drafter(path, target)
+    drafter = load_drafter(saved, target)
     name = Path(source).resolve().name
     if built_from is not None:  # an export: served as written
         return Draft(name, drafter.engine_methods, drafter.vllm_speculative_config(), path,
@@ -90,7 +92,7 @@ def resolve_draft(source: str, engine: Engine, target: Target, out: Path) -> Dra
     if not formats:
         raise DrafttrainError(f"{engine.name} serves no format a {drafter.kind} draft like {source} is written in "
                               f"(it writes {', '.join(drafter.export_formats())})")
-    export = export_draft(path, formats[0], out / "exports" / f"{name}-{formats[0]}", target, overwrite=True)
+    export = export_draft(saved, formats[0], out / "exports" / f"{name}-{formats[0]}", target, overwrite=True)
     return Draft(name, drafter.engine_methods, drafter.vllm_speculative_config(), export, path, drafter,
                  drafter.identity()["weights_sha256"])
 
@@ -118,7 +120,7 @@ def check_inputs(inputs: BenchInputs, settings: BenchConfig, engine: Engine) -> 
             raise DrafttrainError(f"port {busy[0]} is in use (another server?): choose another --port (the sweep "
                                   f"uses {servers} consecutive ports from it)")
     for source in inputs.drafts:
-        built_from = export_record(find_draft(source)) if source != NGRAM else None
+        built_from = export_record(SavedDraft.open(source).directory) if source != NGRAM else None
         if built_from is not None and built_from["format"] not in engine.reads:
             raise DrafttrainError(f"{source} is in the {built_from['format']} format; {engine.name} serves drafts "
                                   f"from {', '.join(engine.reads)}: export it again with --format")
@@ -128,7 +130,7 @@ def check_inputs(inputs: BenchInputs, settings: BenchConfig, engine: Engine) -> 
 def target_of(inputs: BenchInputs) -> str:
     if inputs.target is not None:
         return inputs.target
-    trained = [recorded_target(find_draft(d)) for d in inputs.drafts if d != NGRAM]
+    trained = [recorded_target(SavedDraft.open(d)) for d in inputs.drafts if d != NGRAM]
     if not trained:
         raise DrafttrainError("name the target (--target) when the only draft is the engine's n-gram lookup")
     return trained[0]

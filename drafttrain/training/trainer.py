@@ -182,7 +182,7 @@ class Trainer:
     def _built_from(self) -> dict[str, Any]:
         """What this run's checkpoints are built from: the data, the target, its tokenizer, and the recipe."""
         return {"data": self._data_fingerprint or split_fingerprint(self.dataset), "target": self.target.fingerprint,
-                "tokenizer": getattr(self.target, "tokenizer_fingerprint", None),
+                "tokenizer": self.target.tokenizer_fingerprint,
                 "recipe": self.recipe.model_dump(mode="json")}
 
     def _start_folder(self, resume: bool) -> Path | None:
@@ -492,7 +492,7 @@ def evaluation_mode(*models: nn.Module):
 
 
 def _pad_id(target: Target) -> int:
-    pad = getattr(getattr(target, "tokenizer", None), "pad_token_id", None)
+    pad = target.tokenizer.pad_token_id if target.tokenizer is not None else None
     return int(pad) if pad is not None else 0
 
 

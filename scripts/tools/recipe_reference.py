@@ -90,7 +90,7 @@ def _section_classes(annotation) -> list[type[BaseModel]]:
 
 def render() -> str:
     lines = ["# Recipe reference", "",
-             "Every key a recipe takes, generated from the schema (`drafttrain/config.py`) by",
+             "Every key a recipe takes, generated from the schema (`drafttrain/config/`) by",
              "`python scripts/tools/recipe_reference.py`: the type, the default and what the key does. Unknown keys and",
              "wrong types are refused before any work starts; `key.sub=value` on the command line overrides a key.", ""]
     for prefix, cls in sections():
@@ -104,6 +104,10 @@ def render() -> str:
                 default = "a section" if field.default is None or isinstance(field.default, BaseModel) else default
             what = (field.description or comments.get(name, "")).replace("|", "\\|") or "—"
             lines.append(f"| `{name}` | {type_name(field.annotation)} | {default} | {what} |")
+        renamed = cls.renamed if issubclass(cls, schema.DraftConfig) else {}  # a draft section's earlier key names
+        if renamed:
+            lines += ["", "Earlier keys, refused naming the key that replaced them (a draft saved under them loads as "
+                      "it is): " + ", ".join(f"`{old}` → `{new}`" for old, new in renamed.items()) + "."]
         lines.append("")
     return "\n".join(lines)
 

@@ -219,13 +219,14 @@ def _runtime_bytes(recipe: Recipe) -> int:
 # ------------------------------------------------------------------------------------------------ the models
 
 
-def target_config(recipe: Recipe, config_path: str | None = None):
+def target_config(recipe: Recipe, config_path: str | None = None, local_only: bool = False):
     """The target's HF config: from ``config_path`` when given, else the recipe's target (a folder, a built-in, or
-    the Hub: config.json only)."""
+    the Hub: config.json only; with ``local_only``, the Hub's only from this machine's HF cache)."""
     source = config_path or resolve_model_dir(recipe.target.model)
     try:
         return AutoConfig.from_pretrained(source, revision=None if config_path else recipe.target.revision,
-                                          trust_remote_code=recipe.target.trust_remote_code)
+                                          trust_remote_code=recipe.target.trust_remote_code,
+                                          local_files_only=local_only)
     except (OSError, ValueError) as err:
         raise DrafttrainError(f"cannot read the target's config from {source!r} ({str(err).splitlines()[0]}): "
                               "give --target-config CONFIG.json") from None
@@ -241,11 +242,12 @@ def _family_word(name: str) -> str | None:
 
 
 def check_config_is_the_target(recipe: Recipe, config, config_path: str) -> None:
-    """``--target-config`` must describe the recipe's target: its own config when it can be read here (the sizes
-    must agree), else a model of the family the target's name says."""
+    """``--target-config`` must describe the recipe's target: its own config when this machine has it (a folder, a
+    built-in, the HF cache: the sizes must agree), else a model of the family the target's name says. The Hub is not
+    asked: --target-config is how a plan runs without it (offline, it would wait through its retries)."""
     name, model_type = recipe.target.model, getattr(config, "model_type", "?")
     try:
-        own = target_config(recipe)
+        own = target_config(recipe, local_only=True)
     except DrafttrainError:
         own = None
     if own is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from drafttrain.config import DRAFT_SECTIONS, DraftConfig
+from drafttrain.drafts.codecs import codecs_of
 from drafttrain.drafts.registry import KINDS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tools" / "check_structure.py"
@@ -70,7 +71,7 @@ def test_the_recipe_sections_are_the_registered_kinds():
     assert {cls.config_class for cls in KINDS.values()} == set(DRAFT_SECTIONS)
     for kind, cls in KINDS.items():
         assert issubclass(cls.config_class, DraftConfig) and cls.config_class.model_fields["kind"].default == kind
-        assert cls.description and set(cls.engine_methods) and cls.formats, f"{kind} does not say its own facts"
+        assert cls.description and set(cls.engine_methods) and codecs_of(cls), f"{kind} does not say its own facts"
 
 
 def test_no_kind_branches_on_what_selects_its_variants():

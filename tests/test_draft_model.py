@@ -15,6 +15,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig, load_recipe
 from drafttrain.decoding.verify import expected_acceptance_rate
 from drafttrain.drafts import build_drafter, load_drafter, losses
+from drafttrain.drafts.codecs import codecs_of
 from drafttrain.drafts.draft_model import cut_from_target, keep_learnable
 from drafttrain.targets import Target, TargetNeeds, run_target
 from drafttrain.training.features import FeatureCache, write_feature_cache
@@ -455,8 +456,9 @@ def test_a_loss_over_the_draft_vocabulary_needs_one_and_keeps_the_teacher_cache_
     drafter = build_drafter(config, target)
     needs = type(drafter).target_needs(config, target)
     assert needs.logits_top_k is None and needs.stored_layers(4) == [4]  # an offline cache keeps the final hidden
-    assert "draft vocabulary only" in drafter.exported("hf").notes[0]  # the model card says how to serve it
-    assert build_drafter(DraftModelConfig(cut="first:2"), target).exported("hf").notes == []
+    hf = codecs_of(type(drafter))["hf"]
+    assert "draft vocabulary only" in hf.write(drafter).notes[0]  # the model card says how to serve it
+    assert hf.write(build_drafter(DraftModelConfig(cut="first:2"), target)).notes == []
 
 
 def test_on_policy_answers_over_the_draft_vocabulary_use_only_its_tokens(tmp_path):

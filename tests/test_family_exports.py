@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from drafttrain.config import parse_recipe
 from drafttrain.drafts import build_drafter, load_drafter
+from drafttrain.drafts.codecs import codecs_of
 from drafttrain.export.writer import export_draft
 from drafttrain.targets import Target, load_tokenizer
 
@@ -60,7 +61,7 @@ def test_an_eagle3_head_exports_in_every_format_and_loads_back(family, tokenizer
     target = Target(family, family_model(family), tokenizer)
     section = parse_recipe({"draft": {"kind": "eagle3", "layers": [1, 2, 3]}}).draft
     drafter = trained_looking(build_drafter(section, target))
-    for fmt in type(drafter).formats:
+    for fmt in codecs_of(type(drafter)):
         folder, config, tensors = exported(drafter, target, tmp_path / fmt, fmt)
         check_target_recorded(config, target)
         if fmt == "speculators":
@@ -83,7 +84,7 @@ def test_an_eagle3_head_exports_in_every_format_and_loads_back(family, tokenizer
 def test_a_dflash_draft_exports_in_every_format_and_loads_back(family, tokenizer, tmp_path):
     target = Target(family, family_model(family), tokenizer)
     drafter = trained_looking(build_drafter(parse_recipe({"draft": {"kind": "dflash"}}).draft, target))
-    for fmt in type(drafter).formats:
+    for fmt in codecs_of(type(drafter)):
         folder, config, tensors = exported(drafter, target, tmp_path / fmt, fmt)
         check_target_recorded(config, target)
         back = load_drafter(folder, target)

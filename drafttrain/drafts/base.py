@@ -173,16 +173,8 @@ class Drafter(nn.Module):
         """A context in which the target computes as the original (for drafts that adapt it)."""
         return contextlib.nullcontext()
 
-    def vllm_speculative_config(self) -> dict[str, Any]:
-        """What vLLM's ``--speculative-config`` needs beside the model and the token count to serve this draft."""
-        return {"method": self.engine_methods["vllm"]}
-
     def card_notes(self) -> list[str]:
         """What a user serving it must know beyond the engine's command (the model card's "Serve it")."""
-        return []
-
-    def card_files(self) -> list[str]:
-        """Lines for the files an export of it holds beyond config, weights, manifest and report."""
         return []
 
     def trainable_target_parameters(self) -> list[str]:

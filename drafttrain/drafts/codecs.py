@@ -46,12 +46,14 @@ class Exported:
     """A draft in one engine's format: ``config`` (config.json) and ``tensors`` (model.safetensors); ``folders``:
     writers of whole model folders, by sub-folder name ("" = the export itself, for a draft that is a whole HF
     model; its config.json gains ``config``), e.g. Medusa-2's adapted target, merged; ``notes``: what the engine
-    does differently, for the model card."""
+    does differently, for the model card; ``files``: the card's lines for what the export holds beyond config,
+    weights, manifest and report (those folders)."""
 
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     folders: dict[str, Callable[[Path], None]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    files: list[str] = dataclasses.field(default_factory=list)
 
 
 class Codec:
@@ -72,6 +74,11 @@ class Codec:
     def read(self, config: dict[str, Any], tensors: Tensors) -> tuple[dict[str, Any], Tensors]:
         """An export in this format back to the kind's checkpoint (config, tensors): the inverse of ``write``."""
         raise NotImplementedError
+
+    def vllm_speculative_config(self, drafter: Drafter) -> dict[str, Any]:
+        """What vLLM's ``--speculative-config`` needs beside the model and the token count to serve the draft from
+        this format."""
+        return {"method": drafter.engine_methods["vllm"]}
 
 
 class ForeignReader:

@@ -179,7 +179,6 @@ class DFlashDrafter(Drafter):
     proposer = "block"
     description = "a DFlash block drafter on several of the target's hidden layers"
     engine_methods = {"vllm": "dflash"}
-    formats = ("speculators",)
 
     def __init__(self, config: DFlashConfig, layer_config, layer_ids: list[int], d2t, t2d, mask_token_id: int):
         super().__init__(config)

@@ -40,7 +40,7 @@ from drafttrain.config import DraftModelConfig
 from drafttrain.data.chat import stop_token_ids
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, read_vocab_mapping, target_to_draft
 from drafttrain.drafts import losses
-from drafttrain.drafts.base import Drafter, Exported, StepOutput, saved_section, top1_hits, with_lora
+from drafttrain.drafts.base import Drafter, StepOutput, saved_section, top1_hits, with_lora
 from drafttrain.drafts.layers import shift_left
 from drafttrain.runfolder import CONFIG_NAME, RunFolder, read_json
 from drafttrain.targets import Target, check_same_tokenizer, load_target
@@ -152,22 +152,6 @@ class DraftModelDrafter(Drafter):
     def interchange_config(self) -> dict:
         """The student's own HF config is the interchange config (save_pretrained writes it)."""
         return {}
-
-    # -- export -------------------------------------------------------------------------------------------
-    formats = ("hf",)
-
-    def exported(self, fmt: str) -> Exported:
-        """A plain HF model folder: the checkpoint already is one; vLLM, SGLang, HF assisted generation and
-        llama.cpp (after conversion) take it as a draft model."""
-        notes = ["trained on its draft vocabulary only (loss_vocab: draft): engines that draft from the whole "
-                 "vocabulary (vLLM, HF assisted generation) accept fewer of its tokens than drafttrain's proposer, "
-                 "which reads draft_vocab/ (BENCHMARKS.md)"] if self.loss_rows is not None else []
-        return Exported({"drafttrain": self.checkpoint_config(export={"format": fmt})["drafttrain"]},
-                        folders={"": self.save_pretrained}, notes=notes)
-
-    @classmethod
-    def imported(cls, fmt, config, tensors):
-        return config, tensors
 
     # -- training ------------------------------------------------------------------------------------------
     @property

@@ -135,9 +135,6 @@ class MedusaDrafter(Drafter):
         return ["Medusa-2 trained the target too (LoRA): serve the adapted target in `target/` (merged), since the "
                 "heads read its hidden states."]
 
-    def card_files(self) -> list[str]:
-        return ["- `target/`: the adapted target (LoRA merged), with its tokenizer"] if self.adapts_target else []
-
     # -- forward pieces ------------------------------------------------------------------------------------
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -156,7 +153,6 @@ class MedusaDrafter(Drafter):
                 "medusa_fc_bias": True, "truncated_vocab_size": n if n < v else None}
 
     # -- save (its formats: drafttrain.drafts.formats.medusa) ------------------------------------------------
-    formats = ("vllm",)
 
     def save_pretrained(self, directory, **meta) -> Path:
         directory = super().save_pretrained(directory, **meta)

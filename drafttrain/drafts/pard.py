@@ -43,10 +43,6 @@ class PardDrafter(DraftModelDrafter):
     def max_draft_depth(cls, config: DraftModelConfig) -> int | None:
         return config.parallel.depths
 
-    def vllm_speculative_config(self) -> dict:
-        """A PARD draft is served by vLLM 0.16 and later with parallel drafting (its mask token is ``pard_token``)."""
-        return {**super().vllm_speculative_config(), "parallel_drafting": True}
-
     def card_notes(self) -> list[str]:
         return [f"A PARD draft: it proposes up to {self.config.parallel.depths} tokens per forward after mask token "
                 f"{self.mask_token_id} (`pard_token` in config.json); vLLM 0.16 and later draft them in one forward."]

@@ -69,10 +69,6 @@ class PEagleDrafter(Eagle3Drafter):
     def interchange_extras(self) -> dict:
         return {"mask_token_id": self.mask_token_id}
 
-    def vllm_speculative_config(self) -> dict:
-        """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""
-        return {**super().vllm_speculative_config(), "parallel_drafting": True}
-
     def card_notes(self) -> list[str]:
         return [f"A P-EAGLE head: it proposes up to {self.config.parallel.depths} tokens per forward from mask slots "
                 f"(mask token {self.mask_token_id}). vLLM reads its speculators export (`speculators_model_type: "

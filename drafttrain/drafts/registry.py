@@ -23,6 +23,7 @@ from drafttrain.drafts.draft_model import DraftModelDrafter
 from drafttrain.drafts.eagle import EagleDrafter
 from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.formats import dflash as dflash_formats
+from drafttrain.drafts.formats import draft_model as draft_model_formats
 from drafttrain.drafts.formats import eagle as eagle_formats
 from drafttrain.drafts.formats import eagle3 as eagle3_formats
 from drafttrain.drafts.formats import medusa as medusa_formats
@@ -111,14 +112,16 @@ class BuiltinKind:
 
 
 # Every built-in kind, in one list. Their proposers (the decoding layer, above this one) register under the names
-# the classes give; the draft model keeps its one format, the checkpoint itself, in its class.
+# the classes give.
 BUILTIN_KINDS = (
     BuiltinKind(Eagle3Drafter, (PEagleDrafter,),
                 ((Eagle3Drafter, eagle3_formats.EAGLE3_CODECS, eagle3_formats.EAGLE3_READERS),
                  (PEagleDrafter, eagle3_formats.PEAGLE_CODECS, eagle3_formats.EAGLE3_READERS))),
     BuiltinKind(EagleDrafter, (), ((EagleDrafter, eagle_formats.EAGLE_CODECS, eagle_formats.EAGLE_READERS),)),
     BuiltinKind(MedusaDrafter, (), ((MedusaDrafter, medusa_formats.MEDUSA_CODECS, medusa_formats.MEDUSA_READERS),)),
-    BuiltinKind(DraftModelDrafter, (PardDrafter,)),
+    BuiltinKind(DraftModelDrafter, (PardDrafter,),
+                ((DraftModelDrafter, draft_model_formats.DRAFT_MODEL_CODECS, []),
+                 (PardDrafter, draft_model_formats.PARD_CODECS, []))),
     BuiltinKind(DFlashDrafter, (), ((DFlashDrafter, dflash_formats.DFLASH_CODECS, dflash_formats.DFLASH_READERS),)),
 )
 for _builtin in BUILTIN_KINDS:

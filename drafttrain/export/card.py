@@ -14,6 +14,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from drafttrain import __version__
+from drafttrain.drafts.codecs import Exported, codecs_of
 from drafttrain.evaluation.report import CONTEXT_PLOT, context_table
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
 from drafttrain.evaluation.serving_report import agreement_lines, conclusions, markdown_table
@@ -23,7 +24,7 @@ DEPTH_DEFAULT = 3  # speculative tokens in the serving snippets when nothing was
 
 
 
-def build_card(drafter, fmt: str, notes: list[str], measured: dict[str, Any] | None,
+def build_card(drafter, fmt: str, exported: Exported, measured: dict[str, Any] | None,
                recipe: dict[str, Any] | None, plot: str | None, bench: dict[str, Any] | None = None) -> ModelCard:
     target = drafter.target
     facts = provenance(target)
@@ -48,9 +49,9 @@ def build_card(drafter, fmt: str, notes: list[str], measured: dict[str, Any] | N
         "## Serve it",
         _serving(drafter, fmt, facts["base_model"] or target.name, depth),
     ]
-    if notes:
-        sections += ["## Format notes", "\n".join(f"- {n}" for n in notes)]
-    sections += ["## Files", _files_text(drafter, fmt)]
+    if exported.notes:
+        sections += ["## Format notes", "\n".join(f"- {n}" for n in exported.notes)]
+    sections += ["## Files", _files_text(exported, fmt)]
     if recipe is not None:
         sections += ["## How it was trained", "The recipe, as drafttrain validated it:",
                      "```yaml\n" + yaml.safe_dump(recipe, sort_keys=False).strip() + "\n```"]
@@ -126,6 +127,11 @@ def _bench_section(bench: dict[str, Any]) -> str:
 
 
 def _serving(drafter, fmt: str, target: str, depth: int) -> str:
+    """The engine's command for the draft in this format, then what the kind says a user serving it must know."""
+    return _command(drafter, fmt, target, depth) + "".join(f"\n\n{note}" for note in drafter.card_notes())
+
+
+def _command(drafter, fmt: str, target: str, depth: int) -> str:
     if fmt == "sglang":
         return ("```bash\npython -m sglang.launch_server --model-path " + target + " \\\n"
                 f"  --speculative-algorithm {drafter.engine_methods['sglang']} --speculative-draft-model-path THIS_REPO"
@@ -137,14 +143,14 @@ def _serving(drafter, fmt: str, target: str, depth: int) -> str:
                 f"vllm serve {target} --speculative-config "
                 f"'{json.dumps({'model': 'THIS_REPO', 'num_speculative_tokens': depth})}'\n```")
     served = "THIS_REPO/target" if drafter.adapts_target else target
-    extra = "".join(f"\n\n{note}" for note in drafter.card_notes())
-    spec = json.dumps({**drafter.vllm_speculative_config(), "model": "THIS_REPO", "num_speculative_tokens": depth})
-    return f"```bash\nvllm serve {served} --speculative-config '{spec}'\n```" + extra
+    speculative = codecs_of(type(drafter))[fmt].vllm_speculative_config(drafter)
+    spec = json.dumps({**speculative, "model": "THIS_REPO", "num_speculative_tokens": depth})
+    return f"```bash\nvllm serve {served} --speculative-config '{spec}'\n```"
 
 
-def _files_text(drafter, fmt: str) -> str:
+def _files_text(exported: Exported, fmt: str) -> str:
     rows = ["- `config.json`, `model.safetensors`: the draft in the " + fmt + " layout (the `drafttrain` section "
             "of the config is ignored by engines and lets `drafttrain eval --draft` load the export)",
             "- `manifest.json`: size and sha256 of every file, and what the draft was built from",
             "- `eval/report.json`: the evaluation behind the table above, when there is one"]
-    return "\n".join(rows + drafter.card_files())
+    return "\n".join(rows + exported.files)

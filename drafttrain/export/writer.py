@@ -113,7 +113,7 @@ def _write_export(drafter, fmt: str, staging: Path, checkpoint: Path, measured, 
         (staging / BENCH_DIR).mkdir()
         write_text_atomic(staging / BENCH_DIR / REPORT_NAME, json.dumps(bench, indent=1))
         plot_bench(bench, staging / BENCH_PLOT)
-    card = build_card(drafter, fmt, exported.notes, measured, built_from.get("recipe"),
+    card = build_card(drafter, fmt, exported, measured, built_from.get("recipe"),
                       plot=ACCEPTANCE_PLOT if measured is not None else None, bench=bench)
     write_text_atomic(staging / "README.md", str(card))
     # the card is left out of the checksums: editing it is the usual step before publishing

@@ -21,6 +21,7 @@ from typing import Any
 from drafttrain import DrafttrainError
 from drafttrain.config import BenchConfig
 from drafttrain.drafts import load_drafter
+from drafttrain.drafts.codecs import codecs_of
 from drafttrain.drafts.registry import SavedDraft
 from drafttrain.evaluation.run_info import machine_description, now
 from drafttrain.evaluation.serving_report import PLOT_NAME, plot, write_markdown
@@ -86,15 +87,16 @@ def resolve_draft(source: str, engine: Engine, target: Target, out: Path) -> Dra
     drafter = load_drafter(saved, target)
     name = Path(source).resolve().name
     if built_from is not None:  # an export: served as written
-        return Draft(name, drafter.engine_methods, drafter.vllm_speculative_config(), path,
-                     Path(built_from["checkpoint"]), drafter, built_from.get("weights_sha256"))
+        speculative = codecs_of(type(drafter))[built_from["format"]].vllm_speculative_config(drafter)
+        return Draft(name, drafter.engine_methods, speculative, path, Path(built_from["checkpoint"]), drafter,
+                     built_from.get("weights_sha256"))
     formats = [f for f in drafter.export_formats() if f in engine.reads]
     if not formats:
         raise DrafttrainError(f"{engine.name} serves no format a {drafter.kind} draft like {source} is written in "
                               f"(it writes {', '.join(drafter.export_formats())})")
     export = export_draft(saved, formats[0], out / "exports" / f"{name}-{formats[0]}", target, overwrite=True)
-    return Draft(name, drafter.engine_methods, drafter.vllm_speculative_config(), export, path, drafter,
-                 drafter.identity()["weights_sha256"])
+    speculative = codecs_of(type(drafter))[formats[0]].vllm_speculative_config(drafter)
+    return Draft(name, drafter.engine_methods, speculative, export, path, drafter, drafter.identity()["weights_sha256"])
 
 
 def export_record(path: Path) -> dict[str, Any] | None:

@@ -149,6 +149,10 @@ class PEagleSpeculators(Speculators):
         tensors[SPECULATORS_EMBEDDINGS][drafter.mask_token_id] = drafter.mask_embedding.detach().cpu()
         return tensors
 
+    def vllm_speculative_config(self, drafter: PEagleDrafter) -> dict:
+        """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""
+        return {**super().vllm_speculative_config(drafter), "parallel_drafting": True}
+
     def read_fields(self, config: dict) -> dict:
         return {"mask_token_id": config["mask_token_id"]}
 

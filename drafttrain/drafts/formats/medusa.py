@@ -34,7 +34,8 @@ class Vllm(Codec):
         if not drafter.adapts_target:
             return Exported(config, tensors)
         return Exported(config, tensors, folders={MERGED_TARGET: lambda folder: save_merged(drafter.target, folder)},
-                        notes=[f"Medusa-2: serve the adapted target in {MERGED_TARGET}/ (merged LoRA) with these heads"])
+                        notes=[f"Medusa-2: serve the adapted target in {MERGED_TARGET}/ (merged LoRA) with these heads"],
+                        files=[f"- `{MERGED_TARGET}/`: the adapted target (LoRA merged), with its tokenizer"])
 
     def read(self, config, tensors):
         vocab = config["vocab_size"]  # heads over the full vocabulary: draft id == target id

@@ -46,7 +46,7 @@ from typing import Any
 from drafttrain import DrafttrainError
 from drafttrain.config import RegenerateConfig
 from drafttrain.data.regenerate.hf import HFBackend
-from drafttrain.data.regenerate.jobs import ConversationJob, answer_slots, answered_row
+from drafttrain.data.regenerate.jobs import AnsweringModel, ConversationJob, answer_slots, answered_row
 from drafttrain.data.regenerate.openai_server import OpenAIBackend
 from drafttrain.data.regenerate.resume import (
     OutputPaths,
@@ -206,7 +206,7 @@ def regenerate_conversations(
     output_path: str | Path,
     *,
     seed: int,
-    target=None,
+    target: AnsweringModel | None = None,
     target_name: str | None = None,
     progress: bool = True,
     on_row: Callable[[dict], None] | None = None,

@@ -12,7 +12,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import RegenerateConfig
 from drafttrain.cpu_linear import PackedLinears
 from drafttrain.data.chat import chat_template_text, prompt_ids, stop_token_ids
-from drafttrain.data.regenerate.jobs import ConversationJob, Generation
+from drafttrain.data.regenerate.jobs import AnsweringModel, ConversationJob, Generation
 from drafttrain.data.regenerate.resume import RegenerationSettings, row_seed
 from drafttrain.sampling import Sampling, warp_logits
 
@@ -94,7 +94,7 @@ def _first_prompt_chars(job: ConversationJob) -> int:
 
 class HFBackend:
     """``regenerate.backend: hf``: batched ``generate`` of the target loaded in this process."""
-    def __init__(self, target, cfg: RegenerateConfig, settings: RegenerationSettings):
+    def __init__(self, target: AnsweringModel | None, cfg: RegenerateConfig, settings: RegenerationSettings):
         if target is None:
             raise DrafttrainError("regenerate backend 'hf' needs the target model loaded")
         self.generator = HFGenerator(target.model, target.tokenizer, settings)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from drafttrain.data.regenerate.resume import RegenerationSettings, prompt_hash
 from drafttrain.data.traffic import ANSWER_WEIGHTS
@@ -29,6 +30,14 @@ def answer_slots(messages: Sequence[dict]) -> list[tuple[int, bool]]:
         elif role in ("user", "tool") and nxt is None:
             slots.append((i + 1, False))
     return slots
+
+
+class AnsweringModel(Protocol):
+    """What the hf backend answers with: a causal LM (``model``) and its tokenizer. A drafttrain.targets.Target is
+    one; this layer sits below the targets, so it names what it uses."""
+
+    model: Any
+    tokenizer: Any
 
 
 @dataclasses.dataclass

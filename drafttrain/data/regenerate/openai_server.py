@@ -16,7 +16,7 @@ from typing import Any
 from drafttrain import DrafttrainError
 from drafttrain.config import RegenerateConfig
 from drafttrain.data.chat import tool_definitions
-from drafttrain.data.regenerate.jobs import ConversationJob, Generation
+from drafttrain.data.regenerate.jobs import AnsweringModel, ConversationJob, Generation
 from drafttrain.data.regenerate.resume import RegenerationSettings, row_seed
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class OpenAIBackend:
     """``regenerate.backend: openai``: an OpenAI-compatible server (vLLM, SGLang) answers, several conversations at
     a time (``batch_size`` workers)."""
 
-    def __init__(self, target, cfg: RegenerateConfig, settings: RegenerationSettings):
+    def __init__(self, target: AnsweringModel | None, cfg: RegenerateConfig, settings: RegenerationSettings):
         self.client = OpenAIChatClient(cfg.base_url, settings.target, settings, api_key_env=cfg.api_key_env)
         self.cfg, self.settings = cfg, settings
 

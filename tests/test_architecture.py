@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from drafttrain.config import DRAFT_SECTIONS, DraftConfig
+from drafttrain.config import DRAFT_KINDS, DRAFT_SECTIONS, DraftConfig
 from drafttrain.drafts.codecs import codecs_of
 from drafttrain.drafts.registry import KINDS
 
@@ -91,3 +91,17 @@ def test_the_variant_scan_finds_a_flag_put_back(monkeypatch):
     assert flagged != source
     monkeypatch.setitem(structure.TREES, module, structure.ast.parse(flagged))
     assert any("parallel" in line and "PEagleDrafter" in line for line in structure.variant_flags())
+
+
+def test_every_built_in_kind_is_one_entry_and_served_by_a_registered_proposer():
+    """The built-in kinds are one list (drafts/registry.py BUILTIN_KINDS: class, variants, codecs); the section is
+    the class's config_class, and its proposer, registered in the decoding layer above, is found by the class's name
+    for it."""
+    from drafttrain.decoding import PROPOSERS
+    from drafttrain.drafts.registry import BUILTIN_KINDS, VARIANTS
+
+    assert [entry.drafter for entry in BUILTIN_KINDS] == [KINDS[kind] for kind in DRAFT_KINDS]
+    for entry in BUILTIN_KINDS:
+        assert list(entry.variants) == VARIANTS.get(entry.drafter.kind, [])
+        assert entry.drafter.proposer in PROPOSERS
+        assert all(codecs_of(cls) for cls in (entry.drafter, *entry.variants))

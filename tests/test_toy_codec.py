@@ -16,8 +16,7 @@ from test_export import tiny_target
 
 from drafttrain.config import Eagle3Config
 from drafttrain.drafts import build_drafter, load_drafter
-from drafttrain.drafts.base import Exported
-from drafttrain.drafts.codecs import Codec, add_codec, codecs_of, remove_codec, writable_formats
+from drafttrain.drafts.codecs import Codec, Exported, add_codec, codecs_of, remove_codec, writable_formats
 from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.registry import known_formats
 from drafttrain.export import export_draft

@@ -22,7 +22,8 @@ from drafttrain.commands import main
 from drafttrain.config import DraftConfig
 from drafttrain.decoding import PROPOSERS, Chain, Draft, Proposer, register_proposer
 from drafttrain.decoding.proposers import trained_draft
-from drafttrain.drafts.base import Drafter, Exported, StepOutput, read_draft_config, top1_hits
+from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, top1_hits
+from drafttrain.drafts.codecs import Codec, Exported, register_codecs
 from drafttrain.drafts.losses import cross_entropy
 from drafttrain.drafts.registry import KINDS, register_kind, unregister_kind
 from drafttrain.targets import TargetNeeds
@@ -39,7 +40,6 @@ class ToySkipDrafter(Drafter):
     kind = "toy_skip"
     config_class = ToyConfig
     proposer = "toy_skip"
-    formats = ("vllm",)
     description = "a linear head on the target's last hidden state that predicts the token after next"
     engine_methods = {"vllm": "toy_skip"}
 
@@ -74,13 +74,6 @@ class ToySkipDrafter(Drafter):
         return {"architectures": ["ToySkipHead"], "hidden_size": self.target.hidden_size,
                 "vocab_size": self.target.vocab_size}
 
-    def exported(self, fmt: str) -> Exported:
-        return Exported(self.checkpoint_config(export={"format": fmt}), self.state_tensors())
-
-    @classmethod
-    def imported(cls, fmt, config, tensors):
-        return config, tensors
-
     def training_step(self, batch, outputs) -> StepOutput:
         ids, mask = batch["input_ids"], batch["loss_mask"].float()
         logits = self.head(outputs.final[:, :-2].to(self.head.weight.dtype))  # state t predicts token t+2
@@ -90,7 +83,18 @@ class ToySkipDrafter(Drafter):
         return StepOutput(loss=loss, metrics={"loss_0": float(loss.detach())}, correct=[correct], counted=[counted])
 
 
-# 3. the proposer that serves it
+# 3. its serving format: a codec (the checkpoint's own layout, named vllm here)
+class ToyVllm(Codec):
+    fmt = "vllm"
+
+    def write(self, drafter: ToySkipDrafter) -> Exported:
+        return Exported(drafter.checkpoint_config(export={"format": self.fmt}), drafter.state_tensors())
+
+    def read(self, config, tensors):
+        return config, tensors
+
+
+# 4. the proposer that serves it
 class ToySkipProposer(Proposer):
     shapes = (Chain,)
     max_depth = 1
@@ -111,11 +115,12 @@ class ToySkipProposer(Proposer):
         self.last = hidden[:, -1]
 
 
-# 4. one line in the registry (here inside a fixture that takes it out again, so that the tests sharing this
-# process, such as the recipe reference's, see the built-in kinds alone)
+# 5. its registry entry (here inside a fixture that takes it out again, so that the tests sharing this process,
+# such as the recipe reference's, see the built-in kinds alone)
 @pytest.fixture(autouse=True, scope="module")
 def toy_kind_registered():
     register_kind(ToySkipDrafter)
+    register_codecs(ToySkipDrafter, [ToyVllm()])
     register_proposer("toy_skip")(ToySkipProposer)
     yield
     unregister_kind("toy_skip")

@@ -31,7 +31,7 @@ from torch import nn
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DraftConfig, LoraSettings
 from drafttrain.data.vocab import mapping_problem
-from drafttrain.drafts.codecs import Exported, writable_formats
+from drafttrain.drafts.codecs import writable_formats
 from drafttrain.drafts.lora import has_lora, merged_state
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
 from drafttrain.targets import Target
@@ -89,7 +89,6 @@ class Drafter(nn.Module):
     kind: ClassVar[str]
     config_class: ClassVar[type[DraftConfig]]
     proposer: ClassVar[str]
-    formats: ClassVar[tuple[str, ...]] = ()
     description: ClassVar[str] = ""  # what it is, in a phrase (the model card's first line)
     # How each serving engine names its method: {"vllm": the speculative_config method, "sglang": the algorithm}
     engine_methods: ClassVar[dict[str, str]] = {}
@@ -211,36 +210,6 @@ class Drafter(nn.Module):
     def export_formats(self) -> tuple[str, ...]:
         """The formats this draft, as configured, is written in, the one it prefers first (its codecs')."""
         return writable_formats(self)
-
-    # A kind may keep its formats in its class (``formats``, ``exported``, ``imported``), as a small kind does, or
-    # register codecs for them (drafttrain.drafts.codecs), as a kind with several formats and variants does.
-    def exported(self, fmt: str) -> Exported:
-        """This draft in serving format ``fmt`` (one of ``formats``). The config keeps a ``drafttrain`` section
-        (engines ignore it) that says which format it is, so ``imported`` can read it back."""
-        raise NotImplementedError
-
-    @classmethod
-    def imported(cls, fmt: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) \
-            -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """An export in format ``fmt`` back to this kind's checkpoint (config, tensors): the inverse of ``exported``."""
-        raise NotImplementedError
-
-    # -- import (a draft another trainer wrote) --------------------------------------------------------------
-    foreign_formats: ClassVar[tuple[str, ...]] = ()  # the formats foreign_format names, for error messages
-
-    @classmethod
-    def foreign_format(cls, config: dict[str, Any]) -> str | None:
-        """The format in which another tool wrote a draft of this kind whose config.json is ``config``; None when
-        it is not one this kind reads."""
-        return None
-
-    @classmethod
-    def foreign_draft(cls, config: dict[str, Any], tensors: dict[str, torch.Tensor], target: Target) \
-            -> tuple[DraftConfig, dict[str, Any], dict[str, torch.Tensor], list[str]]:
-        """A foreign draft (``foreign_format`` named its format) as this kind's (draft section, checkpoint config
-        without the ``drafttrain`` section, tensors, notes on what drafttrain serves differently), checked against
-        ``target``: the first thing that disagrees with the target is an error naming it."""
-        raise NotImplementedError
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The weights as the kind's checkpoint holds them (draft LoRA adapters merged into their layers)."""

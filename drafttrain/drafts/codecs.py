@@ -7,9 +7,8 @@ written in it (``refusal``: an option the format's readers do not apply). A ``Fo
 another tool wrote (``recognises``) and reads it as the kind's (``read_foreign``).
 
 A kind's codecs are one table registered for its class (``register_codecs``); a variant registers its own table
-(P-EAGLE: speculators' format alone), else it uses its kind's. A kind without a table (a small kind, as a test's toy)
-keeps its formats in its class: ``formats``, ``exported`` and ``imported``, which ``codecs_of`` then serves as its
-codecs. The exporter, the loader and the importer reach every format through here, never through a kind's name.
+(P-EAGLE: speculators' format alone), else it uses its kind's. The exporter, the loader, the importer, the card and
+the bench reach every format through here, never through a kind's name.
 """
 
 from __future__ import annotations
@@ -106,42 +105,6 @@ class ForeignReader:
         raise NotImplementedError
 
 
-class KindMethods(Codec):
-    """A format of a kind that keeps its formats in its class (``formats``, ``exported``, ``imported``)."""
-
-    def __init__(self, kind: type[Drafter], fmt: str):
-        self.kind, self.fmt = kind, fmt
-
-    def refusal(self, drafter: Drafter) -> str | None:
-        return None if self.fmt in type(drafter).formats else ""
-
-    def write(self, drafter: Drafter) -> Exported:
-        return drafter.exported(self.fmt)
-
-    def read(self, config, tensors):
-        return self.kind.imported(self.fmt, config, tensors)
-
-
-class KindForeignMethods(ForeignReader):
-    """The foreign formats of a kind that reads them in its class (``foreign_format``, ``foreign_draft``)."""
-
-    def __init__(self, kind: type[Drafter]):
-        self.kind = kind
-
-    def recognises(self, config) -> bool:
-        return self.kind.foreign_format(config) is not None
-
-    @property
-    def formats(self) -> tuple[str, ...]:
-        return self.kind.foreign_formats
-
-    def format_of(self, config) -> str:
-        return self.kind.foreign_format(config)
-
-    def read_foreign(self, config, tensors, target: Target):
-        return self.kind.foreign_draft(config, tensors, target)
-
-
 CODECS: dict[type[Drafter], dict[str, Codec]] = {}  # a class -> its formats, in the order it prefers them
 FOREIGN: dict[type[Drafter], list[ForeignReader]] = {}
 
@@ -162,23 +125,25 @@ def remove_codec(cls: type[Drafter], fmt: str) -> None:
     CODECS.get(cls, {}).pop(fmt, None)
 
 
+def unregister_codecs(cls: type[Drafter]) -> None:
+    """Take ``cls``'s table out again (a kind that lives for a while only, as a test's toy)."""
+    CODECS.pop(cls, None)
+    FOREIGN.pop(cls, None)
+
+
 def _table_class(cls: type[Drafter]) -> type[Drafter] | None:
     return next((c for c in cls.__mro__ if c in CODECS), None)
 
 
 def codecs_of(cls: type[Drafter]) -> dict[str, Codec]:
-    """The formats of a draft class: its table, its nearest base's, or its class's own methods."""
+    """The formats of a draft class: its table, else its nearest base's (none: it is not exported)."""
     owner = _table_class(cls)
-    if owner is not None:
-        return CODECS[owner]
-    return {fmt: KindMethods(cls, fmt) for fmt in cls.formats}
+    return CODECS[owner] if owner is not None else {}
 
 
 def readers_of(cls: type[Drafter]) -> list[ForeignReader]:
     owner = _table_class(cls)
-    if owner is not None:
-        return FOREIGN[owner]
-    return [KindForeignMethods(cls)] if cls.foreign_formats else []
+    return FOREIGN[owner] if owner is not None else []
 
 
 def refused(drafter: Drafter, fmt: str) -> str | None:

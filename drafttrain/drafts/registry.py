@@ -17,7 +17,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DraftConfig, Section, register_draft_section, unregister_draft_section
 from drafttrain.data.vocab import draft_ids, draft_vocab_for
 from drafttrain.drafts.base import Drafter, check_target, read_draft_config, saved_section
-from drafttrain.drafts.codecs import Codec, ForeignReader, codecs_of, readers_of, register_codecs
+from drafttrain.drafts.codecs import Codec, ForeignReader, codecs_of, readers_of, register_codecs, unregister_codecs
 from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.draft_model import DraftModelDrafter
 from drafttrain.drafts.eagle import EagleDrafter
@@ -76,10 +76,13 @@ def register_variant(cls: type[Drafter]) -> type[Drafter]:
 
 
 def unregister_kind(kind: str) -> None:
-    """Remove a kind, its variants and its recipe section (a kind that lives for a while only, as a test's toy)."""
+    """Remove a kind, its variants, their codecs and its recipe section (a kind that lives for a while only, as a
+    test's toy)."""
     cls = KINDS.pop(kind, None)
-    VARIANTS.pop(kind, None)
+    for variant in VARIANTS.pop(kind, []):
+        unregister_codecs(variant)
     if cls is not None:
+        unregister_codecs(cls)
         unregister_draft_section(cls.config_class)
 
 

@@ -14,8 +14,7 @@ import torch
 from drafttrain import DrafttrainError, __version__
 from drafttrain.config import Eagle3Config
 from drafttrain.data.vocab import draft_vocab_for
-from drafttrain.drafts.base import Exported
-from drafttrain.drafts.codecs import SPECULATORS_VERSION, Codec, ForeignReader, speculators_config
+from drafttrain.drafts.codecs import SPECULATORS_VERSION, Codec, Exported, ForeignReader, speculators_config
 from drafttrain.drafts.eagle3 import Eagle3Drafter, check_aux_layers, default_aux_layers
 from drafttrain.drafts.layers import check_foreign_layers, foreign_tensors
 from drafttrain.drafts.peagle import PEagleDrafter

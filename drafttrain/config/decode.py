@@ -133,5 +133,5 @@ class EvalConfig(DecodeSettings):
 
     every_checkpoint: bool = True  # measure τ and speedup on held-out prompts at every checkpoint
     # a checkpoint evaluation during training starts no new prompt after this many minutes, and says it ran over
-    # (a busy machine once made a 4-prompt evaluation take 15 minutes); None: no budget
+    # (on a busy machine a few prompts can take much longer than the training between checkpoints); None: no budget
     checkpoint_budget_minutes: float | None = Field(5.0, gt=0)

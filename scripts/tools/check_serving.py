@@ -39,6 +39,7 @@ from drafttrain.decoding import plain_decode
 from drafttrain.decoding.proposers import model_folder_proposer
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import read_draft_config
+from drafttrain.drafts.codecs import codecs_of
 from drafttrain.drafts.registry import KINDS
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.suites import load_suite
@@ -126,7 +127,7 @@ def _checkpoint_side(args: argparse.Namespace, out: Path) -> Side:
     formats = args.formats or [f for f in drafter.export_formats() if f in ("vllm", "speculators", "hf")]
     exports = {fmt: (export_draft(checkpoint, fmt, out / f"export-{fmt}", target, overwrite=True,
                                   verifier=str(target.source_dir) if fmt == "speculators" else None),
-                     drafter.vllm_speculative_config()) for fmt in formats}
+                     codecs_of(type(drafter))[fmt].vllm_speculative_config(drafter)) for fmt in formats}
     depth = min(args.depth, drafter.max_draft_depth(drafter.config) or args.depth)
     return Side(str(checkpoint), drafter.kind, target, target_name, drafter, {}, depth, exports)
 

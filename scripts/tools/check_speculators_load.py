@@ -67,7 +67,7 @@ def peagle_inputs(drafter, target, ids: torch.Tensor, start: int) -> tuple[dict,
     """Every real pair, and a whole rollout of mask slots from every fourth answer position: (inputs, our logits over
     them, all count)."""
     taps = taps_of(drafter, target, ids)
-    t, depths = ids.shape[1], drafter.config.parallel_depths
+    t, depths = ids.shape[1], drafter.config.parallel.depths
     anchors = [a for a in range(start, t - depths - 1, 4) for _ in range(1, depths)]
     levels = [d for _ in range(start, t - depths - 1, 4) for d in range(1, depths)]
     rollouts = Rollouts(torch.tensor(anchors), torch.tensor(levels))

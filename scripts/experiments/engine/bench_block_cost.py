@@ -4,7 +4,7 @@
         [--repeats 9] [--out FILE.json]
 
 For each draft length k: an EAGLE-3 head drafting a chain of k (k sequential forwards of the head), a P-EAGLE head
-(parallel_depths k: one forward of k - 1 mask slots), a DFlash drafter with block size k + 1 (one forward of the
+(parallel.depths k: one forward of k - 1 mask slots), a DFlash drafter with block size k + 1 (one forward of the
 block; 2 layers, as recipes/smollm2_dflash.yaml) and a PARD draft model (every 5th target layer, parallel k: one forward
 of k - 1 mask tokens), each built fresh for SmolLM2 (the cost does not depend on training). Every proposal and the
 plain step are timed as ``--depth auto`` times them (drafttrain.decoding.autodepth.measure_costs: after the target's
@@ -40,7 +40,7 @@ def drafters(length: int, vocab: str | None):
     """(name, draft config) of each drafter at draft length ``length``, on draft vocabulary ``vocab`` (a file)."""
     head = dict(init_from_target=["lm_head", "layer", "fc"], draft_vocab=vocab)
     return [("eagle3 (chain)", Eagle3Config(ttt_steps=1, **head)),
-            ("p-eagle", Eagle3Config(parallel_depths=length, **head)),
+            ("p-eagle", Eagle3Config(parallel={"depths": length}, **head)),
             ("dflash", DFlashConfig(block_size=length + 1, num_layers=2, draft_vocab=vocab)),
             ("pard", DraftModelConfig(cut="every:5", parallel=length, draft_vocab=vocab,
                                       loss_vocab="draft" if vocab else "full"))]

@@ -21,7 +21,7 @@ set -euo pipefail
 out=${1:?usage: eagle3.sh OUT [MINUTES]}
 minutes=${2:-10}
 seeds=(${SEEDS:-0 1})
-kind=${KIND:-eagle3}  # eagle3 | dflash | peagle (drafttrain's EAGLE-3 kind with parallel_depths 8, speculators' peagle)
+kind=${KIND:-eagle3}  # eagle3 | dflash | peagle (drafttrain's EAGLE-3 kind with parallel.depths 8, speculators' peagle)
 here=$(dirname "$0")
 recipe=$here/eagle3.yaml
 ours_kind=()
@@ -31,7 +31,7 @@ depth=3        # drafttrain eval's depth for every side
 serve_depth=3  # vLLM's num_speculative_tokens in check_serving.py
 forge_batch=(--batch-size 2)
 case $kind in
-    peagle) ours_kind=(draft.parallel_depths=8) && references=speculators ;;
+    peagle) ours_kind=(draft.parallel.depths=8) && references=speculators ;;
     # the longer recipe's rows and block; its hidden states written once to an offline cache, as the references read
     # them; no evaluation at each checkpoint (as eagle3.yaml: the sides compare training, measured afterwards); and
     # epochs enough for the minutes (the recipe's 4 ended the first 42-minute run at 24.8: the references get the

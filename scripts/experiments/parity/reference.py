@@ -53,7 +53,7 @@ SPECULATORS_FLAGS = {
     "eagle3": ["--speculator-type", "eagle3", "--num-layers", "1", "--ttt-steps", "3", "--draft-vocab-size", "8192",
                "--no-norm-before-fc", "--no-norm-output", "--no-norm-before-residual", "--optimizer", "adamw",
                "--weight-decay", "0"],
-    # P-EAGLE (drafttrain: the EAGLE-3 kind with parallel_depths 8, on eagle3.yaml's rows): 1 layer of Llama's kind
+    # P-EAGLE (drafttrain: the EAGLE-3 kind with parallel.depths 8, on eagle3.yaml's rows): 1 layer of Llama's kind
     # (its default is a Qwen3 layer, q and k normed) with full attention (its default is a 2048-token window, which
     # drafttrain's P-EAGLE head does not have, so its import refuses it), 8 depths, COD 0.7 / 0.2 (both sides'
     # defaults), vanilla norms and AdamW as for eagle3, the run's 8192-token draft vocabulary; its embedding table

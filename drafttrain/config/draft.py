@@ -51,7 +51,11 @@ class DraftConfig(Section):
 
     @classmethod
     def upgraded(cls, saved: dict[str, Any]) -> dict[str, Any]:
-        """A section saved by an earlier drafttrain in this section's names (a kind that renamed keys overrides it)."""
+        """A section saved by an earlier drafttrain in this section's names: a key renamed at the same level moves
+        to its new name (a kind whose keys moved into a sub-section adds that)."""
+        for old, new in cls.renamed.items():
+            if "." not in new and old in saved:
+                saved[new] = saved.pop(old)
         return saved
 
     @classmethod
@@ -59,11 +63,9 @@ class DraftConfig(Section):
         """The section a saved draft's config holds, whichever drafttrain wrote it."""
         return cls.model_validate(cls.upgraded(dict(saved)))
 
-    @property
-    def builds_with_lora(self) -> bool:
-        """Whether the kind's build puts ``draft_lora`` on the draft itself: a draft made of pretrained weights, which
-        adapters may adapt fresh (the others get them after a saved draft is continued)."""
-        return False
+    # whether the kind's build puts ``draft_lora`` on the draft itself: a draft made of pretrained weights, which
+    # adapters may adapt fresh (the others get them after a saved draft is continued)
+    builds_with_lora: ClassVar[bool] = False
 
     def cannot_continue(self) -> str | None:
         """Why a saved draft of this section cannot be continued by draft.init_from (None: it can)."""

@@ -39,7 +39,6 @@ class TargetConfig(Section):
         return [("adapter", "peft")] if self.adapter is not None else []
 
 
-
 def _draft_section() -> Any:
     return Annotated[Union[tuple(DRAFT_SECTIONS)], Field(discriminator="kind")]
 

@@ -70,12 +70,17 @@ def aux_layer_ids(layers: list[int] | None) -> list[int] | None:
     return layers
 
 
+# the parallel settings earlier versions kept flat in the kind's section, and where they are now
+FLAT_PARALLEL_KEYS = {"cod_ratio": "parallel.cod_ratio", "cod_min": "parallel.cod_min",
+                      "mask_token_id": "parallel.mask_token_id"}
+
+
 def parallel_upgraded(saved: dict[str, Any], depths_key: str) -> dict[str, Any]:
     """A section saved with parallel drafting as flat keys (``depths_key``, cod_ratio, cod_min, mask_token_id),
     as earlier drafttrain versions saved it, with them as its ``parallel`` sub-section."""
     if not isinstance(saved.get(depths_key), int):
         return saved
-    flat = {key: saved.pop(key) for key in (depths_key, "cod_ratio", "cod_min", "mask_token_id") if key in saved}
+    flat = {key: saved.pop(key) for key in (depths_key, *FLAT_PARALLEL_KEYS) if key in saved}
     depths = flat.pop(depths_key)
     saved["parallel"] = {"depths": depths, **flat} if depths else None
     return saved

@@ -126,11 +126,12 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_pretrained(cls, directory, target: Target) -> "DraftModelDrafter":
         directory = Path(directory)
-        config = saved_section(DraftModelConfig, read_json(directory / CONFIG_NAME))
+        saved = read_json(directory / CONFIG_NAME)
+        config = saved_section(DraftModelConfig, saved)
         student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
         vocab_file = directory / SERVING_VOCAB
         vocab = read_vocab_mapping(vocab_file, target.vocab_size) if vocab_file.is_file() else None
-        extras = cls.saved_extras(read_json(directory / CONFIG_NAME))
+        extras = cls.saved_extras(saved)
         return cls(config, student.to(target.device).eval(), vocab, **extras).attach_target(target)
 
     def save_pretrained(self, directory, **meta) -> Path:

@@ -162,7 +162,6 @@ class Eagle3Drafter(EagleHead):
         return {}
 
     # -- export (its codecs: drafttrain.drafts.formats.eagle3) ------------------------------------------------
-
     def reader_options(self) -> dict:
         """EAGLE-3.1's flags and the sliding window, under the names vLLM and speculators read (a window as vLLM's
         Llama layers read it: per-layer types and one size); left out when off (the readers' default)."""

@@ -153,7 +153,6 @@ class MedusaDrafter(Drafter):
                 "medusa_fc_bias": True, "truncated_vocab_size": n if n < v else None}
 
     # -- save (its formats: drafttrain.drafts.formats.medusa) ------------------------------------------------
-
     def save_pretrained(self, directory, **meta) -> Path:
         directory = super().save_pretrained(directory, **meta)
         if self.adapts_target:

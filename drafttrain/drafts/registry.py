@@ -164,13 +164,14 @@ class SavedDraft:
         if isinstance(path, SavedDraft):
             return path
         directory = drafttrain_checkpoint(path)
-        return None if directory is None else cls.open(directory)
+        return None if directory is None else cls._read(directory)
 
     @classmethod
     def open(cls, path: str | Path | SavedDraft) -> SavedDraft:
-        if isinstance(path, SavedDraft):
-            return path
-        directory = find_draft(path)
+        return path if isinstance(path, SavedDraft) else cls._read(find_draft(path))
+
+    @classmethod
+    def _read(cls, directory: Path) -> SavedDraft:
         config = read_draft_config(directory)
         kind = config["drafttrain"]["kind"]
         if kind not in KINDS:
@@ -187,16 +188,18 @@ class SavedDraft:
         return named
 
     def section(self) -> DraftConfig:
-        """Its draft section, validated (a KeyError or ValidationError says it is damaged: callers name how)."""
-        return saved_section(self.kind.config_class, self.config)
-
-    def max_depth(self) -> int | None:
-        """The deepest draft it can propose; None: any."""
+        """Its draft section, validated; one that is missing or invalid is refused as damage, naming the file."""
         try:
-            section = self.section()
+            return saved_section(self.kind.config_class, self.config)
+        except KeyError as err:
+            raise damaged(self.directory / CONFIG_NAME, f"holds no {self.kind.kind} section ({err})") from None
         except ValidationError as err:
             raise damaged(self.directory / CONFIG_NAME, f"holds an invalid {self.kind.kind} section "
                                                         f"({err.errors()[0]['msg']})") from None
+
+    def max_depth(self) -> int | None:
+        """The deepest draft it can propose; None: any."""
+        section = self.section()
         return drafter_for(section).max_draft_depth(section)
 
 
@@ -248,11 +251,7 @@ def resolved_section(config: DraftConfig) -> DraftConfig:
     if kind.kind != config.kind:
         raise DrafttrainError(f"draft.init_from {config.init_from} holds a {kind.kind} draft; the recipe trains "
                               f"a {config.kind} draft")
-    try:
-        saved = draft.section()
-    except (KeyError, ValidationError) as err:
-        raise damaged(draft.directory / CONFIG_NAME, f"holds no valid {kind.kind} section ({err})") from None
-    return continued_config(saved, config, config.init_from)
+    return continued_config(draft.section(), config, config.init_from)
 
 
 def run_target_needs(config: DraftConfig, target: Target) -> TargetNeeds:

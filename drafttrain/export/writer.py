@@ -57,28 +57,31 @@ def export_checkpoint(source: str | Path | SavedDraft, fmt: str | None, out: str
     ``exports/<fmt>``, replaced)."""
     saved = SavedDraft.open(source)
     target = load_target(target_name or recorded_target(saved), device=device)
+    drafter = load_drafter(saved, target, as_saved=True)
     # the draft as configured says which formats it can be written in (a P-EAGLE head: speculators' only)
-    fmt = fmt or writable_formats(load_drafter(saved, target, as_saved=True))[0]
+    fmt = fmt or writable_formats(drafter)[0]
     if out is None:
         checkpoint = saved.directory
         out, options["overwrite"] = (RunFolder.of_checkpoint(checkpoint) or RunFolder.of(checkpoint)).export(fmt), True
-    return export_draft(saved, fmt, out, target, **options)
+    return export_draft(saved, fmt, out, target, **options, loaded=drafter)
 
 
 def export_draft(source: str | Path | SavedDraft, fmt: str, out: str | Path, target: Target, overwrite: bool = False,
-                 report: str | Path | None = None, verifier: str | None = None) -> Path:
+                 report: str | Path | None = None, verifier: str | None = None, loaded: Drafter | None = None) -> Path:
     """Write the draft at ``source`` (a checkpoint, or a run: its best checkpoint) in format ``fmt`` to ``out``.
 
     The card's eval table is ``report`` (a report.json from ``drafttrain eval``) or the checkpoint's own
     evaluation; either must have measured these very weights. An existing non-empty ``out`` is refused unless
     ``overwrite``; the folder is built beside it and moved into place only when complete. ``verifier``: the
-    target's path or Hub id as the speculators config names it (default: its Hub id where known, else its folder)."""
+    target's path or Hub id as the speculators config names it (default: its Hub id where known, else its folder).
+    ``loaded``: the draft at ``source`` already loaded as saved (``as_saved``), so it is not loaded again."""
     if fmt not in known_formats():
         raise DrafttrainError(f"unknown export format {fmt!r}; formats: {', '.join(known_formats())}")
     out = Path(out)
     staging = staging_for(out, overwrite)
     saved = SavedDraft.open(source)
-    checkpoint, drafter = saved.directory, load_drafter(saved, target, as_saved=True)
+    drafter = loaded if loaded is not None else load_drafter(saved, target, as_saved=True)
+    checkpoint = saved.directory
     refusal = refused(drafter, fmt)
     if refusal is not None:
         raise DrafttrainError(refusal)

@@ -44,8 +44,7 @@ TREES = {module: ast.parse(path.read_text()) for module, path in MODULES.items()
 
 
 def layer_of(module: str) -> str:
-    if module in FOUNDATION or module.startswith(tuple(f"{p}." for p in FOUNDATION_PACKAGES)) \
-            or module in FOUNDATION_PACKAGES:
+    if module in FOUNDATION or any(module == p or module.startswith(p + ".") for p in FOUNDATION_PACKAGES):
         return "foundation"
     if module == "drafttrain.__main__":
         return "main"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from families import family_model  # noqa: E402  (tests/families.py: tiny targets from transformers' classes)
 
-from drafttrain.config import parse_recipe  # noqa: E402
+from drafttrain.config import DRAFT_SECTIONS, parse_recipe  # noqa: E402
 from drafttrain.drafts import build_drafter  # noqa: E402
 from drafttrain.export.writer import export_draft  # noqa: E402
 from drafttrain.targets import Target, load_tokenizer  # noqa: E402
@@ -98,8 +98,6 @@ def _draft_section(config) -> dict | None:
 def same(before, now) -> bool:
     """Equal fingerprints; of a draft section, the earlier one read as drafttrain reads a saved one."""
     if isinstance(before, dict) and isinstance(now, dict):
-        from drafttrain.config import DRAFT_SECTIONS  # only the comparison needs today's sections
-
         section = next(s for s in DRAFT_SECTIONS if s.model_fields["kind"].default == before["draft_section"]["kind"])
         return before["sha256_without_draft_section"] == now["sha256_without_draft_section"] \
             and section.upgraded(dict(before["draft_section"])) == now["draft_section"]

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from drafttrain.config.base import setting_error
 from drafttrain.config.draft import DraftConfig
-from drafttrain.config.shared import DraftLora, ParallelDrafting, parallel_upgraded
+from drafttrain.config.shared import FLAT_PARALLEL_KEYS, DraftLora, ParallelDrafting, parallel_upgraded
 
 
 class StudentLora(DraftLora):
@@ -27,8 +27,8 @@ class DraftModelConfig(DraftConfig):
     kind: Literal["draft_model"] = "draft_model"
     training_settings = frozenset({"divergence", "beta", "temperature", "on_policy", "on_policy_max_new_tokens",
                                    "on_policy_temperature", "token_filter", "teacher_top_k"})
-    renamed = {"lora": "draft_lora", "cod_ratio": "parallel.cod_ratio", "cod_min": "parallel.cod_min",
-               "mask_token_id": "parallel.mask_token_id"}
+    renamed = {"lora": "draft_lora", **FLAT_PARALLEL_KEYS}
+    builds_with_lora = True
     student: str | None = None  # a built-in name, model folder or Hub id with the target's tokenizer
     # ... or cut from the target, starting from its weights: "every:N" (layers 0, N, 2N, ...), "first:K", or a list
     # of layer indices (0-based)
@@ -82,13 +82,7 @@ class DraftModelConfig(DraftConfig):
 
     @classmethod
     def upgraded(cls, saved: dict[str, Any]) -> dict[str, Any]:
-        if "lora" in saved:
-            saved["draft_lora"] = saved.pop("lora")
-        return parallel_upgraded(saved, "parallel")
-
-    @property
-    def builds_with_lora(self) -> bool:
-        return True
+        return parallel_upgraded(super().upgraded(saved), "parallel")
 
     def cannot_continue(self) -> str | None:
         return ("a draft model trained through LoRA adapters (draft.draft_lora) is not continued yet: it loads merged; "

@@ -7,14 +7,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from drafttrain.config.draft import DraftConfig
-from drafttrain.config.shared import ParallelDrafting, aux_layer_ids, parallel_upgraded
+from drafttrain.config.shared import FLAT_PARALLEL_KEYS, ParallelDrafting, aux_layer_ids, parallel_upgraded
 
 
 class Eagle3Config(DraftConfig):
     kind: Literal["eagle3"] = "eagle3"
     training_settings = frozenset({"ttt_steps", "step_decay", "noise", "init_from_target", "train_out_of_vocab"})
-    renamed = {"parallel_depths": "parallel.depths", "cod_ratio": "parallel.cod_ratio", "cod_min": "parallel.cod_min",
-               "mask_token_id": "parallel.mask_token_id"}
+    renamed = {"parallel_depths": "parallel.depths", **FLAT_PARALLEL_KEYS}
     num_layers: int = Field(1, ge=1)  # decoder layers in the head
     # Target taps in HF hidden_states numbering (i = the input of layer i), ascending and unique, each below the
     # target's layer count: the order vLLM and SGLang concatenate them in. Default: inputs of 2, L/2, L-3.

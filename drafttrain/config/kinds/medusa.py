@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -25,12 +25,6 @@ class MedusaConfig(DraftConfig):
     init_lm_head_from_target: bool = True  # each head's lm_head starts as the target's (its rows of the vocab)
     top_k: int = Field(5, ge=1)  # the k of the logged top-k accuracy per head (what tree candidates need)
     target_lora: TargetLora | None = None  # Medusa-2: LoRA adapters on the target, trained with the heads
-
-    @classmethod
-    def upgraded(cls, saved: dict[str, Any]) -> dict[str, Any]:
-        if "lora" in saved:
-            saved["target_lora"] = saved.pop("lora")
-        return saved
 
     @property
     def trains_target(self) -> bool:

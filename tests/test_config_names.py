@@ -115,3 +115,15 @@ def test_a_draft_model_takes_draft_lora_when_built_and_refuses_it_when_continued
         DraftModelConfig(cut="first:2", init_from="runs/d", draft_lora={"target_modules": ["q_proj"]})
     with pytest.raises(ValueError, match="name it in draft.init_from"):
         Eagle3Config(draft_lora={"rank": 4})
+
+
+def test_a_saved_section_that_is_invalid_is_named_as_damage_wherever_it_is_read(tmp_path):
+    target = tiny_target()
+    folder = build_drafter(Eagle3Config(ttt_steps=1), target).save_pretrained(tmp_path / "head")
+    config = json.loads((folder / "config.json").read_text())
+    config["drafttrain"]["draft"]["ttt_steps"] = 0  # below its bound: no drafttrain wrote this
+    (folder / "config.json").write_text(json.dumps(config))
+    for read in (lambda: load_drafter(folder, target), lambda: SavedDraft.open(folder).max_depth(),
+                 lambda: continued_config(SavedDraft.open(folder).section(), Eagle3Config(), str(folder))):
+        with pytest.raises(DrafttrainError, match=r"config\.json.*holds an invalid eagle3 section"):
+            read()

@@ -18,6 +18,13 @@ Layout of ``<output_dir>/`` (``RunFolder``)::
         eval.json, eval/                                   its evaluation
     checkpoints/latest, checkpoints/best.json            pointers
     eval/                                                the final report                quickstart
+    .drafttrain-run                                      drafttrain made this folder (RUN_MARKER)  prepare, train
+    .drafttrain-lock                                     which process works in it now (RunLock)  prepare, train, export
+
+drafttrain writes and deletes only in folders it made: ``RunFolder.claim`` refuses an output_dir that is not one
+(the home folder, a source tree, a folder holding the recipe's data) before anything is written, and every
+deletion goes through drafttrain.userfiles.remove, which checks the same marker. One process works in a run folder
+at a time (``RunLock``).
 
 A checkpoint folder named ``step-N`` is always complete: it is written as ``step-N.tmp`` and renamed once every
 file is on disk (see drafttrain.training.checkpoint).
@@ -30,15 +37,20 @@ how to recover, instead of a raw traceback.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import socket
+import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
-from drafttrain import DrafttrainError
+from drafttrain import DrafttrainError, __version__
+from drafttrain.userfiles import make_folder, remove, writing
 
 WEIGHTS_NAME = "model.safetensors"  # a draft's weights
 CONFIG_NAME = "config.json"  # a draft's config (the interchange config + a "drafttrain" section)
@@ -50,7 +62,12 @@ LATEST = "latest"
 BEST = "best.json"
 MANIFEST = "manifest.json"
 METRICS = "metrics.jsonl"  # the training log, one JSON object per line (appended)
+RUN_MARKER = ".drafttrain-run"  # written into a run folder when drafttrain makes it (or takes up an earlier one)
+LOCK_FILE = ".drafttrain-lock"  # RunLock's: the pid and start time of the process working in the run now
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# What earlier drafttrain versions wrote into a run folder (before RUN_MARKER): such a folder is taken up, not refused
+# (regenerate's settings: a prepare stopped while the target answered, which a rerun resumes)
+_EARLIER_RUN_FILES = ("prepare_summary.json", "data/manifest.json", "regenerated.settings.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +144,89 @@ class RunFolder:
     def data_cache(self, configured: str | None) -> Path:
         """The tokenised-data cache: ``data.cache_dir`` when the recipe sets one, else ``cache/`` in the run."""
         return Path(configured).expanduser() if configured else self.root / "cache"
+
+    # -- what drafttrain made -------------------------------------------------------------------------------------
+    @property
+    def replaced_by_prepare(self) -> tuple[Path, ...]:
+        """What ``drafttrain prepare`` deletes and writes anew in a run folder it reruns in."""
+        return self.train_split, self.validation_split, self.validation_prompts, self.draft_vocab, self.features
+
+    @staticmethod
+    def made(folder: Path) -> bool:
+        """Whether ``folder`` carries drafttrain's run marker (userfiles.remove asks this of a run's files)."""
+        return (folder / RUN_MARKER).is_file()
+
+    def earlier_run(self) -> bool:
+        """A run folder an earlier drafttrain wrote, before it marked them: its own files are there."""
+        return any((self.root / name).is_file() for name in _EARLIER_RUN_FILES) or \
+            bool(complete_checkpoints(self.checkpoints))
+
+    def claim(self, reads: Iterable[tuple[str, Path]] = ()) -> None:
+        """Make the run folder (marked as drafttrain's), or take up one drafttrain made, before anything is written
+        or deleted in it. Refused, naming the folder and why: the root or home folder, a folder holding a file
+        ``reads`` names (what the recipe reads: (its key, its path)) where prepare would replace it, a source tree,
+        any other folder that holds files drafttrain did not write. An unmarked run folder of an earlier drafttrain
+        is marked and used."""
+        refusal = self._refusal(tuple(reads))
+        if refusal is not None:
+            raise DrafttrainError(f"output_dir {self.root.resolve()} {refusal}: drafttrain writes and deletes only "
+                                  "in a run folder it made; choose a new or empty folder for output_dir")
+        if self.root.is_dir() and any(self.root.iterdir()) and not self.made(self.root):
+            logging.getLogger(__name__).warning("taking up %s, a run folder an earlier drafttrain wrote (marking it "
+                                                "with %s)", self.root, RUN_MARKER)
+        make_folder(self.root, "the run folder (output_dir)")  # a read-only or misplaced output_dir: one line
+        if self.made(self.root):
+            return
+        with writing(self.root / RUN_MARKER, "the run folder's marker"):
+            record = {"made_by": "drafttrain", "version": __version__, "created": _now()}
+            write_text_atomic(self.root / RUN_MARKER, json.dumps(record) + "\n")
+
+    def _refusal(self, reads: tuple[tuple[str, Path], ...]) -> str | None:
+        root = self.root.resolve()
+        for key, path in reads:
+            path = path.expanduser().resolve()
+            if any(path.is_relative_to(p.resolve()) for p in self.replaced_by_prepare):
+                return f"holds {key} ({path}), which this recipe reads and prepare would replace"
+        home = Path.home().resolve()
+        if home.is_relative_to(root):
+            return "is your home folder" if home == root else f"holds your home folder ({home})"
+        if self.made(root) or not root.is_dir() or not any(root.iterdir()):
+            return None
+        inside = [f"{key} ({path})" for key, path in reads if path.expanduser().resolve().is_relative_to(root)]
+        if inside:
+            return f"holds {inside[0]}, which this recipe reads"
+        if (root / ".git").exists():
+            return "is a source tree (it holds .git)"
+        if self.earlier_run():
+            return None
+        names = sorted(p.name for p in root.iterdir())
+        return f"holds files drafttrain did not write ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+    def remove(self, path: Path, why: str) -> None:
+        """Delete a file or folder of this run (userfiles.remove: refused unless the run folder is drafttrain's)."""
+        remove(path, why, inside=self.root, made=self.made)
+
+    @classmethod
+    def holding(cls, path: str | Path) -> "RunFolder | None":
+        """The run folder drafttrain made that ``path`` lies in (the nearest), or None."""
+        for folder in Path(path).expanduser().resolve().parents:
+            if cls.made(folder):
+                return cls(folder)
+        return None
+
+
+def exported_or_imported(folder: Path) -> bool:
+    """Whether ``folder`` is a draft folder ``drafttrain export`` or ``drafttrain import`` wrote: its manifest names
+    the format it was written in, or the foreign folder it was imported from (a checkpoint's names neither)."""
+    try:
+        built_from = read_json(folder / MANIFEST).get("built_from") or {}
+    except (DrafttrainError, AttributeError):
+        return False
+    return isinstance(built_from, dict) and bool({"format", "imported"} & set(built_from))
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %z")
 
 
 def cache_root() -> Path:
@@ -228,6 +328,19 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> Path:
+    """``write(tmp)`` writes the file under a temporary name, renamed to ``path`` once whole (a plot, a library's
+    file): a full disk or a kill never leaves a half file under the final name."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+    except BaseException:
+        remove(tmp, "the half-written file of this failed write")
+        raise
+    os.replace(tmp, path)
+    return path
+
+
 # ------------------------------------------------------------------------------------------------ reading, checked
 
 
@@ -319,7 +432,7 @@ def write_manifest(folder: Path, built_from: dict[str, Any], skip: tuple[str, ..
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         name = path.relative_to(folder).as_posix()
-        if name != MANIFEST and name not in skip:
+        if name not in (MANIFEST, RUN_MARKER, LOCK_FILE) and name not in skip:
             files[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
     path = folder / MANIFEST
     write_text_atomic(path, json.dumps({"built_from": built_from, "files": files}, indent=1))
@@ -383,3 +496,92 @@ class DataManifest:
         if self.validation_prompts != self.NOT_RECORDED and current.validation_prompts != self.validation_prompts:
             raise damaged(run.validation_prompts, f"is not the file prepare recorded in {run.data_manifest}")
 
+
+# ------------------------------------------------------------------------------------------------ one process at a time
+
+
+class RunLock:
+    """One drafttrain process works in a run folder at a time (prepare, train, an export into it; a watcher).
+
+    The lock is an exclusive ``flock`` on ``.drafttrain-lock``, which holds the holder's pid, host, command and start
+    time: a second process is refused naming them. The kernel drops the lock when its process ends however it ends,
+    so a record left in the file by a process killed with SIGKILL is recognised as stale and taken over, with a
+    warning naming it. Re-entrant within a process. In a launch (``accelerate launch``: RANK is set) the first
+    process, rank 0, holds it for all of them: the others take nothing and would not refuse each other."""
+
+    _held: ClassVar[dict[Path, int]] = {}  # folder -> depth, this process's locks
+    _files: ClassVar[dict[Path, int]] = {}  # folder -> the locked file's descriptor
+
+    def __init__(self, root: str | Path, command: str):
+        self.root, self.command = Path(root).expanduser(), command
+
+    @property
+    def path(self) -> Path:
+        return self.root / LOCK_FILE
+
+    def __enter__(self) -> "RunLock":
+        if not first_of_launch():  # a launch's other ranks: rank 0 holds it for them
+            return self
+        key = self.root.resolve()
+        if key not in self._held:
+            self._files[key] = self._acquire()
+        self._held[key] = self._held.get(key, 0) + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not first_of_launch():
+            return
+        key = self.root.resolve()
+        self._held[key] -= 1
+        if self._held[key] == 0:
+            del self._held[key]
+            fd = self._files.pop(key)
+            os.ftruncate(fd, 0)  # released: no record left (a record with no lock is a killed holder's)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _acquire(self) -> int:
+        with writing(self.path, "the run folder's lock file"):  # a read-only run folder: one line
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_record(fd, wait=True)
+            os.close(fd)
+            raise DrafttrainError(f"{self.root} is in use by another drafttrain process ({_describe(holder)}): wait "
+                                  "for it to end, or use another output_dir") from None
+        except OSError:
+            os.close(fd)
+            raise
+        left = _lock_record(fd, wait=False)
+        if left:  # the lock was free but a record stayed: its holder ended without releasing it (SIGKILL, a crash)
+            logging.getLogger(__name__).warning(
+                "taking over the lock of %s left by %s, which ended without releasing it (killed?)", self.root,
+                _describe(left))
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command, "started": _now()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        return fd
+
+
+def first_of_launch() -> bool:
+    """Whether this process runs alone or is the first of a launch (torchrun and accelerate set RANK for each)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _lock_record(fd: int, wait: bool) -> dict[str, Any]:
+    """The record in a lock file ({} when there is none). ``wait``: its holder may be writing it just now."""
+    for _ in range(20 if wait else 1):
+        try:
+            return json.loads(os.pread(fd, 4096, 0))
+        except ValueError:  # empty or half written
+            time.sleep(0.05 if wait else 0)
+    return {}
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "pid unknown"
+    host = f" on {holder['host']}" if holder.get("host") not in (None, socket.gethostname()) else ""
+    return f"pid {holder.get('pid')}{host}, `{holder.get('command')}`, started {holder.get('started')}"

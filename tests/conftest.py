@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from outside import OutsideReads
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("DRAFTTRAIN_SHARED_DATA", REPO.parent / "shared" / "data"))
+OUTSIDE = OutsideReads()
+sys.addaudithook(OUTSIDE)
 
 # The suite runs under pytest-xdist, one worker per core (pyproject's addopts): each worker and every process it
 # starts gets one OpenMP thread, since two workers with two threads each spin-wait on each other's cores. Run
@@ -24,6 +26,16 @@ _BUSY = os.getloadavg()[0] >= (os.cpu_count() or 1)
 if _WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1 if _WORKER or _BUSY else max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def reads_nothing_outside_the_clone():
+    """Fails the test during which (its fixtures included) a file outside the clone and the system's own places
+    was opened: tests/outside.py."""
+    yield
+    found = OUTSIDE.take()
+    if found:
+        pytest.fail(f"read outside the repository: {', '.join(sorted(set(found))[:5])}", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -56,10 +68,10 @@ def restore_threads():
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"shared data folder missing: {SHARED_DATA} (set DRAFTTRAIN_SHARED_DATA)")
-    return SHARED_DATA
+def repo_data() -> Path:
+    """The repository's own data: ``data/train/`` (training sources) and ``eval/`` (question suites), both with
+    their provenance (SOURCES.md). Tests read nothing outside the clone."""
+    return REPO
 
 
 TEMPLATES = Path(__file__).parent / "templates"

@@ -25,13 +25,13 @@ from drafttrain.config import BenchConfig, Eagle3Config
 from drafttrain.data.chat import prompt_ids
 from drafttrain.data.traffic import read_request_log
 from drafttrain.drafts import build_drafter
+from drafttrain.engines.metrics import SpecCounters
+from drafttrain.engines.server import VLLM, Engine, Server, log_tail, port_in_use
 from drafttrain.evaluation.serving_report import PLOT_NAME, best_lengths, crossover, write_markdown
 from drafttrain.evaluation.serving_report import plot as plot_bench
 from drafttrain.export import export_draft
 from drafttrain.runfolder import file_sha256
 from drafttrain.serving.bench import length_errors
-from drafttrain.serving.engines import VLLM, Engine, Server, log_tail, port_in_use
-from drafttrain.serving.metrics import SpecCounters
 from drafttrain.serving.prompts import bench_prompts
 from drafttrain.serving.sweep import build_levels, level_dir, schedule
 

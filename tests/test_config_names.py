@@ -98,6 +98,37 @@ def test_a_p_eagle_checkpoint_saved_in_the_earlier_keys_loads_with_its_parallel_
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
 
 
+@pytest.mark.parametrize("draft, change, said", [
+    ({"parallel": {"depths": 3, "cod_ratio": 0.5}}, "draft.parallel.depths=4", "draft.parallel was"),
+    ({}, "draft.ttt_steps=2", "draft.ttt_steps was 1, now 2"),
+])
+def test_a_run_saved_under_the_earlier_keys_resumes_and_still_refuses_a_real_change(tmp_path, capsys, folder_target,
+                                                                                   draft, change, said):
+    """A run trained before the renames could not --resume in either spelling: the recipe it saved was compared
+    key by key without the upgrade loading applies ("draft.cod_ratio was 0.5, now None; draft.parallel was None")."""
+    from conftest import small_recipe
+
+    from drafttrain.commands import main
+
+    recipe = small_recipe(tmp_path, {"kind": "eagle3", "ttt_steps": 1, "intermediate_size": 32, **draft},
+                          target={"model": str(folder_target)}, training={"max_steps": 1, "save_every": 1},
+                          eval={"every_checkpoint": False})
+    assert main(["prepare", str(recipe), "--no-progress"]) == 0 and main(["train", str(recipe)]) == 0
+    manifest = tmp_path / "run" / "checkpoints" / "step-000001" / "manifest.json"
+    written = json.loads(manifest.read_text())
+    saved = written["built_from"]["recipe"]
+    saved["draft"] = _as_saved_before_the_rename(saved["draft"])
+    assert "parallel_depths" in saved["draft"] and "parallel" not in saved["draft"]
+    manifest.write_text(json.dumps(written))
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--resume", "--max-steps", "2", change]) == 2
+    assert said in capsys.readouterr().err
+    assert main(["train", str(recipe), "--resume", "draft.cod_ratio=0.5"]) == 2  # the earlier spelling: its new name
+    assert "cod_ratio is now parallel.cod_ratio" in capsys.readouterr().err
+    assert main(["train", str(recipe), "--resume", "--max-steps", "2"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
 def test_a_continued_parallel_draft_may_change_its_cod_sampling_but_not_its_depths():
     saved = Eagle3Config(parallel={"depths": 4, "mask_token_id": 7})
     changed = continued_config(saved, Eagle3Config(init_from="runs/p", parallel={"depths": 4, "cod_ratio": 0.5}),

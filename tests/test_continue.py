@@ -229,10 +229,10 @@ def test_replay_appends_an_earlier_runs_rows_as_they_were_tokenised(tmp_path):
 
 
 @pytest.mark.slow
-def test_prepare_replays_an_earlier_run_into_the_split_that_train_checks(tmp_path, shared_data):
+def test_prepare_replays_an_earlier_run_into_the_split_that_train_checks(tmp_path, repo_data):
     def raw(name: str, source: str, **data) -> dict:
         return {"output_dir": str(tmp_path / name), "target": {"model": "smollm2-135m-instruct"},
-                "data": {"sources": [{"path": str(shared_data / "train" / source)}], "num_samples": 8,
+                "data": {"sources": [{"path": str(repo_data / "data" / "train" / source)}], "num_samples": 8,
                          "validation_fraction": 0.25, "max_length": 512, **data}}
 
     prepare(parse_recipe(raw("general", "gpteacher_roleplay.json")), progress=False, show_summary=False)

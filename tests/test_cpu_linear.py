@@ -124,10 +124,10 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def prompts_and_greedy(smollm2, shared_data, one_thread) -> list[tuple[list[int], list[int]]]:
+def prompts_and_greedy(smollm2, repo_data, one_thread) -> list[tuple[list[int], list[int]]]:
     """Two MT-Bench first turns (a free-form answer, one that copies its prompt) and the target's greedy output
     for each with PyTorch's own kernel."""
-    rows = [json.loads(line) for line in open(shared_data / "eval" / "mt_bench.jsonl")]
+    rows = [json.loads(line) for line in open(repo_data / "eval" / "mt_bench.jsonl")]
     out = []
     for row in (r for r in rows if r["question_id"] in (81, 90)):
         ids = list(smollm2.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],

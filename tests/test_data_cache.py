@@ -23,10 +23,10 @@ def smol():
 
 
 @pytest.fixture(scope="module")
-def conversations(shared_data):
-    gsm = load_conversations(str(shared_data / "train/gsm8k_train.jsonl")).conversations[:24]
-    glaive = load_conversations(str(shared_data / "train/glaive_toolcall_demo.json")).conversations[:6]
-    prompt_only = load_conversations(str(shared_data / "eval/mt_bench.jsonl")).conversations[:2]
+def conversations(repo_data):
+    gsm = load_conversations(str(repo_data / "data/train/gsm8k_train.jsonl")).conversations[:24]
+    glaive = load_conversations(str(repo_data / "data/train/glaive_toolcall_demo.json")).conversations[:6]
+    prompt_only = load_conversations(str(repo_data / "eval/mt_bench.jsonl")).conversations[:2]
     return gsm + glaive + prompt_only
 
 

@@ -18,30 +18,33 @@ from drafttrain.data.sources import allocate, load_mixture, validation_size
 
 # file -> (records, conversations, prompt-only conversations)
 REAL_FILES = {
-    "train/alpaca_en_demo.json": (999, 999, 0),
-    "train/code_alpaca_2k.json": (2017, 2017, 2),  # two rows with an empty output
-    "train/glaive_toolcall_demo.json": (300, 300, 0),
-    "train/gpteacher_codegen.json": (4535, 4535, 0),
-    "train/gpteacher_roleplay.json": (1923, 1923, 0),
-    "train/gpteacher_toolformer.json": (7673, 7673, 0),
-    "train/gsm8k_train.jsonl": (7473, 7473, 0),
-    "train/mbpp.jsonl": (974, 974, 0),
-    "train/self_instruct_seed.jsonl": (175, 175, 0),
-    "train/self_instruct_user.jsonl": (252, 252, 0),
+    "data/train/alpaca_en_demo.json": (999, 999, 0),
+    "data/train/code_alpaca_2k.json": (2017, 2017, 2),  # two rows with an empty output
+    "data/train/glaive_toolcall_demo.json": (300, 300, 0),
+    "data/train/gpteacher_codegen.json": (4535, 4535, 0),
+    "data/train/gpteacher_roleplay.json": (1923, 1923, 0),
+    "data/train/gpteacher_toolformer.json": (7673, 7673, 0),
+    "data/train/gsm8k_train.jsonl": (7473, 7473, 0),
+    "data/train/mbpp.jsonl": (974, 974, 0),
+    "data/train/self_instruct_seed.jsonl": (175, 175, 0),
+    "data/train/self_instruct_user.jsonl": (252, 252, 0),
     "eval/mt_bench.jsonl": (80, 80, 80),
     "eval/humaneval.jsonl": (80, 80, 80),
     "eval/gsm8k.jsonl": (80, 80, 80),
     "eval/alpaca.jsonl": (80, 80, 80),
+    "data/train/long_context_train.jsonl": (102, 102, 102),
+    "eval/long_context.jsonl": (24, 24, 24),
 }
 
 
 @pytest.fixture(scope="module")
-def loaded(shared_data):
-    return {rel: load_conversations(str(shared_data / rel)) for rel in REAL_FILES}
+def loaded(repo_data):
+    return {rel: load_conversations(str(repo_data / rel)) for rel in REAL_FILES}
 
 
-def test_every_real_file_loads_into_the_schema(loaded, shared_data):
-    assert sorted(REAL_FILES) == sorted(str(p.relative_to(shared_data)) for p in shared_data.glob("*/*.json*"))
+def test_every_real_file_loads_into_the_schema(loaded, repo_data):
+    shipped = [*repo_data.glob("data/train/*.json*"), *repo_data.glob("eval/*.json*")]
+    assert sorted(REAL_FILES) == sorted(str(p.relative_to(repo_data)) for p in shipped)
     for rel, (records, convs, prompt_only) in REAL_FILES.items():
         src = loaded[rel]
         assert (src.records, len(src.conversations), sum(c["needs_response"] for c in src.conversations)) == (
@@ -57,20 +60,20 @@ def test_every_real_file_loads_into_the_schema(loaded, shared_data):
 
 
 def test_alpaca_joins_instruction_and_input(loaded):
-    first = loaded["train/code_alpaca_2k.json"].conversations[0]
+    first = loaded["data/train/code_alpaca_2k.json"].conversations[0]
     assert first["messages"] == [
         {"role": "user", "content": "What are the distinct values from the given list?\n\ndataList = [3, 9, 3, 5, 7, 9, 5]"},
         {"role": "assistant", "content": "The distinct values from the given list are 3, 5, 7 and 9."},
     ]
-    crepes = loaded["train/alpaca_en_demo.json"].conversations[0]["messages"]
+    crepes = loaded["data/train/alpaca_en_demo.json"].conversations[0]["messages"]
     assert crepes[0] == {"role": "user", "content": "Describe a process of making crepes."}  # empty input: no blank line
-    empty = [c for c in loaded["train/code_alpaca_2k.json"].conversations if c["needs_response"]]
+    empty = [c for c in loaded["data/train/code_alpaca_2k.json"].conversations if c["needs_response"]]
     assert [c["id"] for c in empty] == ["code_alpaca_2k:237", "code_alpaca_2k:1859"]
     assert [m["role"] for m in empty[0]["messages"]] == ["user"]
 
 
 def test_gpteacher_response_and_toolformer_example_input(loaded):
-    first = loaded["train/gpteacher_toolformer.json"].conversations[0]["messages"]
+    first = loaded["data/train/gpteacher_toolformer.json"].conversations[0]["messages"]
     assert first[0]["content"].endswith("Provide a summary of a famous historical event based on the input event given"
                                         "\n\nFrench Revolution")
     assert first[1] == {"role": "assistant",
@@ -78,7 +81,7 @@ def test_gpteacher_response_and_toolformer_example_input(loaded):
 
 
 def test_sharegpt_glaive_tool_calls(loaded):
-    convs = loaded["train/glaive_toolcall_demo.json"].conversations
+    convs = loaded["data/train/glaive_toolcall_demo.json"].conversations
     roles = Counter(m["role"] for c in convs for m in c["messages"])
     assert roles == Counter({"assistant": 746 + 211, "user": 746, "tool": 211})
     calls = [m for c in convs for m in c["messages"] if m.get("tool_calls")]
@@ -92,14 +95,14 @@ def test_sharegpt_glaive_tool_calls(loaded):
 
 
 def test_gsm8k_strips_calculator_annotations(loaded):
-    c = loaded["train/gsm8k_train.jsonl"].conversations[0]
+    c = loaded["data/train/gsm8k_train.jsonl"].conversations[0]
     assert c["messages"][1]["content"] == ("Natalia sold 48/2 = 24 clips in May.\n"
                                            "Natalia sold 48+24 = 72 clips altogether in April and May.\n#### 72")
-    assert not any("<<" in c["messages"][1]["content"] for c in loaded["train/gsm8k_train.jsonl"].conversations)
+    assert not any("<<" in c["messages"][1]["content"] for c in loaded["data/train/gsm8k_train.jsonl"].conversations)
 
 
 def test_mbpp_prompt_has_the_tests_and_code_has_lf(loaded):
-    c = loaded["train/mbpp.jsonl"].conversations[0]
+    c = loaded["data/train/mbpp.jsonl"].conversations[0]
     assert c["messages"][0]["content"] == (
         "You are an expert Python programmer, and here is your task: Write a function to find the minimum cost path "
         "to reach (m, n) from (0, 0) for the given cost matrix cost[][] and a position (m, n) in cost[][]. Your code "
@@ -113,7 +116,7 @@ def test_mbpp_prompt_has_the_tests_and_code_has_lf(loaded):
 
 
 def test_self_instruct_one_conversation_per_instance(loaded):
-    c = loaded["train/self_instruct_user.jsonl"].conversations[0]
+    c = loaded["data/train/self_instruct_user.jsonl"].conversations[0]
     assert c["id"] == "self_instruct_user:0.0"
     assert c["messages"][0]["content"].startswith("The sentence you are given might be too wordy")
     assert c["messages"][0]["content"].endswith("\n\nIf you have any questions about my rate or if you find it "
@@ -212,8 +215,8 @@ def test_bad_inputs_name_the_file_and_cause(tmp_path, name, content, match):
         load_conversations(str(path))
 
 
-def test_forced_format_mismatch_and_unknown_format(shared_data):
-    path = str(shared_data / "train/gsm8k_train.jsonl")
+def test_forced_format_mismatch_and_unknown_format(repo_data):
+    path = str(repo_data / "data/train/gsm8k_train.jsonl")
     with pytest.raises(DrafttrainError, match=r"record 0 does not fit: format 'alpaca' needs a key 'instruction'; "
                                               r"keys seen: \['answer', 'question'\]"):
         load_conversations(path, "alpaca")
@@ -237,13 +240,13 @@ def test_unreachable_hub_dataset_says_how_to_use_a_local_file(monkeypatch):
 # ----------------------------------------------------------------------------------------------- mixing
 
 
-def _cfg(shared_data: Path, *sources: dict, **kw) -> DataConfig:
-    return DataConfig(sources=[SourceConfig(**dict(s, path=str(shared_data / s["path"]))) for s in sources], **kw)
+def _cfg(repo_data: Path, *sources: dict, **kw) -> DataConfig:
+    return DataConfig(sources=[SourceConfig(**dict(s, path=str(repo_data / s["path"]))) for s in sources], **kw)
 
 
-def test_mixture_weights_caps_and_split(shared_data):
-    cfg = _cfg(shared_data, {"path": "train/gsm8k_train.jsonl", "weight": 3}, {"path": "train/mbpp.jsonl"},
-               {"path": "train/self_instruct_seed.jsonl", "max_samples": 10}, num_samples=2000,
+def test_mixture_weights_caps_and_split(repo_data):
+    cfg = _cfg(repo_data, {"path": "data/train/gsm8k_train.jsonl", "weight": 3}, {"path": "data/train/mbpp.jsonl"},
+               {"path": "data/train/self_instruct_seed.jsonl", "max_samples": 10}, num_samples=2000,
                validation_fraction=0.05)
     mix = load_mixture(cfg, seed=0)
     taken = {name: s["taken"] for name, s in mix.stats["sources"].items()}
@@ -257,17 +260,17 @@ def test_mixture_weights_caps_and_split(shared_data):
     assert all("_hash" not in c for c in mix.train)
 
 
-def test_mixture_is_deterministic_and_independent_of_source_order(shared_data):
-    a = {"path": "train/mbpp.jsonl"}
-    b = {"path": "train/self_instruct_user.jsonl"}
-    m1 = load_mixture(_cfg(shared_data, a, b, num_samples=300), seed=7)
-    m2 = load_mixture(_cfg(shared_data, b, a, num_samples=300), seed=7)
-    m3 = load_mixture(_cfg(shared_data, a, b, num_samples=300), seed=8)
+def test_mixture_is_deterministic_and_independent_of_source_order(repo_data):
+    a = {"path": "data/train/mbpp.jsonl"}
+    b = {"path": "data/train/self_instruct_user.jsonl"}
+    m1 = load_mixture(_cfg(repo_data, a, b, num_samples=300), seed=7)
+    m2 = load_mixture(_cfg(repo_data, b, a, num_samples=300), seed=7)
+    m3 = load_mixture(_cfg(repo_data, a, b, num_samples=300), seed=8)
     ids = lambda m: ([c["id"] for c in m.train], [c["id"] for c in m.validation])  # noqa: E731
     assert ids(m1) == ids(m2)
     assert ids(m1) != ids(m3)
     # More samples extend the selection per source instead of redrawing it.
-    m4 = load_mixture(_cfg(shared_data, a, b, num_samples=400), seed=7)
+    m4 = load_mixture(_cfg(repo_data, a, b, num_samples=400), seed=7)
     assert {c["id"] for c in m1.train + m1.validation} <= {c["id"] for c in m4.train + m4.validation}
 
 
@@ -283,8 +286,8 @@ def test_mixture_does_not_depend_on_python_hash_randomisation(tmp_path):
     assert outs[0] == outs[1] and "d:" in outs[0]
 
 
-def test_dedupe_across_sources_and_everything_when_no_num_samples(shared_data, tmp_path):
-    cfg = _cfg(shared_data, {"path": "train/mbpp.jsonl"}, {"path": "train/mbpp.jsonl"}, validation_fraction=0)
+def test_dedupe_across_sources_and_everything_when_no_num_samples(repo_data, tmp_path):
+    cfg = _cfg(repo_data, {"path": "data/train/mbpp.jsonl"}, {"path": "data/train/mbpp.jsonl"}, validation_fraction=0)
     mix = load_mixture(cfg, seed=0)
     assert len(mix.train) == 974 and mix.validation == [] and mix.stats["deduped"] == 974
     assert mix.stats["sources"]["mbpp#2"]["duplicates"] == 974
@@ -297,13 +300,13 @@ def test_dedupe_across_sources_and_everything_when_no_num_samples(shared_data, t
     assert conversation_hash(one) == conversation_hash(two)
 
 
-def test_all_real_training_files_mix(shared_data):
-    sources = [{"path": f"train/{p.name}"} for p in sorted((shared_data / "train").glob("*.json*"))]
-    mix = load_mixture(_cfg(shared_data, *sources), seed=0)
-    n = sum(v[1] for k, v in REAL_FILES.items() if k.startswith("train/"))
+def test_all_real_training_files_mix(repo_data):
+    sources = [{"path": f"data/train/{p.name}"} for p in sorted((repo_data / "data" / "train").glob("*.json*"))]
+    mix = load_mixture(_cfg(repo_data, *sources), seed=0)
+    n = sum(v[1] for k, v in REAL_FILES.items() if k.startswith("data/train/"))
     assert mix.stats["train"] + mix.stats["validation"] + mix.stats["deduped"] == n
     assert mix.stats["validation"] == round((n - mix.stats["deduped"]) * 0.05)
-    assert mix.stats["prompt_only"] == 2
+    assert mix.stats["prompt_only"] == 2 + 102  # code_alpaca's two empty answers, the long-context prompts
 
 
 def test_empty_mixture_is_an_error_naming_the_reasons(tmp_path):

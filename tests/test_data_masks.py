@@ -45,8 +45,8 @@ def qwen(smol):
 
 
 @pytest.fixture(scope="module")
-def glaive(shared_data):
-    return load_conversations(str(shared_data / "train/glaive_toolcall_demo.json")).conversations
+def glaive(repo_data):
+    return load_conversations(str(repo_data / "data/train/glaive_toolcall_demo.json")).conversations
 
 
 def conv(*turns: tuple[str, str], **extra) -> dict:
@@ -216,9 +216,9 @@ def test_overlength_drop_is_a_counted_skip(smol):
     assert tokenize_conversation(smol, c, max_length=2048, overlength="drop") is not None
 
 
-def test_prompt_only_and_trailing_user_turns(smol, shared_data):
+def test_prompt_only_and_trailing_user_turns(smol, repo_data):
     skipped = Counter()
-    mt = load_conversations(str(shared_data / "eval/mt_bench.jsonl")).conversations[0]
+    mt = load_conversations(str(repo_data / "eval/mt_bench.jsonl")).conversations[0]
     assert tokenize_conversation(smol, mt, max_length=512, skipped=skipped) is None
     assert skipped == Counter({"prompt-only (needs_response): no assistant turn to train on": 1})
     # A trailing user turn has no answer to learn: it is not rendered at all.
@@ -275,8 +275,8 @@ def test_token_straddling_header_and_content_is_trainable(smol):
 
 
 @pytest.fixture(scope="module")
-def gsm_rows(smol, shared_data):
-    convs = load_conversations(str(shared_data / "train/gsm8k_train.jsonl")).conversations[:40]
+def gsm_rows(smol, repo_data):
+    convs = load_conversations(str(repo_data / "data/train/gsm8k_train.jsonl")).conversations[:40]
     rows = [tokenize_conversation(smol, c, max_length=512) for c in convs]
     return [dict(r, conversation_id=c["id"]) for r, c in zip(rows, convs)]
 

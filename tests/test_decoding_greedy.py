@@ -41,8 +41,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2, shared_data) -> dict[str, list[int]]:
-    rows = {json.loads(line)["question_id"]: json.loads(line) for line in open(shared_data / "eval" / "mt_bench.jsonl")}
+def prompts(smollm2, repo_data) -> dict[str, list[int]]:
+    rows = {json.loads(line)["question_id"]: json.loads(line) for line in open(repo_data / "eval" / "mt_bench.jsonl")}
     out = {}
     for name, qid in PROMPTS.items():
         messages = [{"role": "user", "content": rows[qid]["turns"][0]}]

@@ -17,8 +17,9 @@ from drafttrain.decoding.verify import expected_acceptance_rate
 from drafttrain.drafts import build_drafter, load_drafter, losses
 from drafttrain.drafts.codecs import codecs_of
 from drafttrain.drafts.draft_model import cut_from_target, keep_learnable
+from drafttrain.sources.cache import FeatureCache, write_feature_cache
+from drafttrain.sources.hf import HFForward
 from drafttrain.targets import Target, TargetNeeds, run_target
-from drafttrain.training.features import FeatureCache, write_feature_cache
 
 
 def tiny_target(seed=0, layers=4, vocab=64) -> Target:
@@ -225,16 +226,17 @@ def test_an_on_policy_step_runs_the_target_once_on_the_students_own_answers():
     target = Target("tiny", tiny_target(vocab=len(tokenizer)).model, tokenizer)
     calls = []
 
-    def trainer_outputs(batch):
-        calls.append(batch["input_ids"].shape)
-        return run_target(target, batch, drafter.needs())
+    class CountedForward(HFForward):  # the target's forward, counted
+        def outputs(self, batch):
+            calls.append(batch["input_ids"].shape)
+            return super().outputs(batch)
 
     batch = batch_of(vocab=len(tokenizer), rows=2)
     for on_policy, expected in ((1.0, 0), (0.0, 1)):
         drafter = build_drafter(DraftModelConfig(cut="first:2", on_policy=on_policy, on_policy_max_new_tokens=4,
                                                  on_policy_temperature=0.0), target).train()
         calls.clear()
-        out = TrainStep(drafter, target, trainer_outputs)(batch)
+        out = TrainStep(drafter, target, CountedForward(target, drafter.needs()))(batch)
         assert len(calls) == expected and torch.isfinite(out.loss)
         assert ("on_policy_s" in out.metrics) == (on_policy == 1.0)
 

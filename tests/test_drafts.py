@@ -17,8 +17,8 @@ from drafttrain.config import Eagle3Config, EagleConfig, parse_recipe
 from drafttrain.decoding.engine import SpeculativeDecoder, plain_decode
 from drafttrain.decoding.proposers import build_proposer
 from drafttrain.drafts import build_drafter, load_drafter
+from drafttrain.sources.cache import FeatureCache, write_feature_cache
 from drafttrain.targets import Target, TargetNeeds, run_target
-from drafttrain.training.features import FeatureCache, write_feature_cache
 
 
 def outputs_of(target, batch, needs):
@@ -254,7 +254,7 @@ def test_offline_logits_go_through_the_targets_own_output_path(tmp_path):
 
 
 def test_offline_cache_keeps_the_targets_dtype_unless_told(tiny_target, tmp_path):
-    from drafttrain.training.features import cache_dtype
+    from drafttrain.sources.cache import cache_dtype
 
     assert cache_dtype("auto", tiny_target) == torch.float32  # fp32 target: nothing lost to bf16
     assert cache_dtype("bfloat16", tiny_target) == torch.bfloat16
@@ -428,20 +428,22 @@ def test_positions_whose_target_argmax_is_outside_the_draft_vocab_train_only_whe
 def test_a_crashed_cache_write_keeps_its_finished_shards(tiny_target, tmp_path):
     """A process that dies while writing the offline cache loses only the shard it was writing: the rerun writes
     the missing shards alone (finished ones untouched), and the joined cache equals one written in one go."""
-    from drafttrain.training.features import cache_settings, join_shards, start_cache, write_shards
+    from drafttrain.sources.cache import cache_settings, join_shards, start_cache, write_shards
+    from drafttrain.sources.hf import HFForward
 
     dataset, needs = offline_rows(n_rows=5), build_drafter(EagleConfig(), tiny_target).needs()
     settings = cache_settings(tiny_target, dataset, needs, split_fingerprint="s", dtype=torch.float32,
                               rows_per_shard=2)
     out = start_cache(tmp_path / "cache", settings)
-    assert write_shards(tiny_target, dataset, needs, out, settings, rank=0, world=2, progress=False) == 2
+    source = HFForward(tiny_target, needs, dataset, cache_argmax=settings["argmax"])
+    assert write_shards(source, len(dataset), out, settings, rank=0, world=2, progress=False) == 2
     (out / "shard-00001.safetensors.tmp").write_bytes(b"half a shard")  # rank 1 was killed mid-write
     with pytest.raises(DrafttrainError, match="1 of 3 shards are not written .*shard-00001.*rerun"):
         join_shards(out)
     finished = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")}
     assert sorted(finished) == ["shard-00000.safetensors", "shard-00002.safetensors"]
     start_cache(out, settings)  # the rerun, same settings: keeps them
-    assert write_shards(tiny_target, dataset, needs, out, settings, progress=False) == 1
+    assert write_shards(source, len(dataset), out, settings, progress=False) == 1
     assert all((out / name).stat().st_mtime_ns == mtime for name, mtime in finished.items())
     join_shards(out)
     straight = write_feature_cache(tiny_target, dataset, needs, tmp_path / "straight", split_fingerprint="s",

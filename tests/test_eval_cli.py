@@ -157,6 +157,24 @@ def test_a_compared_draft_takes_a_named_tree(tmp_path, capsys, smollm2, restore_
     assert report["comparisons"]["medusa@tree:medusa-4"]["greedy_match_vs_baseline"] == 1.0
 
 
+def test_a_static_tree_reports_the_depth_it_drafted(tmp_path, capsys, folder_target, restore_threads):
+    """A 3-head Medusa draft under --tree medusa-4 (two levels) was reported at depth 3, the default fitted to its
+    heads, with a third acceptance position it never drafted; a compared side with the same tree likewise."""
+    from drafttrain.config import MedusaConfig
+    from drafttrain.drafts import build_drafter
+    from drafttrain.targets import load_target
+
+    torch.manual_seed(0)
+    build_drafter(MedusaConfig(num_heads=3), load_target(str(folder_target))).save_pretrained(tmp_path / "medusa")
+    code = main(["eval", "--target", str(folder_target), "--draft", str(tmp_path / "medusa"), "--tree", "medusa-4",
+                 "--suite", "gsm8k", "--num-prompts", "1", "--turns", "1", "--max-new-tokens", "6", "--threads", "1",
+                 "--no-progress", "--out", str(tmp_path / "out"), "--compare", f"{tmp_path / 'medusa'}@tree:medusa-4"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["config"]["depth"] == 2 and report["config"]["compare"][0]["depth"] == 2
+    assert len(report["overall"]["acceptance_per_position"]["cumulative"]) == 2
+
+
 def test_a_missing_draft_is_named_as_the_draft_not_the_target(tmp_path, capsys, monkeypatch):
     """`--draft runs/missing` (a folder's child, shaped like a Hub id) was tried as a Hub model and reported as
     "could not load target"; a Hub id that cannot be fetched is named as the draft model too."""

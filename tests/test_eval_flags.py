@@ -26,7 +26,7 @@ NON_DEFAULTS: dict[str, tuple[list[str], Any]] = {
     "total_tokens": (["--tree", "dynamic", "--total-tokens", "30"], 30),
     "tree_top_k": (["--tree", "dynamic", "--tree-top-k", "4"], 4),
     "temperature": (["--temperature", "0.7"], 0.7),
-    "top_p": (["--top-p", "0.9"], 0.9),
+    "top_p": (["--temperature", "0.7", "--top-p", "0.9"], 0.9),
     "top_k": (["--temperature", "0.7", "--top-k", "50"], 50),
     "seed": (["--seed", "7"], 7),
     "max_new_tokens": (["--max-new-tokens", "12"], 12),
@@ -90,6 +90,38 @@ def test_top_k_at_temperature_0_is_refused_naming_tree_top_k(flags):
     with pytest.raises(DrafttrainError, match="--tree-top-k") as refused:
         settings_of(*flags)
     assert "\n" not in str(refused.value) and "sampling's top-k" in str(refused.value)
+
+
+@pytest.mark.parametrize("flags", [["--top-p", "0.5"], ["--top-p", "0.5", "--temperature", "0"],
+                                   ["--tree", "dynamic", "--top-p", "0.9"]])
+def test_top_p_at_temperature_0_is_refused_like_top_k(flags):
+    """--top-p 0.5 at temperature 0 was accepted and recorded in the report, though greedy decoding ignores it."""
+    with pytest.raises(DrafttrainError, match="--top-p .* cannot act at temperature 0") as refused:
+        settings_of(*flags)
+    assert "\n" not in str(refused.value)
+    assert settings_of("--top-p", "0.5", "--temperature", "0.7").top_p == 0.5
+
+
+@pytest.mark.parametrize("flags, own", [(["--tree", "medusa-4", "--depth", "5"], 2),
+                                        (["--tree", "medusa-16", "--depth", "2"], 4),
+                                        (["--tree", "static:[[0], [0, 0], [0, 0, 0]]", "-k", "1"], 3)])
+def test_a_depth_beside_a_static_tree_is_refused_naming_the_trees_own(flags, own):
+    """--tree medusa-4 --depth 5 drafted depth 2 while the report said 5: a static tree drafts to its own depth."""
+    with pytest.raises(DrafttrainError, match=f"--depth .* cannot act on --tree .* its own depth \\({own}\\)"):
+        settings_of(*flags)
+    tree = flags[1]
+    assert settings_of("--tree", tree, "--depth", str(own)).depth == own  # its own depth, given, is the same
+    assert settings_of("--tree", tree).tree == tree  # left out, the report gives the tree's own (test_eval_cli)
+
+
+def test_a_recipes_depth_beside_its_static_tree_is_refused_before_training():
+    from drafttrain.config import parse_recipe
+    from drafttrain.evaluation.checkpoint_eval import check_eval_shape
+
+    recipe = parse_recipe({"draft": {"kind": "medusa", "num_heads": 3}, "eval": {"tree": "medusa-4", "depth": 3}})
+    with pytest.raises(DrafttrainError, match=r"eval.depth 3 cannot act on eval.tree medusa-4: .* own depth \(2\)"):
+        check_eval_shape(recipe)
+    check_eval_shape(parse_recipe({"draft": {"kind": "medusa", "num_heads": 3}, "eval": {"tree": "medusa-4"}}))
 
 
 def test_the_old_meaning_of_top_k_exits_2_before_the_target_loads(tmp_path, capsys):

@@ -17,9 +17,16 @@ def test_builtin_suites_load(name):
     assert all(q.turns and q.category for q in suite.questions)
 
 
-def test_builtin_files_are_byte_copies_of_shared_data(shared_data):
+def test_builtin_files_are_the_published_files_their_sources_name():
+    """Each copied suite hashes to the sha256 eval/SOURCES.md records for the public file it copies."""
+    import hashlib
+    import re
+
+    sources = (suite_dir() / "SOURCES.md").read_text()
     for name in COPIED_SUITES:
-        assert (suite_dir() / f"{name}.jsonl").read_bytes() == (shared_data / "eval" / f"{name}.jsonl").read_bytes()
+        row = next(line for line in sources.splitlines() if line.startswith(f"| `{name}.jsonl`"))
+        recorded = re.findall(r"`([0-9a-f]{64})`", row)
+        assert recorded == [hashlib.sha256((suite_dir() / f"{name}.jsonl").read_bytes()).hexdigest()], name
 
 
 def test_mt_bench_shape_and_selection():

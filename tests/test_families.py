@@ -8,29 +8,26 @@ noised draft both accepts and refuses tokens, so every rollback kind is exercise
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from families import CACHE_KIND, FAMILIES, MOE_FAMILIES, WINDOW, family_config, family_model, noised
+from families import (
+    CACHE_KIND,
+    FAMILIES,
+    MOE_FAMILIES,
+    SHAPES,
+    check_one_training_step,
+    check_plain_decoding_is_hf_generate,
+    check_plan_counts_every_weight,
+    check_speculative_decoding_is_plain,
+    check_taps_are_the_models_own,
+    check_the_evaluator_is_lossless,
+    family_config,
+    family_model,
+    mixed_draft,
+    story_prompt,
+)
 
-from drafttrain import DrafttrainError
-from drafttrain.config import parse_recipe
-from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
-from drafttrain.decoding.trees import DynamicTree
-from drafttrain.drafts import build_drafter
-from drafttrain.evaluation.evaluate import evaluate
-from drafttrain.targets import Target, TargetNeeds, load_tokenizer, run_target
-from drafttrain.training.plan import plan
-
-NEW = 40
-SHAPES = {"chain": dict(depth=3), "static_tree": dict(tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
-          "dynamic_tree": dict(tree=DynamicTree(total_tokens=8, depth=3, top_k=3))}
-TREES_REFUSED = {"recurrent", "conv"}  # one forward cannot verify branches through layers that run tokens in order
-KINDS = {"eagle3": {"kind": "eagle3"}, "eagle": {"kind": "eagle"}, "medusa": {"kind": "medusa"},
-         "peagle": {"kind": "eagle3", "parallel": {"depths": 3}}, "dflash": {"kind": "dflash"},
-         "draft_model": {"kind": "draft_model", "cut": "first:2"},
-         "pard": {"kind": "draft_model", "cut": "first:2", "parallel": {"depths": 3}}}
+from drafttrain.targets import Target, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +37,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def prompt(tokenizer) -> list[int]:
-    messages = [{"role": "user", "content": "Tell me a long story about a cat and a dog."}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    assert len(ids) > 3 * WINDOW  # the prompt alone passes every window and chunk
-    return ids
-
-
-def mixed_draft(target: Target, prompt: list[int]) -> Target:
-    """The target noised just enough that, as a chain's draft, it has tokens accepted and refused on ``prompt``
-    (the noise a family tolerates differs: the first scale that does both)."""
-    for scale in (0.1, 0.03, 0.3, 0.01, 1.0):
-        draft = Target(f"{target.name}-noised", noised(target.model, scale), target.tokenizer)
-        stats = SpeculativeDecoder(target, build_proposer("draft_model", target, draft=draft), depth=3) \
-            .generate(prompt, NEW).stats
-        if sum(stats.accepted_per_step) > 0 and sum(stats.rejected_per_step) >= 3:
-            return draft
-    raise AssertionError(f"no noise scale gives {target.name} a draft that both accepts and refuses")
+    return story_prompt(tokenizer)  # the prompt alone passes every window and chunk
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -68,86 +50,37 @@ def family(request, tokenizer, prompt):
 
 def test_plain_decoding_is_hf_generate(family, prompt):
     name, target, _ = family
-    ours = plain_decode(target, prompt, NEW).tokens
-    with torch.no_grad():
-        hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(prompt):].tolist()
-    assert ours == hf
+    check_plain_decoding_is_hf_generate(target, prompt)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_greedy_speculative_decoding_equals_plain_decoding(family, prompt, shape):
     """Past every window and chunk, and past refused drafts: the cache rolled back exactly (targets.cache)."""
     name, target, draft = family
-    reference = plain_decode(target, prompt, NEW).tokens
-    proposer = build_proposer("draft_model", target, draft=draft)
-    if shape != "chain" and CACHE_KIND[name] in TREES_REFUSED:
-        with pytest.raises(DrafttrainError, match="run the fed tokens in order.*Use a chain"):
-            SpeculativeDecoder(target, proposer, **SHAPES[shape])
-        return
-    decoder = SpeculativeDecoder(target, proposer, **SHAPES[shape])
-    out = decoder.generate(prompt, NEW)
-    assert out.tokens == reference
-    stats = out.stats
-    assert sum(stats.accepted_per_step) > 0  # nodes kept (a tree's moved into place)
-    if shape == "chain":
-        assert any(stats.rejected_per_step)  # and refused ones dropped
-    assert decoder.cache.length == len(prompt) + NEW - 1
+    check_speculative_decoding_is_plain(target, draft, prompt, shape, CACHE_KIND[name])
 
 
 def test_hidden_state_taps_are_the_models_own(family, prompt):
     name, target, _ = family
-    ids = torch.tensor([prompt])
-    layers = target.num_layers
-    out = run_target(target, {"input_ids": ids}, TargetNeeds(layers=(1, layers - 1), final_hidden=True, logits=True))
-    with torch.no_grad():
-        hf = target.model(ids, output_hidden_states=True)
-    width = target.hidden_size
-    torch.testing.assert_close(out.hidden[..., :width], hf.hidden_states[1])
-    torch.testing.assert_close(out.hidden[..., width:], hf.hidden_states[layers - 1])
-    torch.testing.assert_close(out.final, hf.hidden_states[layers])
-    torch.testing.assert_close(out.logits, hf.logits, atol=1e-5, rtol=1e-5)
+    check_taps_are_the_models_own(target, prompt)
 
 
 def test_one_training_step_of_every_kind(family, prompt, tokenizer):
     name, target, _ = family
-    answer = tokenizer("Once upon a time a cat met a dog in a big green garden.")["input_ids"]
-    ids = torch.tensor([prompt + answer])
-    mask = torch.zeros_like(ids, dtype=torch.float32)
-    mask[:, len(prompt):] = 1
-    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
-    for kind, section in KINDS.items():
-        torch.manual_seed(0)
-        drafter = build_drafter(parse_recipe({"draft": section}).draft, target).train()
-        result = drafter.training_step(batch, run_target(target, batch, drafter.needs()))
-        result.loss.backward()
-        trained = [p for p in drafter.parameters() if p.requires_grad]
-        assert torch.isfinite(result.loss), kind
-        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trained), kind
-        assert not any(p.grad is not None for p in target.model.parameters()), kind  # the target stays frozen
+    check_one_training_step(target, prompt, tokenizer)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_the_evaluator_serves_a_fresh_draft_losslessly(family, prompt, tokenizer, kind):
     """The kind's own proposer (the target's taps read while it decodes) against plain decoding in one run."""
     name, target, _ = family
-    torch.manual_seed(0)
-    drafter = build_drafter(parse_recipe({"draft": KINDS[kind]}).draft, target).eval()
-    text = tokenizer.decode(prompt)
-    report = evaluate(target, drafter, [text], depth=3, max_new_tokens=24, progress=False, warmup=False)
-    assert report.overall["greedy_match"] == 1.0
+    check_the_evaluator_is_lossless(target, prompt, tokenizer, kind)
 
 
 def test_plan_counts_every_weight_on_the_meta_device(family, tmp_path):
     """plan builds the target on the meta device from its config alone: every expert's weights counted."""
     name, target, _ = family
-    family_config(name).save_pretrained(tmp_path)
-    recipe = parse_recipe({"target": {"model": str(tmp_path)}, "draft": {"kind": "eagle3"},
-                           "wandb": {"mode": "disabled"}})
-    result = plan(recipe, stage="train", config_path=str(tmp_path))
-    weights = sum(p.numel() * p.element_size() for p in target.model.parameters())
-    assert result.memory["target weights"] == weights
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == FAMILIES[name][0]
+    assert check_plan_counts_every_weight(target, family_config(name), tmp_path)["model_type"] == FAMILIES[name][0]
 
 
 def test_the_matrix_covers_every_family_the_readme_names():
@@ -157,3 +90,56 @@ def test_the_matrix_covers_every_family_the_readme_names():
         config = family_config(name)
         experts = [getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")]
         assert any(e and e > 1 for e in experts), name
+
+
+RECURRENT = [name for name, kind in CACHE_KIND.items() if kind == "recurrent"]
+
+
+def _next_logits(cache, token: int) -> torch.Tensor:
+    return cache.forward(torch.tensor([[token]]))[0, -1]
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_a_recurrent_rollback_takes_the_recorded_state_and_runs_nothing_again(name, prompt, tokenizer):
+    """A verification's refused tokens dropped from a recurrent target: the states recorded during that forward are
+    taken back (no forward runs in the rollback), and the cache is then what feeding the kept tokens alone gives."""
+    from drafttrain.targets import TargetCache
+
+    model = family_model(name)
+    fed = torch.tensor([[11, 12, 13, 14, 15]])
+    with torch.no_grad():
+        cache = TargetCache(model)
+        cache.forward(torch.tensor([prompt]))
+        cache.forward(fed)  # a verification: root + 4 draft tokens
+        calls = []
+        hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+        cache.keep(len(prompt), [0, 1])  # root and one draft token kept, three refused
+        hook.remove()
+        assert calls == [] and cache.length == len(prompt) + 2
+        rolled = _next_logits(cache, 99)
+        fresh = TargetCache(model)
+        fresh.forward(torch.tensor([prompt]))
+        fresh.forward(fed[:, :2])
+        # float32 noise of the two feeds' shapes only (in float64 the logits are equal, bit for bit)
+        torch.testing.assert_close(rolled, _next_logits(fresh, 99), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_a_rollback_past_the_recorded_states_restores_and_replays_exactly(name, prompt):
+    """Dropping further back than any forward recorded (here into the prompt, fed in one long forward): the states
+    copied before that forward are restored and the kept tokens fed again, as before recording existed."""
+    from drafttrain.targets import TargetCache
+
+    model = family_model(name)
+    with torch.no_grad():
+        cache = TargetCache(model)
+        cache.forward(torch.tensor([prompt * 3]))  # longer than a recorded forward may be: run chunked
+        assert cache.recorded < 3
+        calls = []
+        hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+        cache.keep(len(prompt), [])
+        hook.remove()
+        assert len(calls) == 1 and cache.length == len(prompt)  # one replay of the kept prompt
+        fresh = TargetCache(model)
+        fresh.forward(torch.tensor([prompt]))
+        torch.testing.assert_close(_next_logits(cache, 99), _next_logits(fresh, 99), atol=1e-5, rtol=1e-4)

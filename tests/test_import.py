@@ -377,3 +377,45 @@ def test_an_eagle3_draft_whose_vocabulary_maps_are_wrong_is_refused_at_import_an
     (good / "manifest.json").unlink(missing_ok=True)  # an edit the manifest would catch first; the maps must too
     with pytest.raises(DrafttrainError, match=reason):
         load_drafter(good, target)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8])
+def test_integer_weights_where_the_draft_has_float_ones_are_refused_naming_the_tensor(tmp_path, dtype):
+    """An int32 fc.weight was cast into the float weights without a word: the draft computed with its integers."""
+    other = tmp_path / "integer"
+    shutil.copytree(EAGLE3 / "full_vocab", other)
+    tensors = load_file(str(other / "model.safetensors"))
+    save_file({**tensors, "fc.weight": tensors["fc.weight"].round().to(dtype)}, str(other / "model.safetensors"))
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(DrafttrainError, match=f"holds fc.weight \\({name}\\) where the draft's weights are floating"):
+        import_draft(other, tiny_target(), tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+
+
+FOREIGN_FOLDERS = [FIXTURES / "full_vocab", EAGLE3 / "full_vocab", SPECFORGE / "draft_vocab", EAGLE1 / "llama3",
+                   VLLM_MEDUSA / "plain"]
+
+
+@pytest.mark.parametrize("folder", FOREIGN_FOLDERS, ids=lambda folder: f"{folder.parent.name}/{folder.name}")
+def test_a_foreign_draft_given_to_eval_is_told_the_exact_import_command(tmp_path, capsys, folder_target, folder):
+    """`drafttrain eval --draft SPECULATORS_FOLDER` loaded it as a draft model: "Unrecognized model", even for a
+    sound folder. Refused before the target loads, with the command that imports it, for --draft and --compare."""
+    from drafttrain.commands import main
+
+    imported = folder.with_name(folder.name + "-imported")
+    command = f"drafttrain import {folder} --target {folder_target} --out {imported} (and give --draft {imported})"
+    for flags in (["--draft", str(folder)], ["--proposer", "prompt_lookup", "--compare", str(folder)]):
+        capsys.readouterr()
+        code = main(["eval", "--target", str(folder_target), *flags, "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and "is a draft another tool wrote" in err and "Traceback" not in err, err
+        assert command.replace("--draft", flags[-2]) in err, err
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_whole_model_folder_is_a_draft_model_not_a_foreign_draft(folder_target):
+    """A Llama folder's config is what EAGLE-1's trainer writes for a head: its weights tell them apart."""
+    from drafttrain.drafts.registry import foreign_draft
+
+    assert foreign_draft(folder_target) is None
+    assert foreign_draft(EAGLE1 / "llama3")[0].kind == "eagle"

@@ -192,7 +192,7 @@ def test_a_lora_module_the_target_lacks_is_refused():
 
 
 def test_medusa2_with_offline_hidden_states_is_refused_by_the_recipe():
-    with pytest.raises(DrafttrainError, match="trains the target .* cannot be cached"):
+    with pytest.raises(DrafttrainError, match="trains the target .* cannot be computed ahead"):
         parse_recipe({"draft": {"kind": "medusa", "target_lora": LORA}, "training": {"hidden_states": "offline"}})
 
 

@@ -22,15 +22,15 @@ def write_recipe(tmp_path: Path, raw: dict) -> Path:
     return path
 
 
-def tiny_recipe(tmp_path: Path, shared_data: Path, **overrides) -> dict:
+def tiny_recipe(tmp_path: Path, repo_data: Path, **overrides) -> dict:
     raw = {
         "output_dir": str(tmp_path / "run"),
         "seed": 0,
         "target": {"model": "smollm2-135m-instruct"},
         "data": {
             "sources": [
-                {"path": str(shared_data / "train" / "gsm8k_train.jsonl"), "weight": 2},
-                {"path": str(shared_data / "train" / "gpteacher_roleplay.json"), "weight": 1},
+                {"path": str(repo_data / "data" / "train" / "gsm8k_train.jsonl"), "weight": 2},
+                {"path": str(repo_data / "data" / "train" / "gpteacher_roleplay.json"), "weight": 1},
             ],
             "num_samples": 6,
             "validation_fraction": 0.2,
@@ -51,8 +51,8 @@ def test_help_lists_the_arguments(capsys):
     assert "recipe" in out and "--limit" in out and "key.sub=value" in out
 
 
-def test_unknown_key_is_rejected_with_the_field_named(tmp_path, shared_data, capsys):
-    raw = tiny_recipe(tmp_path, shared_data)
+def test_unknown_key_is_rejected_with_the_field_named(tmp_path, repo_data, capsys):
+    raw = tiny_recipe(tmp_path, repo_data)
     raw["data"]["bogus_field"] = 1
     assert main(["prepare", str(write_recipe(tmp_path, raw))]) != 0
     err = capsys.readouterr().err
@@ -60,31 +60,31 @@ def test_unknown_key_is_rejected_with_the_field_named(tmp_path, shared_data, cap
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
-def test_bad_override_type_is_rejected(tmp_path, shared_data, capsys):
-    path = write_recipe(tmp_path, tiny_recipe(tmp_path, shared_data))
+def test_bad_override_type_is_rejected(tmp_path, repo_data, capsys):
+    path = write_recipe(tmp_path, tiny_recipe(tmp_path, repo_data))
     assert main(["prepare", str(path), "regenerate.max_new_tokens=lots"]) != 0
     assert "regenerate.max_new_tokens" in capsys.readouterr().err
 
 
-def test_missing_data_file_names_the_field(tmp_path, shared_data, capsys):
-    raw = tiny_recipe(tmp_path, shared_data)
+def test_missing_data_file_names_the_field(tmp_path, repo_data, capsys):
+    raw = tiny_recipe(tmp_path, repo_data)
     raw["data"]["sources"][1]["path"] = "../nowhere/missing.jsonl"
     assert main(["prepare", str(write_recipe(tmp_path, raw))]) != 0
     err = capsys.readouterr().err
     assert "data.sources.1.path" in err and "missing.jsonl" in err and "current directory" in err
 
 
-def test_draft_vocab_larger_than_the_target_vocab_fails_before_any_work(tmp_path, shared_data):
-    recipe = parse_recipe(tiny_recipe(tmp_path, shared_data, draft_vocab={"enabled": True, "size": 60000}))
+def test_draft_vocab_larger_than_the_target_vocab_fails_before_any_work(tmp_path, repo_data):
+    recipe = parse_recipe(tiny_recipe(tmp_path, repo_data, draft_vocab={"enabled": True, "size": 60000}))
     with pytest.raises(DrafttrainError, match=r"60000.*49152"):
         prepare(recipe, show_summary=False)
     assert not (tmp_path / "run").exists()
 
 
-def test_nothing_trainable_is_an_error_not_an_empty_dataset(tmp_path, shared_data):
+def test_nothing_trainable_is_an_error_not_an_empty_dataset(tmp_path, repo_data):
     """Prompt-only questions without regeneration leave nothing to train on: a clear error with the reason."""
-    raw = tiny_recipe(tmp_path, shared_data, regenerate={"enabled": False}, draft_vocab={"enabled": False})
-    raw["data"]["sources"] = [{"path": str(shared_data / "eval" / "mt_bench.jsonl")}]
+    raw = tiny_recipe(tmp_path, repo_data, regenerate={"enabled": False}, draft_vocab={"enabled": False})
+    raw["data"]["sources"] = [{"path": str(repo_data / "eval" / "mt_bench.jsonl")}]
     with pytest.raises(DrafttrainError, match=r"train split: no conversation could be tokenised \(prompt-only"):
         prepare(parse_recipe(raw), show_summary=False)
     assert not (tmp_path / "run" / "data" / "train").exists()
@@ -99,13 +99,13 @@ def test_demo_recipe_is_valid_and_its_data_exists(monkeypatch):
 
 
 @pytest.mark.slow
-def test_prepare_end_to_end(tmp_path, shared_data, smollm2, capsys):
+def test_prepare_end_to_end(tmp_path, repo_data, smollm2, capsys):
     from datasets import load_from_disk
 
     from drafttrain.data.tokenize import split_fingerprint, tokenizer_fingerprint
     from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
 
-    recipe = parse_recipe(tiny_recipe(tmp_path, shared_data))
+    recipe = parse_recipe(tiny_recipe(tmp_path, repo_data))
     result = prepare(recipe, target=smollm2, progress=False)
     out = tmp_path / "run"
     summary = json.loads((out / "prepare_summary.json").read_text())
@@ -148,10 +148,10 @@ def test_prepare_end_to_end(tmp_path, shared_data, smollm2, capsys):
     assert load_from_disk(str(out / "data" / "train"))["input_ids"] == train["input_ids"]
 
 
-def test_a_source_can_keep_its_own_answers_while_others_are_regenerated(tmp_path, shared_data, smollm2):
+def test_a_source_can_keep_its_own_answers_while_others_are_regenerated(tmp_path, repo_data, smollm2):
     from drafttrain.data.conversations import load_conversations
 
-    raw = tiny_recipe(tmp_path, shared_data)
+    raw = tiny_recipe(tmp_path, repo_data)
     raw["data"]["sources"][1]["regenerate"] = False  # gpteacher_roleplay keeps its written answers
     result = prepare(parse_recipe(raw), target=smollm2, progress=False, show_summary=False)
     sources = result.summary["sources"]
@@ -167,7 +167,7 @@ def test_a_source_can_keep_its_own_answers_while_others_are_regenerated(tmp_path
     kept_ids = [cid for cid in rows["conversation_id"] if cid.startswith("gpteacher_roleplay:")]
     assert len(kept_ids) == 2
     written = {c["id"]: c for c in load_conversations(
-        str(shared_data / "train" / "gpteacher_roleplay.json"), "auto", name="gpteacher_roleplay").conversations}
+        str(repo_data / "data" / "train" / "gpteacher_roleplay.json"), "auto", name="gpteacher_roleplay").conversations}
     for cid in kept_ids:
         answer = written[cid]["messages"][-1]["content"]
         row = rows[rows["conversation_id"].index(cid)]
@@ -175,8 +175,8 @@ def test_a_source_can_keep_its_own_answers_while_others_are_regenerated(tmp_path
         assert answer.strip()[:40] in trained
 
 
-def test_asking_a_source_to_regenerate_when_regeneration_is_off_is_refused(tmp_path, shared_data):
-    raw = tiny_recipe(tmp_path, shared_data, regenerate={"enabled": False})
+def test_asking_a_source_to_regenerate_when_regeneration_is_off_is_refused(tmp_path, repo_data):
+    raw = tiny_recipe(tmp_path, repo_data, regenerate={"enabled": False})
     raw["data"]["sources"][0]["regenerate"] = True
     with pytest.raises(DrafttrainError, match="regenerate.enabled is false"):
         parse_recipe(raw)

@@ -51,7 +51,10 @@ def test_gguf_file_and_folder_specs_load_the_same_weights(smollm2):
     assert torch.equal(a, again.model.get_input_embeddings().weight)
 
 
-def test_missing_and_unknown_targets_say_how_to_get_them(tmp_path):
+def test_missing_and_unknown_targets_say_how_to_get_them(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # a Hub id answered from the cache alone
     with pytest.raises(DrafttrainError, match="GGUF file not found"):
         resolve_model_dir(str(tmp_path / "nope.gguf"))
     with pytest.raises(DrafttrainError, match="neither a model folder nor a .gguf file"):
@@ -60,8 +63,11 @@ def test_missing_and_unknown_targets_say_how_to_get_them(tmp_path):
         resolve_model_dir("not-a-model")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DrafttrainError, match="huggingface-cli download"):
+    with pytest.raises(DrafttrainError, match="holds no config.json: give a model's folder") as refused:
         load_target(str(empty))
+    assert "huggingface-cli" not in str(refused.value)  # a local folder is never told to download itself
+    with pytest.raises(DrafttrainError, match="huggingface-cli download"):  # a Hub id not on this machine is
+        load_target("nobody-here/no-such-model")
 
 
 def test_remote_code_stays_off_unless_asked(tmp_path, smollm2):

@@ -104,7 +104,7 @@ def test_data_hash_depends_on_the_mask_too():
     assert count_trainable_tokens(flipped, 12).data_hash != count_trainable_tokens(SYNTHETIC, 12).data_hash
 
 
-def test_real_data_coverage(tmp_path, shared_data):
+def test_real_data_coverage(tmp_path, repo_data):
     """On real tokenised GSM8K rows: counts match a direct count, and the reported coverage is the real share."""
     from drafttrain.config import DataConfig
     from drafttrain.data.sources import load_mixture
@@ -112,7 +112,7 @@ def test_real_data_coverage(tmp_path, shared_data):
     from drafttrain.targets import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m-instruct")
-    data = DataConfig(sources=[{"path": str(shared_data / "train" / "gsm8k_train.jsonl")}], num_samples=40,
+    data = DataConfig(sources=[{"path": str(repo_data / "data" / "train" / "gsm8k_train.jsonl")}], num_samples=40,
                       validation_fraction=0.25, max_length=512)
     mixture = load_mixture(data, seed=0)
     train, _ = build_tokenized_dataset(mixture.train, tokenizer, data, tmp_path / "cache")

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("drafttrain.commands.export", "write a trained draft for vLLM, SGLang or speculators, with a model card"),
     "import": ("drafttrain.commands.import_draft", "read a draft another trainer wrote (speculators' format) as a "
                                                    "drafttrain checkpoint"),
+    "capture-server": ("drafttrain.commands.capture_server", "serve the target in vLLM as a capture server for a "
+                                                             "recipe (its hidden states for training)"),
     "bench": ("drafttrain.commands.bench", "serve the target in vLLM plainly and with drafts, and sweep concurrency"),
     "push": ("drafttrain.commands.push", "upload an export to the Hugging Face Hub"),
     "report": ("drafttrain.commands.report", "draw a run's training and checkpoint curves as PNG files"),

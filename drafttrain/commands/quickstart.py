@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise DrafttrainError(f"recipe {args.recipe} not found: run the quickstart from the repository root")
     recipe = load_recipe(args.recipe, args.overrides)
     run = RunFolder.of(recipe.output_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
+    run.claim()  # before its log file goes there: a folder drafttrain did not make is refused, not written in
     started = time.perf_counter()
     with libraries_log_to(run.root / LOG_FILE):
         # imported once the libraries' logs go to the log file: some bind their handlers at import

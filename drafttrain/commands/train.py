@@ -19,13 +19,13 @@ from drafttrain.data.vocab import DraftVocabKey, load_draft_vocab
 from drafttrain.drafts import drafter_for, start_drafter
 from drafttrain.drafts.registry import check_vocabulary_choice, resolved_section
 from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator, check_eval_shape
-from drafttrain.runfolder import DataManifest, RunFolder, open_dataset
+from drafttrain.runfolder import DataManifest, RunFolder, RunLock, first_of_launch, open_dataset
+from drafttrain.sources.choose import engine_runs_target, process_target, training_source
 from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder_layers, final_norm
-from drafttrain.training.features import FeatureCache
 from drafttrain.training.plan import check_fits
 from drafttrain.training.runtime import build_accelerator, configured_zero_stage, end_processes, gathered
-from drafttrain.training.trainer import Trainer, check_zero3, online_outputs
+from drafttrain.training.trainer import Trainer, check_zero3
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,11 @@ def check_trainable(recipe: Recipe) -> None:
                 "eval.every_checkpoint decodes with the whole target in one process, which ZeRO-3 partitions over "
                 "all of them: set eval.every_checkpoint: false and measure checkpoints with `drafttrain eval` on a "
                 "machine that holds the target")
+    if recipe.eval.every_checkpoint and engine_runs_target(recipe):
+        raise DrafttrainError(
+            "eval.every_checkpoint decodes with the whole target in this process, and with capture.engine "
+            f"{recipe.capture.engine} the trainers hold only its head: set eval.every_checkpoint: false")
     if recipe.eval.every_checkpoint:
-
         check_eval_shape(recipe)
     run = RunFolder.of(recipe.output_dir)
     if not run.train_split.is_dir():
@@ -91,38 +94,47 @@ def run(args: argparse.Namespace) -> int:
 
 def train(recipe: Recipe, resume: bool = False, target: Target | None = None):
     """Load the target (unless given), the prepared data and the draft (a fresh one of the recipe's kind, or the
-    saved one draft.init_from names); train; return the TrainResult."""
+    saved one draft.init_from names); train; return the TrainResult. One process trains in a run folder at a time:
+    a launch's rank 0 holds its lock for every rank."""
     check_trainable(recipe)
-
     run = RunFolder.of(recipe.output_dir)
+    if first_of_launch():
+        run.claim()  # a folder drafttrain did not make is refused before anything is written or deleted in it
+    with RunLock(run.root, "drafttrain train"):
+        return _train_in(run, recipe, resume, target)
+
+
+def _train_in(run: RunFolder, recipe: Recipe, resume: bool, target: Target | None):
     check_fits(recipe, "train")  # before the target loads: refuse a run that clearly cannot fit here
     dataset = open_dataset(run.train_split)
     zero3 = configured_zero_stage(recipe.training) == 3
     # Under ZeRO-3 the accelerator exists before the target loads, so from_pretrained partitions it (zero.Init).
     accelerator = build_accelerator(recipe.training) if zero3 else None
-    # targets.load_target is looked up when called, so a caller (a test) may swap the loader
-    target = target if target is not None else targets.load_target(recipe.target)
+    layers = drafter_for(recipe.draft).start_layers(recipe.draft) if recipe.draft.init_from is None else 0
+    target = target if target is not None else run_target_model(recipe, layers)
     fingerprint = check_split_is_current(run, dataset, target)
     check_draft_vocab_is_current(recipe, run, fingerprint, target)
     set_seed(recipe.seed)  # the draft's initial weights
-    layers = drafter_for(recipe.draft).start_layers(recipe.draft) if recipe.draft.init_from is None else 0
     with gathered(start_weights(target, layers), zero3):  # what a draft may start from, whole while it is built
         drafter = start_drafter(recipe.draft, target, run, new_vocabulary=recipe.draft_vocab.enabled)
-    if recipe.training.hidden_states == "offline":
-        outputs = FeatureCache(run.features, target, drafter.needs(), fingerprint).outputs
-    else:
-        outputs = online_outputs(target, drafter)
     callbacks = checkpoint_callbacks(recipe, target, run)
     best_metric = recipe.training.best_metric or ("tau" if callbacks else None)  # keep the best by real tau
-    trainer = Trainer(recipe, target, drafter, dataset, outputs_fn=outputs, callbacks=callbacks, best_metric=best_metric,
-                      accelerator=accelerator, data_fingerprint=fingerprint)
-    result = trainer.train(resume=resume)
+    with training_source(recipe, target, drafter.needs(), dataset, fingerprint) as source:
+        trainer = Trainer(recipe, target, drafter, dataset, source=source, callbacks=callbacks,
+                          best_metric=best_metric, accelerator=accelerator, data_fingerprint=fingerprint)
+        result = trainer.train(resume=resume)
     if trainer.accelerator.is_main_process:
         best = f"; best: {result.best_checkpoint} ({result.best['metric']}={result.best['value']:.4g})" \
             if result.best else ""
         loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
         print(f"trained {result.steps} steps, final loss {loss}; checkpoint: {result.last_checkpoint}{best}")
     return result
+
+
+def run_target_model(recipe: Recipe, layers: int) -> Target:
+    """The target as training needs it: whole, or its head and last ``layers`` layers when capture engines run it.
+    (targets.load_target is looked up when called, so a caller, a test, may swap the loader.)"""
+    return process_target(recipe, keep_last=layers) if engine_runs_target(recipe) else targets.load_target(recipe.target)
 
 
 def start_weights(target: Target, layers: int = 1) -> list:

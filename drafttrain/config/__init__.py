@@ -5,6 +5,7 @@ module per built-in kind), data, training, decode (and eval), bench, and recipe 
 
 from drafttrain.config.base import SETTING_ERROR, Section, needed_packages, positive_int, setting_error
 from drafttrain.config.bench import BenchConfig
+from drafttrain.config.capture import CaptureConfig
 from drafttrain.config.data import DataConfig, RegenerateConfig, ReplayConfig, SourceConfig
 from drafttrain.config.decode import DecodeSettings, EvalConfig
 from drafttrain.config.draft import DraftConfig, DraftVocabConfig
@@ -33,7 +34,7 @@ from drafttrain.config.recipe import (
 from drafttrain.config.shared import DraftLora, LoraSettings, ParallelDrafting, TargetLora
 from drafttrain.config.training import TrainingConfig
 
-__all__ = ["DRAFT_KINDS", "DRAFT_SECTIONS", "SETTING_ERROR", "BenchConfig", "DFlashConfig", "DataConfig", "DecodeSettings",
+__all__ = ["DRAFT_KINDS", "DRAFT_SECTIONS", "SETTING_ERROR", "BenchConfig", "CaptureConfig", "DFlashConfig", "DataConfig", "DecodeSettings",
            "DraftConfig", "DraftLora", "DraftModelConfig", "DraftSection", "DraftVocabConfig", "Eagle3Config",
            "EagleConfig", "EvalConfig", "LoraSettings", "MedusaConfig", "ParallelDrafting", "Recipe", "RegenerateConfig",
            "ReplayConfig", "Section", "SourceConfig", "StudentLora", "TargetConfig", "TargetLora", "TrainingConfig",

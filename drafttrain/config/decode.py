@@ -118,6 +118,41 @@ class DecodeSettings(Section):
         return DecodeSettings.of(self)
 
 
+class LookaheadSettings(Section):
+    """Lookahead decoding's shape (Fu et al., 2024; drafttrain.decoding.lookahead): the target guesses the next
+    tokens itself by Jacobi iteration over a window, and verifies n-grams those guesses formed. ``drafttrain eval``
+    generates its flags from these fields; a recipe has no such section (no draft is trained)."""
+
+    # The descriptions are the help of the flags.
+    lookahead_window: int = Field(5, description=(
+        "lookahead: W, the future positions its Jacobi window guesses at each step"))
+    lookahead_ngram: int = Field(4, description=(
+        "lookahead: N, the n-gram size: the window keeps N-1 levels of guesses and the candidates verified are N-1 "
+        "tokens after the last one emitted"))
+    lookahead_pool: int = Field(5, description=(
+        "lookahead: G, the n-grams kept per first token, all verified (as one tree) when that token is the last "
+        "emitted"))
+
+    _positive = field_validator("lookahead_window", "lookahead_pool", mode="before")(
+        classmethod(lambda cls, value: positive_int(value)))
+
+    @field_validator("lookahead_ngram", mode="before")
+    @classmethod
+    def _ngram(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 3:
+            raise setting_error(f"must be at least 3 (a window needs a level beyond its first), got {value!r}")
+        return value
+
+    @classmethod
+    def of(cls, settings: "LookaheadSettings | None" = None, /, **changes: Any) -> "LookaheadSettings":
+        """``settings`` (or the defaults) with ``changes``, validated; a bad value is a DrafttrainError naming it."""
+        values = settings.model_dump() if settings is not None else {}
+        try:
+            return cls.model_validate({**values, **changes})
+        except ValidationError as err:
+            raise DrafttrainError(describe_errors(err, lambda loc: ".".join(map(str, loc)))) from None
+
+
 class EvalConfig(DecodeSettings):
     """The recipe's eval section: the prompts, and how to decode them."""
 

@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from drafttrain import DrafttrainError
 from drafttrain.config.base import Section, needed_packages
+from drafttrain.config.capture import CaptureConfig
 from drafttrain.config.data import DataConfig, RegenerateConfig, SourceConfig
 from drafttrain.config.decode import EvalConfig
 from drafttrain.config.draft import DraftConfig, DraftVocabConfig
@@ -81,14 +82,27 @@ class Recipe(Section):
     draft_vocab: DraftVocabConfig = DraftVocabConfig()  # the draft vocabulary (d2t / t2d) built from the data
     draft: DraftSection | None = None  # the draft: its kind and that kind's settings
     training: TrainingConfig = TrainingConfig()  # the trainer
+    capture: CaptureConfig = CaptureConfig()  # what computes the target's hidden states: drafttrain, or vLLM
     eval: EvalConfig = EvalConfig()  # the evaluation of every checkpoint and of the final draft
     wandb: WandbConfig = WandbConfig()  # logging to Weights & Biases
 
     @model_validator(mode="after")
     def _trained_target_runs_online(self) -> "Recipe":
-        if self.draft is not None and self.draft.trains_target and self.training.hidden_states == "offline":
-            raise ValueError("training.hidden_states offline: this draft trains the target (draft.lora), so the "
-                             "target's outputs change every step and cannot be cached; use online")
+        mode = self.training.hidden_states
+        if self.draft is not None and self.draft.trains_target and mode != "online":
+            raise ValueError(f"training.hidden_states {mode}: this draft trains the target (draft.lora), so the "
+                             "target's outputs change every step and cannot be computed ahead; use online")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_capture(self) -> "Recipe":
+        mode, engine = self.training.hidden_states, self.capture.engine
+        if mode == "stream" and engine == "hf":
+            raise ValueError("training.hidden_states stream: the states come from capture servers; set capture.engine"
+                             " vllm with capture.python or capture.urls")
+        if engine != "hf" and mode == "online":
+            raise ValueError(f"capture.engine {engine} computes the target's states for the offline cache or a stream:"
+                             " set training.hidden_states offline (prepare captures them) or stream")
         return self
 
     @model_validator(mode="after")

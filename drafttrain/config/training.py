@@ -10,8 +10,9 @@ from drafttrain.config.base import Section
 
 
 class TrainingConfig(Section):
-    # online: the target runs every step; offline: prepare caches its states
-    hidden_states: Literal["online", "offline"] = "online"
+    # online: the target runs every step; offline: prepare caches its states; stream: capture engines compute them
+    # while training runs (capture section), nothing cached beyond a window of files
+    hidden_states: Literal["online", "offline", "stream"] = "online"
     # dtype of the offline cache's hidden states; auto = the target's own dtype (nothing lost)
     # the offline cache's hidden states: the target's dtype (auto), another, or float8 with a per-token scale
     feature_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8"] = "auto"

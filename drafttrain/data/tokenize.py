@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -61,6 +60,7 @@ from drafttrain.data.chat import (
 from drafttrain.data.traffic import ANSWER_WEIGHTS
 from drafttrain.progress import progress_bar
 from drafttrain.runfolder import DataManifest, RunFolder, cache_root, damaged, file_sha256, open_dataset, read_json
+from drafttrain.userfiles import remove
 
 log = logging.getLogger(__name__)
 
@@ -530,12 +530,17 @@ def build_tokenized_dataset(
             if not (final / _CACHE_MARKER).is_file():
                 raise
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(work, "the scratch of this tokenisation")
+        remove(tmp, "this tokenisation's unpublished copy")
     log.info("tokenised data: %d rows (%d conversations, %d skipped) -> %s", stats["rows"], stats["tokenized"],
              sum(stats["skipped"].values()), final)
     stats.update(cache_hit=False, cache_path=str(final))
     return open_dataset(final), stats
+
+
+def _is_cache_entry(folder: Path) -> bool:
+    """A tokenised-data cache entry drafttrain wrote: it carries the record written with it."""
+    return (folder / _CACHE_MARKER).is_file()
 
 
 def _verified_cache(folder: Path):
@@ -548,7 +553,7 @@ def _verified_cache(folder: Path):
             raise damaged(folder, "does not hash to the fingerprint recorded when it was built")
     except DrafttrainError as why:
         log.warning("tokenised data cache %s is unusable, rebuilding it: %s", folder, why)
-        shutil.rmtree(folder, ignore_errors=True)
+        remove(folder, "a damaged tokenised-data cache entry", inside=folder, made=_is_cache_entry)
         return None
     stats.update(cache_hit=True, cache_path=str(folder))
     log.info("tokenised data: cache hit %s", folder)

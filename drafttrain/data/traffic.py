@@ -85,13 +85,16 @@ def redact(text: str, found: Counter) -> str:
     return text
 
 
-def _redacted(value: Any, found: Counter) -> Any:
+def redacted(value: Any, found: Counter | None = None) -> Any:
+    """A JSON-like value (strings, lists, dicts) with every secret-looking string replaced: a request, or a recipe
+    before it is written into a file that leaves the machine (a model card, a manifest, a summary)."""
+    found = Counter() if found is None else found
     if isinstance(value, str):
         return redact(value, found)
     if isinstance(value, list):
-        return [_redacted(v, found) for v in value]
+        return [redacted(v, found) for v in value]
     if isinstance(value, dict):  # keys too: a key used as a JSON object's key is still a key
-        return {(redact(k, found) if isinstance(k, str) else k): _redacted(v, found) for k, v in value.items()}
+        return {(redact(k, found) if isinstance(k, str) else k): redacted(v, found) for k, v in value.items()}
     return value
 
 
@@ -118,12 +121,12 @@ class RequestLog:
 def read_request_log(path: str | Path) -> RequestLog:
     """Every distinct prompt of a request log, in file order, with the lines it could not use and why."""
     path = _existing(path, "request log")
-    prompts, skipped, redacted = [], [], Counter()
+    prompts, skipped, found = [], [], Counter()
     for number, line in enumerate(read_text(path, "request log").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            prompt = _prompt_of(_redacted(json.loads(line), redacted), f"{path.name}:{number}")
+            prompt = _prompt_of(redacted(json.loads(line), found), f"{path.name}:{number}")
         except json.JSONDecodeError as err:
             skipped.append(f"line {number}: not JSON ({err.msg})")
             continue
@@ -131,13 +134,13 @@ def read_request_log(path: str | Path) -> RequestLog:
             skipped.append(f"line {number}: {err}")
             continue
         prompts.append(prompt)
-    return _distinct(prompts, skipped, redacted, f"request log {path} holds no usable request")
+    return _distinct(prompts, skipped, found, f"request log {path} holds no usable request")
 
 
 def read_prompts_file(path: str | Path) -> RequestLog:
     """A prompts file (see the module docstring) as user prompts, each once."""
     path = _existing(path, "prompts file")
-    prompts, skipped, redacted = [], [], Counter()
+    prompts, skipped, found = [], [], Counter()
     for number, line in enumerate(read_text(path, "prompts file").splitlines(), 1):
         text = line.strip()
         if path.suffix.lower() != ".txt" and text:
@@ -152,11 +155,11 @@ def read_prompts_file(path: str | Path) -> RequestLog:
                 continue
         if not text.strip():
             continue
-        prompts.append(Prompt(({"role": "user", "content": redact(text, redacted)},)))
-    return _distinct(prompts, skipped, redacted, f"prompts file {path} holds no prompt")
+        prompts.append(Prompt(({"role": "user", "content": redact(text, found)},)))
+    return _distinct(prompts, skipped, found, f"prompts file {path} holds no prompt")
 
 
-def _distinct(prompts: list[Prompt], skipped: list[str], redacted: Counter, empty: str) -> RequestLog:
+def _distinct(prompts: list[Prompt], skipped: list[str], found: Counter, empty: str) -> RequestLog:
     """The prompts read, each once in file order (the first copy kept), or an error saying ``empty`` and why."""
     kept, seen = [], set()
     for prompt in prompts:
@@ -168,7 +171,7 @@ def _distinct(prompts: list[Prompt], skipped: list[str], redacted: Counter, empt
             kept.append(prompt)
     if not kept:
         raise DrafttrainError(empty + (f" ({len(skipped)} lines skipped; first: {skipped[0]})" if skipped else ""))
-    return RequestLog(kept, skipped, len(prompts) - len(kept), +redacted)
+    return RequestLog(kept, skipped, len(prompts) - len(kept), +found)
 
 
 def traffic_source(path: str, fmt: str, name: str, rejected_weight: int = 1) -> tuple[LoadedSource, RequestLog]:

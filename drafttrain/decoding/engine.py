@@ -1,9 +1,10 @@
 """The speculative decoding loop (batch size 1, tensors kept batch-shaped).
 
 State between steps: the target's KV cache holds every token except the last emitted one, the *root*. A step
-feeds [root, draft nodes...] in one forward (a tree gets a 4D ancestor mask and depth-based positions), verifies
-(verify.py), keeps the cache entries of the root and the accepted nodes, and emits accepted + one target token.
-Invariant after every step: cache length == prompt length + emitted tokens - 1.
+feeds [root, draft nodes..., side tokens...] in one forward (a tree gets a 4D ancestor mask and depth-based
+positions; a proposer's side tokens see what it says and are seen by no node), verifies (verify.py), keeps the cache
+entries of the root and the accepted nodes, and emits accepted + one target token; the side tokens' logits go back
+to the proposer. Invariant after every step: cache length == prompt length + emitted tokens - 1.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DecodeSettings
 from drafttrain.decoding.guard import Cycle, RuntimeGuard
 from drafttrain.decoding.proposers import DraftRequest, NoDraft, Proposer, build_proposer
-from drafttrain.decoding.trees import Chain, Draft, ancestor_matrix, as_shape, tree_position_ids
+from drafttrain.decoding.trees import Chain, Draft, as_shape, verification_layout
 from drafttrain.decoding.verify import (
     verify_chain,
     verify_chain_greedy,
@@ -37,6 +38,7 @@ class DecodeStats:
     wall_time_s: float = 0.0  # the whole generate call, prefill included
     accepted_per_step: list[int] = dataclasses.field(default_factory=list)  # draft tokens accepted (bonus excluded)
     drafted_per_step: list[int] = dataclasses.field(default_factory=list)  # chain length / deepest tree path
+    fed_per_step: list[int] = dataclasses.field(default_factory=list)  # tokens fed: root + nodes + side tokens
     # per step: the token after the accepted draft tokens replaced draft tokens the target refused (the accepted
     # path's last node, or the root, had children), rather than extending a draft accepted to its end
     rejected_per_step: list[bool] = dataclasses.field(default_factory=list)
@@ -99,10 +101,12 @@ class SpeculativeDecoder:
                 f"proposer {self.proposer.name!r} cannot fill a {type(self.shape).__name__} draft "
                 f"(it supports: {', '.join(s.__name__ for s in self.proposer.shapes)})"
             )
-        if not isinstance(self.shape, Chain):  # a recurrent target verifies chains only (targets.cache)
+        side = self.proposer.side_tokens
+        if not isinstance(self.shape, Chain) or side:  # tree masks, which a recurrent target refuses (targets.cache)
             probe = TargetCache(self.model)
             if not probe.supports_trees:
-                raise DrafttrainError(probe.tree_refusal())
+                why = (f"run the {self.proposer.name} proposer's own tokens beside its draft", "Use another proposer")
+                raise DrafttrainError(probe.tree_refusal(*why) if side else probe.tree_refusal())
         limit = self.proposer.max_depth
         if limit is not None and self.shape.depth > limit:
             raise DrafttrainError(f"a draft of depth {self.shape.depth} is deeper than proposer "
@@ -173,16 +177,16 @@ class SpeculativeDecoder:
         return nxt
 
     def _verify(self, draft: Draft, root: int, generator, stats: DecodeStats):
-        """One target forward over [root, draft...]; returns the emitted tokens and the accepted positions'
-        hidden states (root first) for the proposer."""
-        prefix = self.cache.length
-        inputs = torch.cat([self._tensor([[root]]), draft.tokens.to(self.target.device)], dim=1)
-        if draft.is_chain:
-            logits, hidden = self._forward(inputs)
-        else:
-            pos = tree_position_ids(draft.parents, prefix, inputs.device)
-            logits, hidden = self._forward(inputs, position_ids=pos, allowed=ancestor_matrix(tuple(draft.parents)))
-        path, nxt = self._accept(draft, logits[0], generator)
+        """One target forward over [root, draft..., side tokens...]; returns the emitted tokens and the accepted
+        positions' hidden states (root first) for the proposer, and hands the side tokens their logits."""
+        prefix, nodes = self.cache.length, len(draft) + 1
+        fed = [draft.tokens] + ([] if draft.side is None else [draft.side.tokens])
+        inputs = torch.cat([self._tensor([[root]]), *(t.to(self.target.device) for t in fed)], dim=1)
+        positions, allowed = verification_layout(draft, prefix, inputs.device)
+        logits, hidden = self._forward(inputs, position_ids=positions, allowed=allowed)
+        if draft.side is not None:
+            draft.side.logits = logits[0, nodes:]
+        path, nxt = self._accept(draft, logits[0, :nodes], generator)
         keep = [0] + [1 + node for node in path]
         started = time.perf_counter()
         self.cache.keep(prefix, keep)
@@ -223,6 +227,7 @@ class SpeculativeDecoder:
         stats.target_forwards += 1
         stats.accepted_per_step.append(accepted)
         stats.drafted_per_step.append(draft.depth)
+        stats.fed_per_step.append(draft.width)
         stats.rejected_per_step.append((path[-1] if path else -1) in draft.parents)
         for counts, upto in ((stats.position_drafted, draft.depth), (stats.position_accepted, accepted)):
             counts.extend([0] * (upto - len(counts)))

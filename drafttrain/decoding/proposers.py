@@ -22,6 +22,12 @@ The interface (``Proposer``), as the engine drives it for one ``generate`` call:
   drafttrain.targets.HiddenStateTap). When set, the engine runs the target's prefill and verification forwards
   under the tap and passes ``hidden`` (the taps concatenated on the feature axis); otherwise hidden is None.
 * ``shapes``: the draft shapes the proposer can fill; the engine refuses the others up front.
+* ``side_tokens``: whether its drafts may carry side tokens (trees.SideTokens): tokens it runs through the
+  verification forward for its own use, masked apart from the draft, whose logits the engine sets on the draft's
+  ``side`` before ``accept``. They need tree masks, so the engine refuses targets whose caches cannot take them.
+* ``settings_class``: None, or the section of its own settings (a ``config`` Section); ``drafttrain eval``
+  generates a flag per field and gives the values given to the proposer as keywords. ``deepest(**settings)``: the
+  deepest draft it fills with them (None: any), known before a target loads, so a default depth is fitted to it.
 
 A proposer keeps its own state (token history, KV cache) between these calls; ``prefill`` resets it.
 Register new kinds with ``@register_proposer("name")``, and a proposer for a kind's variant (a subclass of the kind's
@@ -62,6 +68,8 @@ class Proposer(abc.ABC):
     # It serves any causal LM with the target's tokenizer (a model folder, a built-in name, a Hub id), not only a
     # drafttrain checkpoint; it may draft from a draft vocabulary (``vocab=``).
     serves_model_folders: ClassVar[bool] = False
+    side_tokens: ClassVar[bool] = False  # its drafts may carry side tokens (see the module docstring)
+    settings_class: ClassVar[type | None] = None  # the section its settings' flags come from (module docstring)
 
     @abc.abstractmethod
     def prefill(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, next_token: torch.Tensor) -> None: ...
@@ -71,6 +79,11 @@ class Proposer(abc.ABC):
 
     @abc.abstractmethod
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None: ...
+
+    @classmethod
+    def deepest(cls, **settings) -> int | None:
+        """The deepest draft it fills when built with ``settings`` (None: any depth)."""
+        return None
 
     def modules(self) -> list[torch.nn.Module]:
         """The torch modules it runs (the evaluator packs their CPU linear layers, drafttrain.cpu_linear)."""
@@ -204,7 +217,7 @@ class PromptLookupProposer(Proposer):
         else:
             budget = len(shape) if isinstance(shape, StaticTree) else shape.total_tokens
             branches = self.max_matches
-        return _trie(self._continuations(shape.depth, branches), budget, self.device)
+        return trie_draft(self._continuations(shape.depth, branches), budget, self.device)
 
     def _continuations(self, depth: int, branches: int) -> list[list[int]]:
         ids, found = torch.tensor(self.ids), []
@@ -220,7 +233,9 @@ class PromptLookupProposer(Proposer):
         return found
 
 
-def _trie(paths: list[list[int]], budget: int, device) -> Draft:
+def trie_draft(paths: list[list[int]], budget: int, device) -> Draft:
+    """Continuations merged into one deterministic draft tree, in order, shared prefixes once, up to ``budget``
+    nodes."""
     tokens: list[int] = []
     parents: list[int] = []
     index: dict[tuple[int, int], int] = {}

@@ -3,7 +3,8 @@ and the attention masks that let one forward score a whole tree.
 
 A draft tree has N nodes in topological order. ``parents[i]`` is the index of node i's parent, or -1 when the
 parent is the *root*: the last emitted token, which is not in the KV cache yet and is the first input of the
-verification forward. A chain of k tokens is the tree ``parents = [-1, 0, 1, ..., k-2]``.
+verification forward. A chain of k tokens is the tree ``parents = [-1, 0, 1, ..., k-2]``. A draft may carry side
+tokens (``SideTokens``): tokens its proposer runs through the same forward for its own use, never verified.
 """
 
 from __future__ import annotations
@@ -169,6 +170,27 @@ def tree_of(settings) -> Any:
     return tree
 
 
+def drafted_depth(tree, depth: int | str) -> int | str:
+    """The depth a tree drafts: a static tree's (or a list of paths') own, whatever depth is set beside it; the
+    set depth for a chain or a dynamic tree (or "auto", until chosen)."""
+    if isinstance(tree, StaticTree):
+        return tree.depth
+    if isinstance(tree, (list, tuple)) and tree:
+        return max(len(path) for path in tree)
+    return depth
+
+
+def check_tree_depth(settings, depth_name: str = "--depth", tree_name: str = "--tree") -> None:
+    """A depth given beside a static tree cannot act (the tree drafts to its own depth): refused unless it is that
+    depth, so that no report claims a depth that was not drafted. ``*_name``: the settings' names for the user."""
+    tree = tree_of(settings)
+    own = drafted_depth(tree, settings.depth)
+    if "depth" in settings.model_fields_set and own != settings.depth:
+        raise DrafttrainError(f"{depth_name} {settings.depth} cannot act on {tree_name} {settings.tree}: a static tree "
+                              f"drafts to its own depth ({own}); leave {depth_name} out, or draft {settings.depth} "
+                              f"deep with {tree_name} chain or dynamic")
+
+
 def as_shape(tree, depth: int, min_confidence: float = 0.0) -> TreeShape:
     """The engine's ``tree=`` argument ("chain", a list of paths, a StaticTree or a DynamicTree) as a shape."""
     if isinstance(tree, (Chain, StaticTree, DynamicTree)):
@@ -184,6 +206,36 @@ def as_shape(tree, depth: int, min_confidence: float = 0.0) -> TreeShape:
 
 
 @dataclasses.dataclass
+class SideTokens:
+    """Tokens a proposer adds to the verification forward for its own use (lookahead decoding's Jacobi window): fed
+    after the root and the draft's N nodes, never candidates, never accepted or emitted, and dropped from the cache
+    with the refused nodes.
+
+    tokens:  LongTensor [1, S]
+    offsets: S ints, each token's position after the root's (the root is at 0, a draft node at its depth)
+    sees:    Bool [S, 1 + N + S]: which of (the root, the draft's nodes, the side tokens) each side token attends
+             to; the cache before the root is seen by every token (within a layer's window). No draft node sees a
+             side token, so the draft is verified exactly as it would be without them.
+    logits:  set by the engine after the forward: the target's logits at the side tokens [S, V], for the proposer
+             to read when the step's emitted tokens reach it (``Proposer.accept``).
+    """
+    tokens: torch.Tensor
+    offsets: list[int]
+    sees: torch.Tensor
+    logits: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.offsets = [int(o) for o in self.offsets]
+        size = len(self.offsets)
+        if self.tokens.dim() != 2 or self.tokens.shape[1] != size or self.sees.dim() != 2 or len(self.sees) != size:
+            raise ValueError(f"SideTokens: tokens {tuple(self.tokens.shape)}, {size} offsets and sees "
+                             f"{tuple(self.sees.shape)} do not describe the same tokens")
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
+@dataclasses.dataclass
 class Draft:
     """What a proposer returns: N draft tokens arranged as a tree (a chain is a tree).
 
@@ -194,10 +246,12 @@ class Draft:
              row 0 is the distribution the root's children were drawn from and row i+1 the distribution node
              i's children were drawn from, *without replacement, in node order* (the first child ~ q, the
              second ~ q with the first removed, ...). Rows of leaves are ignored (may be zero).
+    side:    None, or tokens the proposer runs through the verification forward beside the draft (SideTokens)
     """
     tokens: torch.Tensor
     parents: list[int]
     q: torch.Tensor | None = None
+    side: SideTokens | None = None
 
     def __post_init__(self):
         self.parents = [int(p) for p in self.parents]
@@ -207,6 +261,10 @@ class Draft:
             raise ValueError(f"Draft: parents must precede their children, got {self.parents}")
         if self.q is not None and self.q.shape[1] != len(self.parents) + 1:
             raise ValueError(f"Draft: q has {self.q.shape[1]} rows, expected {len(self.parents) + 1}")
+        if self.side is not None and self.side.sees.shape[1] != len(self.parents) + 1 + len(self.side):
+            raise ValueError(f"Draft: side tokens' sees has {self.side.sees.shape[1]} columns, expected "
+                             f"{len(self.parents) + 1 + len(self.side)} (the root, {len(self.parents)} nodes, "
+                             f"{len(self.side)} side tokens)")
         self.depths = node_depths(tuple(self.parents))
 
     @classmethod
@@ -232,6 +290,11 @@ class Draft:
     @property
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self.parents) - 1))
+
+    @property
+    def width(self) -> int:
+        """The tokens its verification forward feeds: the root, the nodes and any side tokens."""
+        return 1 + len(self) + (0 if self.side is None else len(self.side))
 
 
 def _check_positive(name: str, value) -> None:
@@ -287,4 +350,21 @@ def feed_mask(parents: list[int], fed: list[int], nodes: list[int]) -> torch.Ten
 def tree_position_ids(parents: list[int], prefix_len: int, device) -> torch.Tensor:
     """position_ids [1, N+1] for (root, nodes...): prefix_len + depth, the root at depth 0."""
     return torch.tensor([[prefix_len] + [prefix_len + d for d in node_depths(tuple(parents))]], device=device)
+
+
+def verification_layout(draft: Draft, prefix_len: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The position ids [1, W] and the attention rule [W, W] (``allowed``, as targets.TargetCache.forward takes it)
+    of the one forward that verifies ``draft``, W = draft.width: the root, the nodes (each sees its ancestors), then
+    any side tokens (each sees what its ``sees`` says). (None, None) for a chain alone: plain causal attention."""
+    if draft.side is None and draft.is_chain:
+        return None, None
+    positions = tree_position_ids(draft.parents, prefix_len, device)
+    allowed = ancestor_matrix(tuple(draft.parents))
+    if draft.side is not None:
+        side = draft.side
+        offsets = torch.tensor([side.offsets], device=device)
+        positions = torch.cat([positions, prefix_len + offsets], dim=1)
+        blind = torch.zeros(len(allowed), len(side), dtype=torch.bool)  # no node sees a side token
+        allowed = torch.cat([torch.cat([allowed, blind], dim=1), side.sees.cpu().bool()])
+    return positions, allowed
 

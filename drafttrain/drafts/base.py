@@ -35,6 +35,7 @@ from drafttrain.drafts.codecs import writable_formats
 from drafttrain.drafts.lora import has_lora, merged_state
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
 from drafttrain.targets import Target
+from drafttrain.targets.family import draft_layer_fields
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 
 
@@ -85,6 +86,18 @@ def top1_hits(draft_ids: torch.Tensor, target_ids: torch.Tensor, weight: torch.T
     return float(((draft_ids == target_ids).float() * weight).sum()), float(weight.sum())
 
 
+# What a draft records of the target it was trained for and compares when loaded for one (its fingerprint, with the
+# target's tokenizer): the architecture, the sizes, and what a draft layer mirrors of the target's attention (heads,
+# head size, epsilon, context length, RoPE: targets.family.draft_layer_fields). Drafts written before the mirrored
+# ones were recorded hold the first four. (Its class names are recorded too, not compared: a draft saved with its
+# target wrapped in adapters recorded the wrapper's.)
+TARGET_FACTS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                "rope_parameters")
+# the interchange config's flat spelling of a mirrored fact (engines read rope_theta beside rope_parameters)
+_FLAT_FACTS = {"rope_theta": "rope_parameters"}
+
+
 class Drafter(nn.Module):
     kind: ClassVar[str]
     config_class: ClassVar[type[DraftConfig]]
@@ -94,6 +107,9 @@ class Drafter(nn.Module):
     engine_methods: ClassVar[dict[str, str]] = {}
     # A continued draft (draft.init_from) may draft over a vocabulary chosen on the new data (adopt_vocabulary)
     adopts_vocabulary: ClassVar[bool] = False
+    # The facts of the target it was trained for (TARGET_FACTS) that the target it serves must share: its weights
+    # read that target's hidden states and mirror its layers. Its tokenizer is compared whatever the kind.
+    target_facts: ClassVar[tuple[str, ...]] = TARGET_FACTS
 
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -268,24 +284,60 @@ def with_lora(model: nn.Module, lora: LoraSettings, owner: str, field: str) -> n
 
 
 def target_identity(target: Target) -> dict[str, Any]:
-    """What a draft records of the target it was trained for, so it is never served by another."""
+    """What a draft records of the target it was trained for (TARGET_FACTS, its name and its tokenizer), so it is
+    never served by another."""
     config = target.model.config
-    return {"name": target.name, "vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
-            "num_hidden_layers": target.num_layers, "model_type": getattr(config, "model_type", None),
-            "architectures": list(getattr(config, "architectures", None) or [type(target.model).__name__]),
-            "tokenizer": target.tokenizer_fingerprint}
+    model = target.model.get_base_model() if hasattr(target.model, "get_base_model") else target.model  # unwrapped
+    try:
+        mirrored = draft_layer_fields(config)
+    except AttributeError:  # a family without attention heads to mirror: its sizes alone are recorded
+        mirrored = {}
+    facts = {"model_type": getattr(config, "model_type", None), "vocab_size": target.vocab_size,
+             "hidden_size": target.hidden_size, "num_hidden_layers": target.num_layers,
+             **{name: mirrored[name] for name in TARGET_FACTS if name in mirrored and name != "vocab_size"}}
+    return {"name": target.name, "architectures": list(getattr(config, "architectures", None) or [type(model).__name__]),
+            **facts, "tokenizer": target.tokenizer_fingerprint}
 
 
-def check_target(config: dict[str, Any], target: Target, directory: Path) -> None:
-    """A draft trained for another tokenizer is refused, even at the same vocabulary size."""
-    recorded = (config["drafttrain"].get("target") or {}).get("tokenizer")
-    current = target_identity(target)["tokenizer"]
-    if recorded and current and recorded != current:
+def check_target(config: dict[str, Any], target: Target, directory: Path, facts: tuple[str, ...] = TARGET_FACTS) \
+        -> None:
+    """A draft trained for another target is refused, naming what differs: another tokenizer (even at the same
+    vocabulary size), or any of ``facts`` (the kind's ``target_facts``) the draft recorded of the target it was trained
+    for. Not damage: the draft is sound, the target is another (a fine-tune of the same model differs in none)."""
+    record = config["drafttrain"].get("target") or {}
+    current = target_identity(target)
+    if record.get("tokenizer") and current["tokenizer"] and record["tokenizer"] != current["tokenizer"]:
         raise DrafttrainError(
-            f"the draft at {directory} was trained for a target with another tokenizer (fingerprint {recorded}; "
-            f"{target.name!r} has {current}): its token ids would mean other tokens. Serve it with the target it "
-            "was trained for"
+            f"the draft at {directory} was trained for a target with another tokenizer (fingerprint "
+            f"{record['tokenizer']}; {target.name!r} has {current['tokenizer']}): its token ids would mean other "
+            "tokens. Serve it with the target it was trained for"
         )
+    differ = [line for name in facts if name in record for line in _differences(name, record[name], current.get(name))]
+    if differ:
+        raise DrafttrainError(
+            f"the draft at {directory} was trained for target {record.get('name')!r}, given {target.name!r}, which "
+            f"differs: {'; '.join(differ)}. The draft is sound: serve it with the target it was trained for (or a "
+            "fine-tune of it), or train one for this target"
+        )
+
+
+def unrecorded_fact(drafter: "Drafter", key: str, config: dict[str, Any]) -> str | None:
+    """The fact of its target that config.json's ``key`` mirrors when the draft's record of that target lacks it (a
+    draft written before the fact was recorded): then a value that differs from the draft built for this target
+    may say another target as well as an edited file. None: a fact recorded, or none of the target's."""
+    fact = _FLAT_FACTS.get(key, key)
+    record = config["drafttrain"].get("target") or {}
+    return fact if fact in drafter.target_facts and fact not in record else None
+
+
+def _differences(name: str, trained: Any, given: Any) -> list[str]:
+    """'NAME TRAINED trained for, GIVEN given' for a fact that differs; a dict (RoPE) key by key."""
+    if isinstance(trained, dict) and isinstance(given, dict):
+        return [line for key in sorted(trained.keys() | given.keys())
+                for line in _differences(f"{name}.{key}", trained.get(key), given.get(key))]
+    if trained == given or (isinstance(trained, list) and isinstance(given, tuple) and trained == list(given)):
+        return []
+    return [f"{name} {trained!r} trained for, {given!r} given"]
 
 
 def saved_section(config_class: type[DraftConfig], config: dict[str, Any]) -> DraftConfig:

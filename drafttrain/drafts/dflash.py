@@ -31,7 +31,6 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     repeat_kv,
-    rotate_half,
 )
 
 from drafttrain import DrafttrainError
@@ -45,17 +44,12 @@ from drafttrain.drafts.layers import (
     LayerCache,
     llama_config_like,
     resolve_mask_token,
+    rope,
 )
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder_layers, final_norm_scale
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of x (B, heads, T, head_dim) with HF's cos/sin (B, T, head_dim)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
 
 
 class BlockAttention(nn.Module):

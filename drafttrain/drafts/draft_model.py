@@ -67,6 +67,8 @@ class DraftModelDrafter(Drafter):
     engine_methods = {"vllm": "draft_model"}
     config_class = DraftModelConfig
     proposer = "draft_model"
+    # a whole LM of its own: any target with its tokenizer serves (the same draft model for a family's sizes)
+    target_facts = ()
 
     def __init__(self, config: DraftModelConfig, student: torch.nn.Module,
                  vocab: tuple[torch.Tensor, torch.Tensor] | None = None):

@@ -1,6 +1,6 @@
 """Building blocks of the draft heads: a Llama-style decoder layer with its own small KV cache, and label shifts.
 
-HF's own pieces (RMSNorm, MLP, rotary embedding, ``apply_rotary_pos_emb``, ``repeat_kv``) are used as they are;
+HF's own pieces (RMSNorm, MLP, rotary embedding, ``rotate_half``, ``repeat_kv``) are used as they are;
 only the attention is ours, because the heads need two things HF's layer does not offer: EAGLE-3's 2H-wide
 attention input, and the training-time-test pattern (causal over the real prefix + one diagonal key per
 unrolled step) without materialising a (k·T)² mask, and P-EAGLE's mask slots (a mask built in chunks of query
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
 
 from drafttrain import DrafttrainError
 from drafttrain.targets import Target
@@ -88,6 +88,18 @@ class RowMask:
         raise NotImplementedError
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x (B, heads, T, head_dim) with HF's cos/sin (B, T, rotary width). A rotary
+    width below the head's (a target with ``partial_rotary_factor``: Phi-4-mini rotates 96 of 128) rotates the
+    first dimensions and passes the rest, as the target's own attention does."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned, passed = x[..., :width], x[..., width:]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, passed], dim=-1)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, config: LlamaConfig, input_size: int):
         super().__init__()
@@ -106,7 +118,7 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         return q, k, v
 
     def _out(self, attn: torch.Tensor) -> torch.Tensor:
@@ -298,11 +310,21 @@ def copy_target_layer(draft: DraftDecoderLayer, source: nn.Module) -> None:
                                   f"{tuple(value.shape)} there, {tuple(mine.shape)} in the draft ({advice})")
 
 
+class DraftLayerConfig(LlamaConfig):
+    """A Llama config whose head size is given (the target's): the width need not then be a multiple of the head
+    count, as Qwen3.5-27B's (5120 wide, 24 heads of 256) and GLM-4.5's (4096 wide, 96 heads of 128) are not;
+    transformers' LlamaConfig refuses those even with an explicit head size. It is saved as a plain Llama config."""
+
+    def validate_architecture(self):
+        if self.head_dim is None:
+            super().validate_architecture()
+
+
 def llama_config_like(target_config, **overrides) -> LlamaConfig:
     """A Llama config for a draft layer shaped like the target's (heads, widths, RoPE: targets.family)."""
     fields = dict(draft_layer_fields(target_config), num_hidden_layers=1, tie_word_embeddings=False)
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    return LlamaConfig(**fields)
+    return DraftLayerConfig(**fields)
 
 
 def resolve_mask_token(configured: int | None, target: Target, field: str = "draft.mask_token_id") -> int:

@@ -60,6 +60,9 @@ class MedusaDrafter(Drafter):
     engine_methods = {"vllm": "medusa"}
     config_class = MedusaConfig
     proposer = "medusa"
+    # heads on the final hidden state, with no layer of their own mirroring the target's attention: the model and
+    # its sizes (its RoPE or context length may differ, as a long-context fine-tune's do)
+    target_facts = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
 
     def __init__(self, config: MedusaConfig, hidden_size: int, d2t: torch.Tensor, t2d: torch.Tensor):
         super().__init__(config)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftConfig, Section, register_draft_section, unregister_draft_section
 from drafttrain.data.vocab import draft_ids, draft_vocab_for
-from drafttrain.drafts.base import Drafter, check_target, read_draft_config, saved_section
+from drafttrain.drafts.base import Drafter, check_target, read_draft_config, saved_section, unrecorded_fact
 from drafttrain.drafts.codecs import Codec, ForeignReader, codecs_of, readers_of, register_codecs, unregister_codecs
 from drafttrain.drafts.dflash import DFlashDrafter
 from drafttrain.drafts.draft_model import DraftModelDrafter
@@ -354,6 +354,12 @@ def _check_engine_config(drafter: Drafter, config: dict, directory: Path) -> Non
     ``imported``). Compared: the top-level numbers, strings and flags of the config this draft writes."""
     for key, value in drafter.interchange_config().items():
         if key in config and isinstance(value, (bool, int, float, str)) and config[key] != value:
+            if unrecorded_fact(drafter, key, config):  # a draft that records only its target's name and sizes
+                raise DrafttrainError(
+                    f"{directory / CONFIG_NAME} says {key} = {config[key]!r}, but built for target "
+                    f"{drafter.target.name!r} the draft has {value!r}: it was trained for another target (it records "
+                    f"{(config['drafttrain'].get('target') or {}).get('name')!r}), or the file was edited. Serve it "
+                    "with the target it was trained for")
             raise damaged(directory / CONFIG_NAME, f"says {key} = {config[key]!r}, but the draft it holds has "
                                                    f"{value!r}: engines would serve another draft than this one")
 
@@ -372,8 +378,9 @@ def load_drafter(path: str | Path | SavedDraft, target: Target, *, as_saved: boo
     draft (a head trained in fp32 beside a bf16 target failed at its first matmul on a GPU); ``as_saved`` keeps
     them as written, for the paths that rewrite or compare the weights (export, import).
 
-    Checked on the way: the files against the checkpoint's manifest (checksums), the draft's recorded target
-    tokenizer against this target's, its config against its weights, and the weights for NaN/inf."""
+    Checked on the way: the files against the checkpoint's manifest (checksums), the target it records against
+    this one (tokenizer, architecture, sizes: check_target), its config against its weights, and the weights for
+    NaN/inf."""
     directory = path.directory if isinstance(path, SavedDraft) else find_draft(path)
     checked: dict = {}  # the manifest's file entries, just verified: their sha256 need not be computed again
     if (directory / MANIFEST).is_file():
@@ -381,9 +388,9 @@ def load_drafter(path: str | Path | SavedDraft, target: Target, *, as_saved: boo
         checked = read_json(directory / MANIFEST)["files"]
     saved = path if isinstance(path, SavedDraft) else SavedDraft.open(directory)  # read after the manifest's check
     kind, config = saved.kind, saved.config
-    check_target(config, target, directory)
     try:
         cls = drafter_for(saved.section())
+        check_target(config, target, directory, cls.target_facts)
         drafter, config = _from_export(cls, directory, config, target) if config["drafttrain"].get("export") \
             else (cls.from_pretrained(directory, target), config)
     except DrafttrainError:
@@ -406,11 +413,37 @@ def load_drafter(path: str | Path | SavedDraft, target: Target, *, as_saved: boo
     return drafter
 
 
+def recognised_foreign(config: dict) -> tuple[type[Drafter], ForeignReader] | None:
+    """The kind of a draft folder another tool wrote and the reader of its format, when a reader recognises its
+    config.json (None: no draft format drafttrain imports)."""
+    return next(((kind, reader) for kind in KINDS.values() for reader in readers_of(kind) if reader.recognises(config)),
+                None)
+
+
+def foreign_draft(path: str | Path) -> tuple[type[Drafter], str] | None:
+    """The kind and format of a draft another tool wrote at ``path``, which ``drafttrain import`` reads; None for
+    anything else (a drafttrain draft, a whole model, no model folder). A folder whose config is a plain Llama's
+    (as EAGLE-1's trainer writes a head's) is a whole model when its weights hold the model's layers ("model.*")."""
+    folder = Path(path).expanduser()
+    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+        return None
+    config = read_json(folder / CONFIG_NAME)
+    found = recognised_foreign(config) if isinstance(config, dict) and "drafttrain" not in config else None
+    if found is None:
+        return None
+    try:
+        with safe_open(str(folder / WEIGHTS_NAME), "pt") as tensors:
+            whole_model = any(name.startswith("model.") for name in tensors.keys())
+    except (OSError, SafetensorError):
+        return None  # unreadable weights: the path that loads it names the file
+    return None if whole_model else (found[0], found[1].format_of(config))
+
+
 def foreign_kind(config: dict, where: Path) -> tuple[type[Drafter], ForeignReader]:
     """The kind of a draft folder another tool wrote, and the reader of its format, from its config.json."""
-    found = [(kind, reader) for kind in KINDS.values() for reader in readers_of(kind) if reader.recognises(config)]
-    if not found:
+    found = recognised_foreign(config)
+    if found is None:
         known = {k: list(dict.fromkeys(f for r in readers_of(c) for f in r.formats)) for k, c in KINDS.items()}
         raise DrafttrainError(f"{where / CONFIG_NAME} is not a draft format drafttrain imports (known: "
                               + ", ".join(f"{k}: {', '.join(fmts)}" for k, fmts in known.items() if fmts) + ")")
-    return found[0]
+    return found

@@ -22,7 +22,7 @@ from drafttrain import DrafttrainError
 from drafttrain.config import DecodeSettings, Recipe
 from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding import plain_decode
-from drafttrain.decoding.trees import tree_of
+from drafttrain.decoding.trees import check_tree_depth, tree_of
 from drafttrain.drafts import drafter_for, load_drafter
 from drafttrain.drafts.base import add_positions, simulated_tau
 from drafttrain.drafts.layers import shift_left
@@ -67,6 +67,7 @@ def check_eval_shape(recipe: Recipe) -> None:
     a mistake costs nothing."""
     limit = drafter_for(recipe.draft).max_draft_depth(recipe.draft) if recipe.draft is not None else None
     settings = recipe.eval.fitted_to(limit)  # a default depth fits the draft; a depth the recipe gives is checked
+    check_tree_depth(recipe.eval, "eval.depth", "eval.tree")
     tree = tree_of(settings)
     if recipe.draft is None or tree == "auto":  # "auto" is built no deeper than the draft can fill
         return

@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from drafttrain.evaluation.evaluate import EvalReport
+from drafttrain.runfolder import write_atomic, write_text_atomic
+from drafttrain.userfiles import writing
 
 # Keys every metrics object (overall and each category) carries in report.json.
 REQUIRED_METRIC_KEYS: tuple[str, ...] = (
@@ -44,17 +46,29 @@ CONTEXT_PLOT = "context.png"
 
 
 def write_report(report: EvalReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write report.json, report.md and acceptance.png into ``out_dir`` (created); return their paths."""
+    """Write report.json, report.md and acceptance.png into ``out_dir`` (created); return their paths. Each file is
+    written whole or not at all; a full disk or a read-only folder is one line."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "markdown": out / "report.md", "plot": out / ACCEPTANCE_PLOT}
-    paths["json"].write_text(report.to_json() + "\n")
-    paths["markdown"].write_text(render_markdown(report))
-    plot_acceptance(report, paths["plot"])
-    if report.overall.get("by_context"):
-        paths["context_plot"] = out / CONTEXT_PLOT
-        plot_by_context(report, paths["context_plot"])
+    with writing(out, "the evaluation report", after="; make room and evaluate again"):
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(paths["json"], report.to_json() + "\n")
+        write_text_atomic(paths["markdown"], render_markdown(report))
+        plot_acceptance(report, paths["plot"])
+        if report.overall.get("by_context"):
+            paths["context_plot"] = out / CONTEXT_PLOT
+            plot_by_context(report, paths["context_plot"])
     return paths
+
+
+def save_figure(fig, path: str | Path, dpi: int) -> None:
+    """A figure as a PNG, written whole under its name or not at all (a full disk leaves no half image); closed."""
+    import matplotlib.pyplot as plt  # heavy: only when a plot is drawn
+
+    try:
+        write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
@@ -289,8 +303,7 @@ def plot_acceptance(report: EvalReport, path: str | Path) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:  # outside the axes: with 8 MT-Bench categories a legend inside would hide lines
         fig.legend(handles, labels, fontsize=8, loc="outside right upper")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def context_table(buckets: list[dict[str, Any]]) -> str:
@@ -334,8 +347,7 @@ def plot_by_context(report: EvalReport, path: str | Path) -> None:
     right.set_ylim(0, 1.02)
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def _plot_line(ax, values: list[float | None], **style) -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain import DrafttrainError
+from drafttrain.evaluation.report import save_figure
 from drafttrain.runfolder import RunFolder
 from drafttrain.training.run_log import read_metrics
-from drafttrain.userfiles import make_folder
+from drafttrain.userfiles import make_folder, writing
 
 
 def _numbered(records: list[dict[str, Any]], pattern: str) -> dict[int, list[tuple[int, float]]]:
@@ -47,8 +48,7 @@ def plot_training(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     right.legend(fontsize=8)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_checkpoints(evals: list[dict[str, Any]], path: Path) -> None:
@@ -72,8 +72,7 @@ def plot_checkpoints(evals: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def write_run_plots(run: RunFolder) -> list[Path]:
@@ -82,8 +81,9 @@ def write_run_plots(run: RunFolder) -> list[Path]:
         raise DrafttrainError(f"{run.metrics} holds no training records yet")
     out = make_folder(run.plots, "the plots folder")
     written = [out / "training.png"]
-    plot_training(train, written[0])
-    if evals:
-        written.append(out / "checkpoints.png")
-        plot_checkpoints(evals, written[1])
+    with writing(out, "the plots"):
+        plot_training(train, written[0])
+        if evals:
+            written.append(out / "checkpoints.png")
+            plot_checkpoints(evals, written[1])
     return written

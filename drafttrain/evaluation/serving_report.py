@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from drafttrain.config import BenchConfig
+from drafttrain.engines.server import PLAIN
+from drafttrain.evaluation.report import save_figure
 
 PLOT_NAME = "bench.png"
-PLAIN = "plain"
 
 
 def draft_sides(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -161,5 +162,4 @@ def plot(report: dict[str, Any], path: Path) -> None:
         axis.legend(fontsize=8)
     fig.suptitle(f"{report['engine']['name']} · {Path(str(report['target'])).name}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -60,6 +60,7 @@ def import_draft(source: str | Path, target: Target, out: str | Path, overwrite:
     origin = {"path": str(source), "format": fmt, "weights_sha256": file_sha256(source / WEIGHTS_NAME)}
     with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
         drafter = _built(kind, draft, config, tensors, target, Path(tmp))
+        _check_float_weights(drafter, tensors, source)
         drafter.save_pretrained(staging, imported=origin)
     write_manifest(staging, {"imported": origin, **drafter.identity()})
     loaded = load_drafter(staging, target, as_saved=True)
@@ -75,6 +76,19 @@ def _built(kind, draft, config: dict, tensors: dict[str, torch.Tensor], target: 
     (tmp / CONFIG_NAME).write_text(json.dumps(
         {**config, "drafttrain": {"kind": kind.kind, "draft": draft.model_dump(mode="json")}}))
     return drafter_for(draft).from_pretrained(tmp, target)
+
+
+def _check_float_weights(drafter, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """A weight the draft holds in floating point must be written in floating point: loading casts an int32 or
+    quantised tensor into it without a word, and the draft computes with its raw integers."""
+    own = drafter.state_dict()
+    wrong = [(name, tensor.dtype) for name, tensor in tensors.items()
+             if name in own and own[name].is_floating_point() and not tensor.is_floating_point()]
+    if wrong:
+        listed = ", ".join(f"{name} ({str(dtype).removeprefix('torch.')})" for name, dtype in wrong[:5])
+        raise DrafttrainError(f"{source / WEIGHTS_NAME} holds {listed} where the draft's weights are floating point "
+                              "(an integer or quantised tensor, which drafttrain does not dequantise): give the draft "
+                              "in float32, bfloat16 or float16")
 
 
 def _check_weights_kept(drafter, tensors: dict[str, torch.Tensor], source: Path) -> None:

@@ -8,15 +8,16 @@ section that engines ignore, so the export loads back (``drafttrain eval --draft
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
+from drafttrain.data.traffic import redacted
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter
 from drafttrain.drafts.codecs import codecs_of, refused, writable_formats
@@ -32,12 +33,14 @@ from drafttrain.runfolder import (
     MANIFEST,
     WEIGHTS_NAME,
     RunFolder,
+    RunLock,
+    exported_or_imported,
     read_json,
     write_manifest,
     write_text_atomic,
 )
 from drafttrain.targets import Target, load_target
-from drafttrain.userfiles import make_folder, writing
+from drafttrain.userfiles import make_folder, remove, writing
 
 REPORT_NAME = "report.json"
 BENCH_DIR = "bench"  # drafttrain bench leaves its sweep's report here, beside the checkpoint it served
@@ -56,6 +59,8 @@ def export_checkpoint(source: str | Path | SavedDraft, fmt: str | None, out: str
     ``target_name``), in ``fmt`` (default: the first it can be written in), to ``out`` (default: the run's
     ``exports/<fmt>``, replaced)."""
     saved = SavedDraft.open(source)
+    if out is not None:  # a folder that may not be replaced is refused before the target loads
+        staging_for(Path(out), bool(options.get("overwrite")), saved.directory, check_only=True)
     target = load_target(target_name or recorded_target(saved), device=device)
     drafter = load_drafter(saved, target, as_saved=True)
     # the draft as configured says which formats it can be written in (a P-EAGLE head: speculators' only)
@@ -77,20 +82,32 @@ def export_draft(source: str | Path | SavedDraft, fmt: str, out: str | Path, tar
     ``loaded``: the draft at ``source`` already loaded as saved (``as_saved``), so it is not loaded again."""
     if fmt not in known_formats():
         raise DrafttrainError(f"unknown export format {fmt!r}; formats: {', '.join(known_formats())}")
-    out = Path(out)
-    staging = staging_for(out, overwrite)
-    saved = SavedDraft.open(source)
-    drafter = loaded if loaded is not None else load_drafter(saved, target, as_saved=True)
+    out, saved = Path(out), SavedDraft.open(source)
     checkpoint = saved.directory
-    refusal = refused(drafter, fmt)
-    if refusal is not None:
-        raise DrafttrainError(refusal)
-    measured = _measured(drafter, checkpoint, report)
-    make_folder(staging, "the export's staging folder")  # beside --out: a read-only place fails here
-    with writing(out, "the export"):
-        _write_export(drafter, fmt, staging, checkpoint, measured, verifier)
-        publish(staging, out)
+    run = RunFolder.holding(out)  # an export into a run folder (push's <run>/exports/<format>) waits for no one
+    with RunLock(run.root, "drafttrain export") if run is not None else contextlib.nullcontext():
+        staging = staging_for(out, overwrite, checkpoint)
+        drafter = loaded if loaded is not None else load_drafter(saved, target, as_saved=True)
+        refusal = refused(drafter, fmt)
+        if refusal is not None:
+            raise DrafttrainError(refusal)
+        measured = _measured(drafter, checkpoint, report)
+        make_folder(staging, "the export's staging folder")  # beside --out: a read-only place fails here
+        with writing(out, "the export", after="; nothing was replaced: make room and export again"), \
+                _removed_on_failure(staging):
+            _write_export(drafter, fmt, staging, checkpoint, measured, verifier)
+            publish(staging, out)
     return out
+
+
+@contextlib.contextmanager
+def _removed_on_failure(staging: Path):
+    """A half-built export is not left behind (its room is what a full disk lacks)."""
+    try:
+        yield
+    except BaseException:
+        remove(staging, "the half-built export of this failed run")
+        raise
 
 
 def _write_export(drafter, fmt: str, staging: Path, checkpoint: Path, measured, verifier: str | None) -> None:
@@ -116,27 +133,55 @@ def _write_export(drafter, fmt: str, staging: Path, checkpoint: Path, measured, 
         (staging / BENCH_DIR).mkdir()
         write_text_atomic(staging / BENCH_DIR / REPORT_NAME, json.dumps(bench, indent=1))
         plot_bench(bench, staging / BENCH_PLOT)
-    card = build_card(drafter, fmt, exported, measured, built_from.get("recipe"),
+    card = build_card(drafter, fmt, exported, measured, redacted(built_from.get("recipe")),
                       plot=ACCEPTANCE_PLOT if measured is not None else None, bench=bench)
-    write_text_atomic(staging / "README.md", str(card))
+    # what `push` uploads: a key pasted into the recipe (or a path) leaves the machine redacted, as logs do
+    write_text_atomic(staging / "README.md", redacted(str(card)))
     # the card is left out of the checksums: editing it is the usual step before publishing
-    write_manifest(staging, {"checkpoint": str(checkpoint), "format": fmt, **drafter.identity(),
-                             **{k: v for k, v in built_from.items() if k != "recipe"}}, skip=("README.md",))
+    write_manifest(staging, redacted({"checkpoint": str(checkpoint), "format": fmt, **drafter.identity(),
+                                      **{k: v for k, v in built_from.items() if k != "recipe"}}), skip=("README.md",))
 
 
-def staging_for(out: Path, overwrite: bool) -> Path:
+def staging_for(out: Path, overwrite: bool, source: Path | None = None, check_only: bool = False) -> Path:
     """Where to build the folder ``out`` (beside it, emptied; ``publish`` moves it into place only when complete).
-    An existing non-empty ``out`` is refused unless ``overwrite``."""
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise DrafttrainError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
+    An existing non-empty ``out`` is refused unless ``overwrite``, and then unless it is a draft folder `drafttrain
+    export` or `import` wrote that is not the draft being written (``source``) nor holds it."""
+    if out.exists() and not out.is_dir():
+        raise DrafttrainError(f"--out {out} is a file, not a folder: choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise DrafttrainError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
+        why = _not_replaceable(out, source)
+        if why is not None:
+            raise DrafttrainError(f"--out {out} cannot be replaced (--overwrite): {why}; nothing was changed, "
+                                  "choose another --out")
     staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    if not check_only:
+        remove(staging, "an unfinished export an interrupted run left")
     return staging
 
 
+def _not_replaceable(out: Path, source: Path | None) -> str | None:
+    """Why --overwrite may not replace ``out`` (None: an earlier export or import, not holding ``source``)."""
+    real = out.resolve()
+    if source is not None:
+        draft = source.resolve()
+        run = RunFolder.of_checkpoint(draft)
+        if draft.is_relative_to(real) or real.is_relative_to(draft):
+            return f"it is or holds the draft being exported ({source})"
+        if run is not None and real.is_relative_to(run.root) and not real.is_relative_to(run.root / "exports"):
+            return f"it is in the run being exported ({run.root}), not in its exports/ folder"
+    if RunFolder.made(real) or RunFolder(real).earlier_run():
+        return "it is a run folder"
+    if not exported_or_imported(real):
+        return ("it is not a folder `drafttrain export` or `drafttrain import` wrote (no manifest.json naming a "
+                "format or an import)")
+    return None
+
+
 def publish(staging: Path, out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out)
+    """Move the complete ``staging`` folder to ``out``, replacing an earlier export or import there."""
+    remove(out, "the earlier export --overwrite replaces", inside=out, made=exported_or_imported)
     staging.rename(out)
 
 

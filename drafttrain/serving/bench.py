@@ -23,12 +23,7 @@ from drafttrain.config import BenchConfig
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.codecs import codecs_of
 from drafttrain.drafts.registry import SavedDraft
-from drafttrain.evaluation.run_info import machine_description, now
-from drafttrain.evaluation.serving_report import PLOT_NAME, plot, write_markdown
-from drafttrain.export.writer import BENCH_DIR, REPORT_NAME, export_draft, recorded_target
-from drafttrain.runfolder import MANIFEST, read_json, write_text_atomic
-from drafttrain.serving.agreement import compare, drafttrain_side
-from drafttrain.serving.engines import (
+from drafttrain.engines.server import (
     ENGINES,
     Engine,
     Server,
@@ -37,6 +32,11 @@ from drafttrain.serving.engines import (
     check_python,
     port_in_use,
 )
+from drafttrain.evaluation.run_info import machine_description, now
+from drafttrain.evaluation.serving_report import PLOT_NAME, plot, write_markdown
+from drafttrain.export.writer import BENCH_DIR, REPORT_NAME, export_draft, recorded_target
+from drafttrain.runfolder import MANIFEST, read_json, write_text_atomic
+from drafttrain.serving.agreement import compare, drafttrain_side
 from drafttrain.serving.prompts import BenchPrompts, bench_prompts
 from drafttrain.serving.sweep import SWEEP_FILE, SweepSide, build_levels, jobs, run_load
 from drafttrain.targets import Target, load_target

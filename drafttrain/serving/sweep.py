@@ -19,9 +19,8 @@ from statistics import mean
 from typing import Any
 
 from drafttrain import DrafttrainError
-from drafttrain.evaluation.serving_report import PLAIN
+from drafttrain.engines.server import PLAIN, Engine, Server
 from drafttrain.runfolder import read_json
-from drafttrain.serving.engines import Engine, Server
 
 log = logging.getLogger(__name__)
 

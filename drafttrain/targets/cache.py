@@ -8,9 +8,12 @@ must hold exactly what it would hold had the refused tokens never been fed:
 * sliding-window and chunked attention: transformers' past-state recording keeps the positions a window would have
   dropped until the rollback, which then trims the layer back to its window;
 * short convolutions (LFM2): past-state recording keeps the convolution's inputs likewise;
-* recurrent states (linear attention and SSM layers: Qwen3-Next, Qwen3.5, Falcon-H1) have no positions to drop:
-  before each forward their states are copied, and a rollback that drops fed tokens restores the copy and feeds the
-  kept tokens again (one forward of at most depth + 1 tokens, its outputs unused).
+* recurrent states (linear attention and SSM layers: Qwen3-Next, Qwen3.5, Falcon-H1, Kimi Linear) have no positions
+  to drop. A forward of a few tokens (a verification) asks transformers to record the state after each of them
+  (``recurrent_states_to_keep``, which runs those tokens through the layer's one-token kernel): a rollback then
+  takes the recorded state of the last kept token, exactly what the cache held after it, with nothing run again.
+  Where nothing was recorded (a long forward such as a prefill, a model that ignores the request, an older
+  transformers) the states copied before the forward are restored and the kept tokens fed again.
 
 A tree is verified in one forward through attention alone: each layer type gets the ancestor mask in its own shape
 (the keys its cache returns, its window or chunk applied at the nodes' depth positions). A recurrent or convolution
@@ -27,8 +30,9 @@ from drafttrain import DrafttrainError
 from drafttrain.targets.masks import model_forward
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-# positions a window or convolution layer keeps beyond what its next forward reads: a rollback that follows a trim
-# (a proposal timed again, the end of a generate call) still finds them
+# positions a window or convolution layer keeps beyond what its next forward reads, and recurrent states kept per
+# layer: a rollback that follows a trim (a proposal timed again, the end of a generate call) still finds them. A
+# forward of at most this many tokens records a recurrent state per token; a longer one (a prefill) runs chunked.
 RECORDED_MARGIN = 64
 _STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
                  "is_recurrent_states_initialized", "conv_kernel_size")
@@ -49,10 +53,17 @@ class TargetCache:
         self.tokens = torch.zeros(1, 0, dtype=torch.long)  # what each held position was fed (a recurrent replay)
         self.positions = torch.zeros(0, dtype=torch.long)  # each held position's position id (window masks)
         self.snapshots: dict[int, dict] = {}  # length -> copies of the recurrent states at that length
+        # how many of the newest positions have their recurrent states recorded (a rollback of up to that many runs
+        # nothing again), and whether the model records what it is asked to (None: not seen yet)
+        self.recorded, self.records = 0, None
+        self._history_before: dict[tuple[int, int], int] = {}
 
     def _new_cache(self) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()
+        for layer in cache.layers:
+            if hasattr(layer, "recurrent_states_history"):  # one list per state (transformers shares one list)
+                layer.recurrent_states_history = {s: [] for s in range(layer.number_of_states)}
         return cache
 
     @property
@@ -81,17 +92,21 @@ class TargetCache:
             if not self.supports_trees:
                 raise DrafttrainError(self.tree_refusal())
             mask = self._tree_masks(allowed, position_ids[0].cpu(), input_ids.device)
-        if self.stateful and self.length not in self.snapshots:
-            self.snapshots[self.length] = self._copy_states()
+        if self.stateful:
+            self._before_forward(n, self.length)
         logits = model_forward(self.model, self.cache, input_ids, position_ids, mask, logits_to_keep, head)
+        if self.stateful:
+            self._after_forward(n)
         self.tokens = torch.cat([self.tokens, input_ids.cpu()], dim=1)
         self.positions = torch.cat([self.positions, position_ids[0].cpu()])
         return logits
 
-    def tree_refusal(self) -> str:
+    def tree_refusal(self, cannot: str = "verify a tree's branches side by side",
+                     instead: str = "Use a chain (--tree chain)") -> str:
+        """Why one forward cannot do what tree masks do on this model (``cannot``), and what to do ``instead``."""
         kinds = sorted({self.layer_types[i] for i in self.stateful})
         return (f"{type(self.model).__name__} has {'/'.join(kinds)} layers, which run the fed tokens in order: one "
-                "forward cannot verify a tree's branches side by side. Use a chain (--tree chain)")
+                f"forward cannot {cannot}. {instead}")
 
     def keep(self, start: int, keep: list[int]) -> None:
         """Keep, of the positions from ``start`` on, only the offsets ``keep`` (increasing), moved to start,
@@ -105,9 +120,11 @@ class TargetCache:
         kept = torch.cat([torch.arange(start), start + torch.as_tensor(keep, dtype=torch.long)])
         self.tokens, self.positions = self.tokens[:, kept], self.positions[kept]
         dropped = held - start - n
-        if dropped > 0 and self.stateful and not self._croppable():
+        if dropped > 0 and self.stateful and dropped > self.recorded:
             self._restore_and_replay(start + n, held)
         else:
+            if dropped > 0 and self.stateful:
+                self._rewind_states(dropped)
             self._crop(dropped)
         self.snapshots = {length: s for length, s in self.snapshots.items() if length <= self.length}
 
@@ -124,7 +141,7 @@ class TargetCache:
             layer.keys[..., offset: offset + len(keep), :] = layer.keys[..., idx, :]
             layer.values[..., offset: offset + len(keep), :] = layer.values[..., idx, :]
 
-    def _crop(self, dropped: int) -> None:
+    def _crop(self, dropped: int, length: int | None = None) -> None:
         """Drop the last ``dropped`` positions from every layer, then trim what past-state recording kept to what
         the next forward reads plus ``RECORDED_MARGIN`` positions (transformers' own crop trims to exactly what the
         next forward reads, so a second rollback before a forward, as at the end of a generate call, would lose one
@@ -132,6 +149,8 @@ class TargetCache:
         for layer in self.cache.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 _crop_conv(layer, dropped)
+                if hasattr(layer, "cumulative_length_linear"):  # the token count a model reads its positions from
+                    layer.cumulative_length_linear.fill_(self.length if length is None else length)
             if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", False):
                 continue
             if dropped:
@@ -155,8 +174,56 @@ class TargetCache:
 
     # ------------------------------------------------------------------------------------------ recurrent layers
 
-    def _croppable(self) -> bool:
-        return all(self.cache.layers[i].is_croppable for i in self.stateful)
+    def _before_forward(self, n: int, length: int) -> None:
+        """Ask for a recorded state per token when the forward of ``n`` tokens after ``length`` held ones is short
+        enough; copy the states when it will not be recorded (a rollback into it is then a restore and a replay)."""
+        recording = n <= RECORDED_MARGIN and self.records is not False
+        for i in self.stateful:
+            self.cache.layers[i].recurrent_states_to_keep = n if recording else 0
+        if (not recording or self.records is None) and length not in self.snapshots:
+            self.snapshots[length] = self._copy_states()
+        self._history_before = self._history_lengths()
+
+    def _after_forward(self, n: int) -> None:
+        """How many of the newest positions now have recorded states. transformers keeps, per forward, the state
+        before it and then the states it was asked to record: a forward of n tokens that recorded n is whole; one
+        that recorded fewer (a long forward, or a model that ignores the request) leaves only those it computed."""
+        lengths = self._history_lengths()
+        if not lengths:  # no recurrent state (short convolutions only): their inputs are kept by the crop
+            self.recorded = RECORDED_MARGIN
+            return
+        grown = min(after - self._history_before.get(key, 0) for key, after in lengths.items())
+        whole = grown == n
+        if 1 < n <= RECORDED_MARGIN and self.records is None:
+            self.records = whole
+        self.recorded = min(self.recorded + n, RECORDED_MARGIN) if whole else max(grown - 1, 0)
+        self._trim_history(self.recorded)
+
+    def _history_lengths(self) -> dict[tuple[int, int], int]:
+        """The number of recorded states of each initialised recurrent state (-1: its layer records none)."""
+        lengths = {}
+        for i in self.stateful:
+            layer = self.cache.layers[i]
+            history = getattr(layer, "recurrent_states_history", None)
+            for s, initialized in layer.is_recurrent_states_initialized.items():
+                if initialized:
+                    lengths[i, s] = -1 if history is None else len(history[s])
+        return lengths
+
+    def _trim_history(self, keep: int) -> None:
+        for i in self.stateful:
+            for history in getattr(self.cache.layers[i], "recurrent_states_history", {}).values():
+                del history[: max(len(history) - keep, 0)]
+
+    def _rewind_states(self, dropped: int) -> None:
+        """Each recurrent state back to the one recorded before the first dropped token."""
+        for i in self.stateful:
+            layer = self.cache.layers[i]
+            for s, history in getattr(layer, "recurrent_states_history", {}).items():
+                if layer.is_recurrent_states_initialized[s]:
+                    layer.recurrent_states[s] = history[-dropped]
+                    del history[-dropped:]
+        self.recorded -= dropped
 
     def _copy_states(self) -> dict:
         copies = {}
@@ -169,22 +236,26 @@ class TargetCache:
     def _restore_and_replay(self, length: int, held: int) -> None:
         """The cache at ``length`` of the ``held`` positions: back to the newest copy of the states at or before
         it, every attention layer cropped to the same point, then the kept tokens after it fed again."""
-        base = max(s for s in self.snapshots if s <= length)
+        base = max([s for s in self.snapshots if s <= length], default=0)  # 0: a new cache
         tokens = self.tokens
         if base == 0:
             self.cache = self._new_cache()
         else:
-            self._crop(held - base)
+            self._crop(held - base, length=base)
             for i, fields in self.snapshots[base].items():
                 for field, values in fields.items():
                     setattr(self.cache.layers[i], field, {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                                           for k, v in values.items()})
         self.snapshots = {base: self.snapshots[base]}
+        self._trim_history(0)
+        self.recorded = 0
         if length > base:
             device = next(self.model.parameters()).device
             ids = tokens[:, base:length].to(device)
             positions = torch.arange(base, length, device=device)[None]
+            self._before_forward(length - base, base)
             model_forward(self.model, self.cache, ids, positions, None, 1, None)
+            self._after_forward(length - base)
         self._crop(0)
 
 

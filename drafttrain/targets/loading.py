@@ -19,7 +19,6 @@ import hashlib
 import importlib.util
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -34,7 +33,8 @@ from drafttrain.config import TargetConfig
 from drafttrain.data.tokenize import tokenizer_fingerprint
 from drafttrain.packages import require
 from drafttrain.runfolder import cache_root
-from drafttrain.userfiles import cause
+from drafttrain.targets.checks import check_gguf, check_source, is_local
+from drafttrain.userfiles import cause, remove
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ def convert_gguf(gguf: Path, chat_template: str | None = None) -> Path:
     out = _gguf_cache_dir(gguf, chat_template)
     if _converted(out):  # no lock once converted: a read-only shared cache keeps working
         return out
+    check_gguf(gguf)  # a truncated or damaged file, named before transformers reads it
     out.parent.mkdir(parents=True, exist_ok=True)
     # Every process of a launch (and every test worker) loads the target: one converts while the others wait,
     # instead of each writing the same temporary folder under the others.
@@ -232,14 +233,23 @@ def convert_gguf(gguf: Path, chat_template: str | None = None) -> Path:
     return out
 
 
+def _converted_once(out: Path) -> bool:
+    """A conversion folder drafttrain wrote, whole or damaged since: save_pretrained writes config.json first."""
+    return (out / "config.json").is_file()
+
+
 def _converted(out: Path) -> bool:
     return (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
 
 
 def _convert_into(gguf: Path, out: Path, chat_template: str | None = None) -> None:
     log.info("converting %s to safetensors under %s (once)", gguf.name, out)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (ValueError, KeyError, RuntimeError) as err:  # an architecture or a tensor type transformers cannot read
+        raise DrafttrainError(f"GGUF file {gguf} cannot be converted ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:300]})") from None
     if not tokenizer.chat_template and chat_template:
         tokenizer.chat_template = chat_template
     # A GGUF-loaded model is flagged as quantised and save_pretrained refuses it; the weights are already
@@ -248,10 +258,10 @@ def _convert_into(gguf: Path, out: Path, chat_template: str | None = None) -> No
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove(tmp, "a conversion an interrupted run left half written")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
+    remove(out, "a damaged earlier conversion of this file", inside=out, made=_converted_once)
     os.replace(tmp, out)  # atomic: a killed conversion never leaves a half-written folder behind
 
 
@@ -271,9 +281,10 @@ def resolve_model_dir(spec: str) -> str:
         return str(convert_gguf(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise DrafttrainError(missing_model_message(spec, FileNotFoundError(f"no config.json in {path}")))
+            raise DrafttrainError(f"target {spec!r}: the folder {path} holds no config.json: give a model's folder "
+                                  f"({LOCAL_MODEL_FILES})")
         return str(path)
-    if path.exists() or spec.startswith((".", "/", "~")):
+    if is_local(spec):
         raise DrafttrainError(f"target {spec!r} is neither a model folder nor a .gguf file")
     if spec.count("/") == 1:
         return spec  # a Hub id
@@ -281,6 +292,15 @@ def resolve_model_dir(spec: str) -> str:
         f"unknown target {spec!r}: give a built-in name ({', '.join(BUILTIN_TARGETS)}), "
         "a local model folder, a .gguf file or a Hub id (org/name)"
     )
+
+
+def checked_model_dir(cfg: TargetConfig, weights_required: bool = True, role: str = "target") -> str:
+    """``resolve_model_dir`` of the target, checked (targets.checks.check_source): one that cannot load is refused
+    now, in one line naming its file. ``weights_required``: False for a stage that reads its config or tokenizer
+    alone (weights present are checked all the same)."""
+    where = resolve_model_dir(cfg.model)
+    check_source(f"{role} {cfg.model!r}", where, cfg.trust_remote_code, weights_required)
+    return where
 
 
 def _apply_chat_template_override(tokenizer, chat_template: str | None) -> None:
@@ -303,24 +323,28 @@ def target_config(spec: str, **settings) -> TargetConfig:
     model, plus, adapter = spec.rpartition("+")
     if plus and model and (Path(adapter).expanduser() / "adapter_config.json").is_file():
         return TargetConfig(model=model, adapter=adapter, **settings)
-    if plus and model and (adapter.startswith((".", "/", "~")) or Path(adapter).expanduser().exists()):
+    # "+" is in no Hub repo id: unless the whole spec is a local path, what follows it is an adapter folder
+    # (however it is spelled: lora/nope is a folder here, not a Hub repo)
+    if plus and model and adapter and not Path(spec).expanduser().exists():
         folder = Path(adapter).expanduser()
         why = "is not a folder" if not folder.is_dir() else "has no adapter_config.json (not a peft adapter)"
         if not folder.exists():
-            why = "does not exist"
+            why = "does not exist" + ("" if folder.is_absolute() else f" (here: {folder.resolve()})")
         raise DrafttrainError(f"target {spec!r}: the adapter folder {folder} {why}; a fine-tune is given as "
                               "MODEL+ADAPTER_FOLDER, the folder peft's save_pretrained wrote")
     return TargetConfig(model=spec, **settings)
 
 
 def load_tokenizer(cfg: TargetConfig | str):
+    """The target's tokenizer (with the recipe's chat template), from a model that could load as a target: where a
+    stage needs no weights (prepare without regeneration), its config is checked all the same."""
     cfg = target_config(cfg) if isinstance(cfg, str) else cfg
-    where = resolve_model_dir(cfg.model)
+    where = checked_model_dir(cfg, weights_required=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             where, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
         )
-    except OSError as err:
+    except (OSError, ValueError) as err:  # ValueError: a folder without tokenizer files (nothing to build one from)
         raise DrafttrainError(missing_model_message(cfg.model, err)) from None
     _apply_chat_template_override(tokenizer, cfg.chat_template)
     return tokenizer
@@ -355,7 +379,7 @@ def load_target(cfg: TargetConfig | str, *, role: str = "target", **overrides) -
     cfg = target_config(cfg, **overrides) if isinstance(cfg, str) else cfg.model_copy(update=overrides)
     if cfg.model in _STAND_INS:
         return _stand_in(cfg)
-    where = resolve_model_dir(cfg.model)
+    where = checked_model_dir(cfg, role=role)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             where,
@@ -369,6 +393,9 @@ def load_target(cfg: TargetConfig | str, *, role: str = "target", **overrides) -
         )
     except OSError as err:
         raise DrafttrainError(missing_model_message(cfg.model, err, role)) from None
+    except (ValueError, KeyError, RuntimeError, SafetensorError) as err:  # what check_source cannot see (a Hub model)
+        raise DrafttrainError(f"could not load {role} {cfg.model!r} ({type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no message'})") from None
     if _partitioned_at_load():
         log.info("target %s loaded partitioned over the processes (ZeRO-3)", cfg.model)
     elif cfg.device != "auto":
@@ -435,9 +462,14 @@ def check_same_tokenizer(target: Target, draft: Target) -> None:
         )
 
 
+LOCAL_MODEL_FILES = "config.json, the tokenizer's files and model.safetensors"
+
+
 def missing_model_message(spec: str, err: Exception, role: str = "target") -> str:
-    return (
-        f"could not load {role} {spec!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}). "
-        "Without the Hub, download it elsewhere (huggingface-cli download ORG/NAME --local-dir DIR), copy DIR here "
-        f"and pass the folder; or use a built-in target: {', '.join(BUILTIN_TARGETS)}."
-    )
+    """A model that could not be read: a local one is told which files a model folder holds, a Hub id how to
+    bring it here without the Hub (never the other way round)."""
+    what = f"could not load {role} {spec!r} ({err.__class__.__name__}: {(str(err).splitlines() or [''])[0]})"
+    if is_local(spec) or spec in BUILTIN_TARGETS:
+        return f"{what}: a model folder holds {LOCAL_MODEL_FILES}"
+    return (f"{what}. Without the Hub, download it elsewhere (huggingface-cli download ORG/NAME --local-dir DIR), "
+            f"copy DIR here and pass the folder; or use a built-in target: {', '.join(BUILTIN_TARGETS)}.")

@@ -12,11 +12,13 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from drafttrain import DrafttrainError
+from drafttrain.config import DRAFT_SECTIONS, TargetConfig
 from drafttrain.runfolder import (
     BEST,
     EVAL_FILE,
@@ -33,6 +35,7 @@ from drafttrain.runfolder import (
     verify_manifest,
     write_text_atomic,
 )
+from drafttrain.userfiles import remove
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +131,7 @@ class CheckpointManager:
             for path in self.root.iterdir():
                 if path.is_dir() and path.name.endswith(_ORPHAN_SUFFIXES):
                     log.warning("removing incomplete checkpoint folder %s (left by an interrupted run)", path)
-                    shutil.rmtree(path)
+                    remove(path, "an incomplete checkpoint an interrupted run left")
                     removed.append(path)
         latest = self.latest()
         if latest is not None and self.read_pointer() != latest.name:
@@ -141,8 +144,7 @@ class CheckpointManager:
 
     def begin(self, step: int) -> Path:
         tmp = self.tmp_dir(step)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        remove(tmp, "an unfinished save of the same step")
         tmp.mkdir(parents=True)
         return tmp
 
@@ -226,7 +228,21 @@ class CheckpointManager:
     def _discard(self, path: Path) -> None:
         doomed = path.with_name(path.name + ".old")
         os.replace(path, doomed)  # atomic: a crash mid-delete leaves an orphan, never a half-deleted step-N
-        shutil.rmtree(doomed)
+        remove(doomed, "a checkpoint pruned (keep_last) or saved again")
+
+
+def _read_today(section: str, saved: Any) -> Any:
+    """A fixed section as a run saved it, read as today's schema reads it (earlier keys under their new names, the
+    draft's through its kind's ``from_saved``; keys added since at their defaults) and dumped as a recipe is. One
+    today's schema cannot read stays as saved: compared key by key, it names what differs."""
+    kinds = {cls.model_fields["kind"].default: cls for cls in DRAFT_SECTIONS}
+    if not isinstance(saved, dict) or (section == "draft" and saved.get("kind") not in kinds):
+        return saved
+    try:
+        read = kinds[saved["kind"]].from_saved(saved) if section == "draft" else TargetConfig.model_validate(saved)
+    except ValidationError:
+        return saved
+    return read.model_dump(mode="json")
 
 
 # Recipe sections a checkpoint cannot continue under if they changed: they define what its weights are.
@@ -237,7 +253,9 @@ APPLIED_ON_RESUME = ("learning_rate", "scheduler", "warmup_steps", "weight_decay
 
 
 def recipe_changes(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(changes that make resuming impossible, changed training settings the resumed run applies), by name."""
+    """(changes that make resuming impossible, changed training settings the resumed run applies), by name. The
+    saved sections are compared as today's schema reads them, so a run saved under earlier keys resumes."""
+    saved = {**saved, **{section: _read_today(section, saved.get(section)) for section in _FIXED_SECTIONS}}
     refused = [
         f"{section}.{key} was {saved.get(section, {}).get(key)!r}, now {now[section].get(key)!r}"
         for section in _FIXED_SECTIONS if now.get(section) is not None

@@ -19,12 +19,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from drafttrain import DrafttrainError
 from drafttrain.data.tokenize import length_grouped_order
+from drafttrain.sources.base import ROW_INDEX  # batch key: each batch row's dataset row (sources read rows by it)
 
 REQUIRED_COLUMNS = ("input_ids", "loss_mask")
 OPTIONAL_COLUMNS = ("position_ids",)  # packed rows carry document-aware positions
 # Used only to name rows in error messages; packed rows (drafttrain prepare, packing) list several conversations.
 ID_COLUMNS = ("conversation_id", "conversation_ids", "id")
-ROW_INDEX = "row_index"  # batch key: dataset row of each batch row (offline feature caches look rows up by it)
 
 
 def epoch_entropy(seed: int, epoch: int) -> int:

@@ -54,10 +54,11 @@ from drafttrain.drafts import drafter_for
 from drafttrain.drafts.lora import add_draft_lora
 from drafttrain.drafts.registry import resolved_section, run_target_needs, saved_draft_vocab_size
 from drafttrain.runfolder import RunFolder, open_dataset
+from drafttrain.sources.cache import cache_dtype, keeps_argmax
+from drafttrain.targets.checks import check_source
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
 from drafttrain.targets.outputs import LOGITS_CHUNK, TargetNeeds, TargetOutputs
-from drafttrain.training.features import cache_dtype, keeps_argmax
 from drafttrain.training.runtime import configured_zero_stage, read_deepspeed_config
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,8 @@ def target_config(recipe: Recipe, config_path: str | None = None, local_only: bo
     """The target's HF config: from ``config_path`` when given, else the recipe's target (a folder, a built-in, or
     the Hub: config.json only; with ``local_only``, the Hub's only from this machine's HF cache)."""
     source = config_path or resolve_model_dir(recipe.target.model)
+    who = f"--target-config {config_path}" if config_path else f"target {recipe.target.model!r}"
+    check_source(who, source, recipe.target.trust_remote_code, weights_required=False)
     try:
         return AutoConfig.from_pretrained(source, revision=None if config_path else recipe.target.revision,
                                           trust_remote_code=recipe.target.trust_remote_code,

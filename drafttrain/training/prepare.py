@@ -16,7 +16,7 @@ Relative data paths resolve against the current working directory (not the recip
 
 Why training/ and not data/: besides data/ and targets/, the pipeline asks drafts/ (which vocabulary a kind
 allows, a continued draft's saved token ids, what the kind needs from the target) and writes the offline cache
-with :mod:`drafttrain.training.features`. training/ is the lowest layer that may import all of them.
+with :mod:`drafttrain.sources.cache`. training/ is the lowest layer that may import all of them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -48,25 +47,30 @@ from drafttrain.data.tokenize import (
     split_fingerprint,
     tokenizer_fingerprint,
 )
-from drafttrain.data.traffic import ANSWER_WEIGHTS
+from drafttrain.data.traffic import ANSWER_WEIGHTS, redacted
 from drafttrain.data.vocab import DraftVocabKey, build_draft_vocab, dataset_coverage, save_draft_vocab
 from drafttrain.drafts.registry import check_vocabulary_choice, run_target_needs, saved_draft_ids
-from drafttrain.runfolder import DataManifest, RunFolder, open_dataset, write_text_atomic
-from drafttrain.targets import Target, load_target, load_tokenizer
-from drafttrain.targets.loading import missing_model_message, resolve_model_dir, target_name
-from drafttrain.training.features import (
+from drafttrain.runfolder import DataManifest, RunFolder, RunLock, open_dataset, write_text_atomic
+from drafttrain.sources.cache import (
     cache_dtype,
     cache_settings,
     join_shards,
+    keeps_argmax,
     start_cache,
     write_feature_cache,
     write_shards,
 )
-from drafttrain.userfiles import make_folder
+from drafttrain.sources.choose import cache_source, process_target
+from drafttrain.targets import Target, load_target, load_tokenizer
+from drafttrain.targets.loading import checked_model_dir, missing_model_message, target_name
+from drafttrain.userfiles import remove, writing
 
 log = logging.getLogger(__name__)
 
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz", ".csv", ".txt")
+# After a write that failed (a full disk, a file-size limit, a read-only folder): what is intact, how to go on
+_AFTER_FAILED_WRITE = ("; what an earlier prepare left whole is kept as it was: make room (or a writable output_dir) "
+                       "and rerun `drafttrain prepare` (answers already regenerated are reused)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -174,6 +178,12 @@ def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or path.lower().endswith(DATA_FILE_SUFFIXES)
 
 
+def local_sources(data: DataConfig) -> list[tuple[str, Path]]:
+    """(recipe key, path) of every local file the data section reads."""
+    return [(f"data.sources.{index}.path", Path(source.path).expanduser())
+            for index, source in enumerate(data.sources) if _looks_local(source.path)]
+
+
 def check_data_files(data: DataConfig) -> None:
     """Every local source file exists; the error names the recipe field and how the path was resolved."""
     for index, source in enumerate(data.sources):
@@ -188,10 +198,9 @@ def check_data_files(data: DataConfig) -> None:
 def target_vocab_size_from_config(recipe: Recipe) -> int:
     """The target's vocabulary size (lm_head rows) from its config, without loading the weights."""
     target = recipe.target
+    where = checked_model_dir(target, weights_required=False)
     try:
-        config = AutoConfig.from_pretrained(
-            resolve_model_dir(target.model), revision=target.revision, trust_remote_code=target.trust_remote_code
-        )
+        config = AutoConfig.from_pretrained(where, revision=target.revision, trust_remote_code=target.trust_remote_code)
     except (OSError, ValueError) as err:  # not built in, no folder, not in the offline cache (huggingface_hub)
         raise DrafttrainError(missing_model_message(target.model, err)) from None
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -274,19 +283,24 @@ def _tokenize_split(name: str, conversations: list[dict], tokenizer, data: DataC
                       "skipped": {}, "error": str(err)}
 
 
-def save_dataset(dataset, path: Path) -> None:
-    """save_to_disk via a temporary folder, so an interrupted save never leaves a half dataset in place."""
+def save_dataset(dataset, path: Path, run: RunFolder) -> None:
+    """save_to_disk via a temporary folder, so an interrupted or failed save never leaves a half dataset in place
+    (the earlier split stays whole until the new one is)."""
     tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove(tmp, "a split an interrupted prepare left half saved")
     path.parent.mkdir(parents=True, exist_ok=True)
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a bar per split for a copy that takes milliseconds is noise
-    try:
-        dataset.save_to_disk(str(tmp))
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-    shutil.rmtree(path, ignore_errors=True)
+    with writing(path, "the tokenised split", after=_AFTER_FAILED_WRITE):
+        try:
+            dataset.save_to_disk(str(tmp))
+        except BaseException:
+            remove(tmp, "the half-saved split of this failed save")
+            raise
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
+    run.remove(path, "the split an earlier prepare wrote")
     os.replace(tmp, path)
 
 
@@ -298,7 +312,8 @@ def _build_vocab(recipe: Recipe, train: tuple, validation_ds, tokenizer: tuple, 
     keep = saved_draft_ids(recipe.draft.init_from) if recipe.draft is not None and recipe.draft.init_from else None
     vocab = build_draft_vocab(train_ds, tokenizer, vocab_size, recipe.draft_vocab.size, recipe.draft_vocab.coverage,
                               key=DraftVocabKey(fingerprint, tokenizer_id), keep=keep)
-    save_draft_vocab(vocab, run.draft_vocab)
+    with writing(run.draft_vocab, "the draft vocabulary", after=_AFTER_FAILED_WRITE):
+        save_draft_vocab(vocab, run.draft_vocab)
     info = vocab.summary()
     info["path"] = str(run.draft_vocab)
     has_validation = validation_ds is not None
@@ -322,13 +337,14 @@ def _write_splits(recipe: Recipe, data: DataConfig, conversations: tuple, tokeni
         train_ds, train_stats["replay"] = with_replay(train_ds, data.replay, tokenizer_id, data.max_length,
                                                       recipe.seed, validation=val_ds)
         train_stats["fingerprint"] = split_fingerprint(train_ds)
-    save_dataset(train_ds, run.train_split)
+    save_dataset(train_ds, run.train_split, run)
     if val_ds is not None:
-        save_dataset(val_ds, run.validation_split)
+        save_dataset(val_ds, run.validation_split, run)
     else:
-        shutil.rmtree(run.validation_split, ignore_errors=True)  # never leave a stale split from an earlier run
-    write_validation_prompts(validation if val_ds is not None else [], run.validation_prompts)
-    describe_run_data(run, train_stats["fingerprint"], val_ds, tokenizer_id, target_name(recipe.target)).write(run)
+        run.remove(run.validation_split, "the validation split an earlier prepare wrote (this one has none)")
+    write_validation_prompts(validation if val_ds is not None else [], run)
+    with writing(run.data_manifest, "the data manifest", after=_AFTER_FAILED_WRITE):
+        describe_run_data(run, train_stats["fingerprint"], val_ds, tokenizer_id, target_name(recipe.target)).write(run)
     return (train_ds, train_stats), (val_ds, val_stats)
 
 
@@ -351,9 +367,10 @@ def _unanswered_per_source(recipe: Recipe, mixture) -> dict[str, int]:
                         if c["needs_response"] and not regenerates[c["source"]]))
 
 
-def write_validation_prompts(conversations: list[dict], path: Path) -> None:
+def write_validation_prompts(conversations: list[dict], run: RunFolder) -> None:
     """The validation conversations' first user turns as a FastChat question file: the held-out prompts on which
     every checkpoint's real τ is measured (and the best checkpoint chosen)."""
+    path = run.validation_prompts
     lines = []
     for conversation in conversations:
         first = next((m["content"] for m in conversation["messages"] if m["role"] == "user"), None)
@@ -361,17 +378,22 @@ def write_validation_prompts(conversations: list[dict], path: Path) -> None:
             lines.append(json.dumps({"question_id": str(conversation["id"]), "category": conversation["source"],
                                      "turns": [first]}, ensure_ascii=False))
     if lines:
-        write_text_atomic(path, "\n".join(lines) + "\n")
+        with writing(path, "the held-out prompts", after=_AFTER_FAILED_WRITE):
+            write_text_atomic(path, "\n".join(lines) + "\n")
     else:
-        path.unlink(missing_ok=True)
+        run.remove(path, "the held-out prompts an earlier prepare wrote (this one has no validation split)")
 
 
 def _write_features(recipe: Recipe, target: Target, train: tuple, run: RunFolder, progress: bool = True) -> None:
-    """Offline target outputs: run the target once over the train split (``train``: the split and its
-    fingerprint) and store what the draft kind needs."""
+    """Offline target outputs: the target's outputs over the train split (``train``: the split and its
+    fingerprint), computed once by the recipe's source (the HF forward, or capture engines), and what the draft kind
+    needs of them stored."""
     train_ds, fingerprint = train
     needs, options = _feature_plan(recipe, target, fingerprint)
-    write_feature_cache(target, train_ds, needs, run.features, **options, progress=progress)
+    after = "; the shards written whole are kept: make room and rerun `drafttrain prepare` to write the others"
+    with writing(run.features, "the offline feature cache", after=after), \
+            cache_source(recipe, target, needs, train_ds, cache_argmax=keeps_argmax(needs)) as source:
+        write_feature_cache(target, train_ds, needs, run.features, **options, progress=progress, source=source)
 
 
 def writes_features(recipe: Recipe) -> bool:
@@ -481,7 +503,7 @@ def build_summary(
         replay=train_stats.get("replay"),
         draft_vocab=vocab_info,
         seconds={k: round(v, 2) for k, v in seconds.items()},
-        recipe=recipe.model_dump(mode="json"),
+        recipe=redacted(recipe.model_dump(mode="json")),  # a key pasted into the recipe stays out of the file
     )
 
 
@@ -566,20 +588,32 @@ def prepare(
     data = _with_limit(recipe.data, limit)
     run = RunFolder.of(recipe.output_dir)
     check_data_files(data)
+    if target is None:  # a target that cannot load is named before any work (its config; its weights if present)
+        checked_model_dir(recipe.target, weights_required=False)
     if recipe.draft is not None:
         check_vocabulary_choice(recipe.draft, recipe.draft_vocab.enabled)
-    needs_model = recipe.regenerate.enabled and recipe.regenerate.backend == "hf"
     vocab_size = None
     if recipe.draft_vocab.enabled:
         vocab_size = target.vocab_size if target is not None else target_vocab_size_from_config(recipe)
         check_draft_vocab_size(recipe, vocab_size)
-    make_folder(run.root, "the run folder (output_dir)")  # before any work: a read-only or misplaced output_dir
+    # before any work: a folder drafttrain did not make (the home folder, the data's own), read-only or misplaced
+    run.claim(reads=local_sources(data))
+    with RunLock(run.root, "drafttrain prepare"):
+        summary = _prepare_in(run, recipe, data, target, vocab_size, (progress, features))
+    if show_summary:
+        print_summary(summary)
+    return summary
 
+
+def _prepare_in(run: RunFolder, recipe: Recipe, data: DataConfig, target: Target | None, vocab_size: int | None,
+                options: tuple[bool, bool]) -> PrepareSummary:
+    """prepare's stages in its claimed and locked run folder; ``options``: (progress bars, the feature cache)."""
+    progress, features = options
     seconds: dict[str, float] = {}
     with _timed(seconds, "load"):
         mixture = load_mixture(data, recipe.seed)
         log.info("%s", mixture.summary())
-    if needs_model and target is None:
+    if recipe.regenerate.enabled and recipe.regenerate.backend == "hf" and target is None:
         target = load_target(recipe.target)
     train, validation, regen = mixture.train, mixture.validation, None
     _warn_unanswered(recipe, mixture)
@@ -589,27 +623,27 @@ def prepare(
     with _timed(seconds, "tokenize"):
         tokenizer = target.tokenizer if target is not None else load_tokenizer(recipe.target)
         tokenizer_id = tokenizer_fingerprint(tokenizer)
-        (train_ds, train_stats), (val_ds, val_stats) = _write_splits(recipe, data, (train, validation),
-                                                                     (tokenizer, tokenizer_id), run)
+        with writing(run.data_cache(data.cache_dir), "the tokenised data", after=_AFTER_FAILED_WRITE):
+            (train_ds, train_stats), (val_ds, val_stats) = _write_splits(recipe, data, (train, validation),
+                                                                         (tokenizer, tokenizer_id), run)
     fingerprint = train_stats["fingerprint"]  # the split's content hash, computed once as it was tokenised
     vocab_info = None
     if recipe.draft_vocab.enabled:
         with _timed(seconds, "draft_vocab"):
             vocab_info = _build_vocab(recipe, (train_ds, fingerprint), val_ds, (tokenizer, tokenizer_id),
                                       vocab_size, run)
-    elif run.draft_vocab.exists():
-        run.draft_vocab.unlink()  # a mapping from an earlier run would not match this data
+    else:
+        run.remove(run.draft_vocab, "a draft vocabulary an earlier prepare built (it would not match this data)")
     if features and writes_features(recipe):
         with _timed(seconds, "features"):
-            target = target if target is not None else load_target(recipe.target)
+            target = target if target is not None else process_target(recipe)
             _write_features(recipe, target, (train_ds, fingerprint), run, progress)
 
     summary = build_summary(
         recipe, mixture, regen, (train_ds, train_stats), (val_ds, val_stats), vocab_info, run, seconds
     )
-    write_text_atomic(run.summary, summary.to_json())
-    if show_summary:
-        print_summary(summary)
+    with writing(run.summary, "the prepare summary", after=_AFTER_FAILED_WRITE):
+        write_text_atomic(run.summary, summary.to_json())
     return summary
 
 
@@ -624,20 +658,29 @@ def prepare_launched(recipe: Recipe, state, limit: int | None, progress: bool) -
     """``accelerate launch -m drafttrain prepare``: the data stages run on the main process; then every process
     loads the target on its device and writes its own shards of the offline cache; the main process joins them.
     A rerun after a crash writes only the shards without a record. Returns the summary on the main process."""
+    if state.is_main_process and recipe.data is not None:
+        RunFolder.of(recipe.output_dir).claim(reads=local_sources(recipe.data))
+    with RunLock(recipe.output_dir, "drafttrain prepare"):  # rank 0 holds it for every rank
+        return _prepare_launched(recipe, state, limit, progress)
+
+
+def _prepare_launched(recipe: Recipe, state, limit: int | None, progress: bool) -> PrepareSummary | None:
     result = prepare(recipe, limit=limit, progress=progress, features=False) if state.is_main_process else None
     state.wait_for_everyone()
     if writes_features(recipe):
         run = RunFolder.of(recipe.output_dir)
         device = str(state.device) if recipe.target.device.startswith("cuda") else recipe.target.device
-        target = load_target(recipe.target, device=device)
+        target = process_target(recipe.model_copy(update={"target": recipe.target.model_copy(update={"device": device})}))
         train_ds = open_dataset(run.train_split)
         needs, options = _feature_plan(recipe, target, DataManifest.read(run).train)
         settings = cache_settings(target, train_ds, needs, **options)
         if state.is_main_process:
             start_cache(run.features, settings)
         state.wait_for_everyone()
-        written = write_shards(target, train_ds, needs, run.features, settings, state.process_index,
-                               state.num_processes, progress)
+        with cache_source(recipe, target, needs, train_ds, rank=state.process_index,
+                          start=state.is_main_process, cache_argmax=settings["argmax"]) as source:
+            written = write_shards(source, len(train_ds), run.features, settings, state.process_index,
+                                   state.num_processes, progress)
         log.info("rank %d wrote %d shards", state.process_index, written)
         state.wait_for_everyone()
         if state.is_main_process:

@@ -33,6 +33,7 @@ from drafttrain.config import Recipe, WandbConfig
 from drafttrain.drafts.base import add_positions, simulated_tau
 from drafttrain.progress import PROGRESS_LOGGER, on_terminal
 from drafttrain.runfolder import ACCELERATE_DIR, RunFolder, damaged, write_text_atomic
+from drafttrain.userfiles import writing
 
 log = logging.getLogger(__name__)
 progress_log = logging.getLogger(PROGRESS_LOGGER)
@@ -170,14 +171,20 @@ class MetricsLog:
         self.run = RunFolder.of(recipe.output_dir)
         self.run.root.mkdir(parents=True, exist_ok=True)
         self.path = self.run.metrics
-        self._prepare_file(start_step, resumed)
-        self._file = open(self.path, "a")
+        with self._writing():
+            self._prepare_file(start_step, resumed)
+            self._file = open(self.path, "a")
         self._wandb = self._start_wandb(recipe, resumed)
         self._bar = self._start_bar(total_steps, start_step)
         self._total, self._start_step, self._started = total_steps, start_step, time.perf_counter()
         budget = recipe.training.time_budget_minutes
         self._budget_s = budget * 60 if budget is not None else None
         self._throughput = ThroughputWatch()
+
+    def _writing(self):
+        """A full disk, a file-size limit or a read-only run folder while the log is written: one line."""
+        return writing(self.path, "the training log", after="; the checkpoints written so far are whole: make room "
+                                                            "and continue with --resume")
 
     def _prepare_file(self, start_step: int, resumed: bool) -> None:
         """A fresh run starts an empty file; a resumed one drops records from steps it is about to redo."""
@@ -195,7 +202,8 @@ class MetricsLog:
 
         id_file = self.run.wandb_id
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:12]
-        id_file.write_text(run_id + "\n")
+        with writing(id_file, "the wandb run id"):
+            id_file.write_text(run_id + "\n")
         run = wandb.init(
             project=recipe.wandb.project,
             name=self.run.root.name,
@@ -258,8 +266,9 @@ class MetricsLog:
 
     def _append(self, record: dict[str, Any]) -> dict[str, Any]:
         record = {k: _finite_or_none(v) for k, v in record.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with self._writing():
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._bar.disable and "loss" in record:  # no bar on a non-terminal: a progress record line instead
             progress_log.info("%s", self._progress_line(record))
         return record

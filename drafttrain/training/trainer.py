@@ -1,7 +1,7 @@
 """The training loop: a drafter learns from the target's outputs, with accelerate (DDP / DeepSpeed ZeRO).
 
-What accelerate wraps is :class:`TrainStep`: the target outputs the kind needs (online from the target, or from the
-offline cache), then the kind's loss. The target's module is registered in it only when the kind trains part of
+What accelerate wraps is :class:`TrainStep`: the target outputs the kind needs (from the run's target source: the
+target's forward, the offline cache, or capture engines streaming them; drafttrain.sources), then the kind's loss. The target's module is registered in it only when the kind trains part of
 the target (LoRA); a frozen target is just moved to the device, since wrapping it would make DDP/ZeRO track and
 shard weights that never change. The trainer never names a draft kind: it asks the drafter.
 """
@@ -24,9 +24,19 @@ from torch import nn
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
 from drafttrain.data.tokenize import split_fingerprint
-from drafttrain.runfolder import ACCELERATE_DIR, STATE_FILE, RunFolder, damaged, step_dir_name, write_manifest
+from drafttrain.data.traffic import redacted
+from drafttrain.runfolder import (
+    ACCELERATE_DIR,
+    EVAL_FILE,
+    STATE_FILE,
+    RunFolder,
+    damaged,
+    step_dir_name,
+    write_manifest,
+)
+from drafttrain.sources.base import TargetSource, mean_stats
+from drafttrain.sources.hf import HFForward
 from drafttrain.targets import Target
-from drafttrain.targets.outputs import TargetOutputs, run_target
 from drafttrain.training.checkpoint import (
     DAMAGED_SUFFIX,
     DIVERGED_SUFFIX,
@@ -34,7 +44,15 @@ from drafttrain.training.checkpoint import (
     TrainerState,
     recipe_changes,
 )
-from drafttrain.training.loader import ROW_INDEX, BatchLayout, epoch_loader, row_ids, to_device, trained_tokens
+from drafttrain.training.loader import (
+    ROW_INDEX,
+    BatchLayout,
+    ResumableBatchSampler,
+    epoch_loader,
+    row_ids,
+    to_device,
+    trained_tokens,
+)
 from drafttrain.training.run_log import CheckpointMetrics, MetricsLog, WindowMeter, summarise
 from drafttrain.training.runtime import build_accelerator, gathered, local_part, shard_frozen, zero_stage_of
 from drafttrain.training.schedule import build_optimizer, build_scheduler, select_trainable, total_steps
@@ -48,8 +66,6 @@ DIVERGED_FACTOR = 1e3
 # fn(step, checkpoint_dir) -> metrics ({"tau": 3.1}, or CheckpointMetrics with dashboard tables and images); runs
 # on the main process after each checkpoint.
 CheckpointCallback = Callable[[int, Path], "CheckpointMetrics | dict[str, float] | None"]
-# fn(batch) -> the target outputs the drafter trains on (online: a target forward; offline: the cache).
-OutputsFn = Callable[["dict[str, torch.Tensor]"], TargetOutputs]
 
 
 @dataclasses.dataclass
@@ -67,17 +83,17 @@ class TrainResult:
 
 class TrainStep(nn.Module):
     """What accelerate wraps, so DDP and ZeRO hooks see one forward: the target outputs, then the kind's loss."""
-    def __init__(self, drafter: nn.Module, target: Target, outputs_fn: OutputsFn, mask_shift: int = 0):
+    def __init__(self, drafter: nn.Module, target: Target, source: TargetSource, mask_shift: int = 0):
         super().__init__()
         self.drafter, self.mask_shift = drafter, mask_shift
-        self.__dict__["outputs_fn"] = outputs_fn  # not a submodule
+        self.__dict__["source"] = source  # not a submodule
         # The modules that own the target parameters the kind trains (LoRA adapters) are registered here, so the
         # engine tracks, shards and saves them; the frozen rest of the target is not (checkpoints hold no copy).
         self.trained_target = nn.ModuleList(owners(target.model, drafter.trainable_target_parameters()))
 
     def forward(self, batch: dict[str, torch.Tensor]):
         own = self.drafter.own_step_inputs(batch)  # asked first: the target then runs once, on the rows that train
-        batch, outputs = own if own is not None else (batch, self.outputs_fn(batch))
+        batch, outputs = own if own is not None else (batch, self.source.outputs(batch))
         if self.mask_shift:  # training.loss_mask_shift: the mask of the token fed in, kept inside each row
             mask = batch["loss_mask"]
             later = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1) * batch["attention_mask"]
@@ -94,10 +110,9 @@ def owners(model: nn.Module, names: list[str]) -> list[nn.Module]:
     return list(found.values())
 
 
-def online_outputs(target: Target, drafter) -> OutputsFn:
+def online_outputs(target: Target, drafter) -> TargetSource:
     """The target runs inside every step. Gradients flow only where the kind trains the target."""
-    needs = drafter.needs()
-    return lambda batch: run_target(target, batch, needs)
+    return HFForward(target, drafter.needs())
 
 
 def check_zero3(kind: str, trains_target: bool) -> None:
@@ -115,7 +130,7 @@ class Trainer:
         target: Target,
         drafter: nn.Module,
         train_dataset,
-        outputs_fn: OutputsFn | None = None,
+        source: TargetSource | None = None,
         callbacks: list[CheckpointCallback] | None = None,
         best_metric: str | None = None,
         accelerator=None,
@@ -125,7 +140,7 @@ class Trainer:
         self._data_fingerprint = data_fingerprint
         self._given_accelerator = accelerator  # made before the target loaded (ZeRO-3 partitions it at load)
         self.target, self.drafter, self.dataset = target, drafter, train_dataset
-        self.outputs_fn = outputs_fn or online_outputs(target, drafter)
+        self.source = source or online_outputs(target, drafter)  # where the target's outputs come from
         self.on_checkpoint: list[CheckpointCallback] = list(callbacks or [])
         self.run = RunFolder.of(recipe.output_dir)
         self.checkpoints = CheckpointManager(
@@ -156,7 +171,7 @@ class Trainer:
         # the schedule reads the training clock of whatever state is current (a resumed run's, once restored)
         scheduler = build_scheduler(optimizer, self.training, steps, clock=lambda: self.state.train_seconds)
         self.recipe_hyperparameters = list(scheduler.base_lrs), [g["weight_decay"] for g in optimizer.param_groups]
-        step_module = TrainStep(self.drafter, self.target, self.outputs_fn, self.training.loss_mask_shift)
+        step_module = TrainStep(self.drafter, self.target, self.source, self.training.loss_mask_shift)
         self.module, self.optimizer, self.scheduler = acc.prepare(step_module, optimizer, scheduler)
         if resume_from is not None:
             self.state = state = self._restore(resume_from, state)
@@ -183,7 +198,7 @@ class Trainer:
         """What this run's checkpoints are built from: the data, the target, its tokenizer, and the recipe."""
         return {"data": self._data_fingerprint or split_fingerprint(self.dataset), "target": self.target.fingerprint,
                 "tokenizer": self.target.tokenizer_fingerprint,
-                "recipe": self.recipe.model_dump(mode="json")}
+                "recipe": redacted(self.recipe.model_dump(mode="json"))}  # a pasted key stays out of manifests
 
     def _start_folder(self, resume: bool) -> Path | None:
         """Clean up after a crashed run; pick the checkpoint to resume from (the newest that verifies), or refuse
@@ -249,10 +264,12 @@ class Trainer:
         self.grad_norm: float | None = None
         while state.step < state.total_steps and not self._time_is_up(state):
             epoch = state.epoch
-            batches = iter(epoch_loader(
-                self.dataset, self.layout, state.data_seed, epoch, self.accelerator.process_index,
-                state.batch_in_epoch, self.training.num_workers, _pad_id(self.target), self._row_lengths(),
-            ))
+            rank, lengths = self.accelerator.process_index, self._row_lengths()
+            batches = iter(epoch_loader(self.dataset, self.layout, state.data_seed, epoch, rank, state.batch_in_epoch,
+                                        self.training.num_workers, _pad_id(self.target), lengths))
+            # the rows this process will ask for, in order: a source that computes them elsewhere has them ready
+            order = ResumableBatchSampler(self.layout, state.data_seed, epoch, rank, state.batch_in_epoch, lengths)
+            self.source.ask(row for micro_batch in order for row in micro_batch)
             while state.epoch == epoch and state.step < state.total_steps and not self._time_is_up(state):
                 group = [next(batches) for _ in range(self.layout.grad_accum)]
                 loss = self._optimizer_step(group, state)
@@ -383,15 +400,15 @@ class Trainer:
                 self.metrics.advance(state.step)
             return
         acc = self.accelerator
-        part = self.meter.local_summary()
-        if acc.num_processes > 1:
-            parts = gather_object([part])
-        else:
-            parts = [part]
+        part = (self.meter.local_summary(), self.source.stats())
+        parts = gather_object([part]) if acc.num_processes > 1 else [part]
         self.meter.reset()
+        lagging = self.source.lagging()
+        if lagging is not None:
+            log.warning("rank %d: %s", acc.process_index, lagging)
         if self.metrics is None:
             return
-        summary = summarise(parts)
+        summary = {**summarise([meter for meter, _ in parts]), **mean_stats([stats for _, stats in parts])}
         epoch = state.epoch + state.batch_in_epoch / self.layout.micro_batches_per_epoch
         record = {"step": state.step, "epoch": round(epoch, 4), "lr": self.scheduler.get_last_lr()[0],
                   "grad_norm": self.grad_norm, **summary,
@@ -402,17 +419,18 @@ class Trainer:
 
     def _checkpoint(self, state: TrainerState) -> None:
         """Check, write, commit, evaluate, prune. Weights that are not finite are never saved. Callbacks run on the
-        main process only, after the commit, so a failing evaluation never costs the checkpoint."""
+        main process only, after the commit, so a failing evaluation never costs the checkpoint. A full disk, a
+        file-size limit or a read-only folder is one line naming the checkpoint and the last one that is whole."""
         acc = self.accelerator
         self._check_weights_finite(state)
-        if acc.is_main_process:
-            self.checkpoints.begin(state.step)
-        acc.wait_for_everyone()
         tmp = self.checkpoints.tmp_dir(state.step)
         latest = self.checkpoints.latest()
         intact = (f"; the last complete checkpoint, {latest}, is intact: make room and continue with --resume"
                   if latest else "; no checkpoint was complete yet")
         with writing(tmp, "the checkpoint", after=intact):  # a full disk: one line, not torch's "unexpected pos"
+            if acc.is_main_process:
+                self.checkpoints.begin(state.step)
+            acc.wait_for_everyone()
             acc.save_state(str(tmp / ACCELERATE_DIR))  # every rank: RNG states, and ZeRO shards under DeepSpeed
             acc.wait_for_everyone()
             with gathered(self.module.parameters(), self.zero3):  # ZeRO-3: the whole draft, whatever the world size
@@ -420,10 +438,10 @@ class Trainer:
                     acc.unwrap_model(self.module).drafter.save_pretrained(tmp)
                     (tmp / STATE_FILE).write_text(state.to_json())
                     write_manifest(tmp, self.built_from)  # last: checksums of every file, what they were built from
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            final = self.checkpoints.commit(state.step)
-            self._evaluate(final, state.step)
+            acc.wait_for_everyone()
+            final = self.checkpoints.commit(state.step) if acc.is_main_process else None
+        if final is not None:
+            self._evaluate(final, state.step)  # its report and plots are written whole or refused in one line
             self.checkpoints.prune()
         acc.wait_for_everyone()
 
@@ -451,7 +469,9 @@ class Trainer:
                 measured.merge(callback(step, checkpoint))
         if not measured.scalars:
             return
-        self.checkpoints.record_metrics(checkpoint, step, measured.scalars)
+        with writing(checkpoint / EVAL_FILE, "the checkpoint's evaluation", after=f"; the checkpoint {checkpoint} "
+                                                                                  "is complete: continue with --resume"):
+            self.checkpoints.record_metrics(checkpoint, step, measured.scalars)
         if self.metrics is not None:
             self.metrics.write_eval(step, measured)
 

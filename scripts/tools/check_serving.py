@@ -2,7 +2,7 @@
 drafttrain's evaluator on the same prompts (greedy, same depth, same stop tokens, same token budget).
 
     python scripts/tools/check_serving.py RUN_OR_CHECKPOINT [--formats vllm speculators] [--num-prompts 8]
-        [--max-new-tokens 64] [--depth 3] [--vllm-python /work/venvs/vllm/bin/python] [--out DIR] [--trace]
+        [--max-new-tokens 64] [--depth 3] [--vllm-python .venvs/vllm/bin/python] [--out DIR] [--trace]
     python scripts/tools/check_serving.py MODEL_FOLDER --target NAME [...]   # another trainer's draft model
 
 A plain HF model folder (no drafttrain checkpoint: TRL's student in scripts/experiments/parity/distill.sh) is served as it is
@@ -41,11 +41,11 @@ from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import read_draft_config
 from drafttrain.drafts.codecs import codecs_of
 from drafttrain.drafts.registry import KINDS
+from drafttrain.engines.server import ENGINES, check_exists
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.suites import load_suite
 from drafttrain.export import export_draft
 from drafttrain.runfolder import drafttrain_checkpoint, find_draft
-from drafttrain.serving.engines import ENGINES, check_exists
 from drafttrain.targets import Target, load_target
 from drafttrain.targets.loading import resolve_model_dir
 
@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    parser.add_argument("--vllm-python", default=".venvs/vllm/bin/python")
     parser.add_argument("--out", default="runs/serving_check")
     parser.add_argument("--trace", action="store_true", help="record vLLM's draft of every cycle")
     args = parser.parse_args()

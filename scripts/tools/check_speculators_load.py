@@ -1,7 +1,7 @@
 """Proof in a real client: load an EAGLE-3, P-EAGLE or DFlash draft's speculators-format export with speculators'
 own classes (in their own venv) and compare its drafting forward with drafttrain's on the same target hidden states.
 
-    python scripts/tools/check_speculators_load.py RUN_OR_CHECKPOINT [--speculators-python /work/venvs/speculators/bin/python]
+    python scripts/tools/check_speculators_load.py RUN_OR_CHECKPOINT [--speculators-python .venvs/speculators/bin/python]
         [--num-prompts 4] [--max-new-tokens 64] [--out DIR]
 
 For each prompt the target's greedy answer is generated, the target's tapped hidden states are taken over prompt +
@@ -84,7 +84,7 @@ INPUTS = {"eagle3": eagle3_inputs, "dflash": dflash_inputs, "peagle": peagle_inp
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("draft")
-    parser.add_argument("--speculators-python", default="/work/venvs/speculators/bin/python")
+    parser.add_argument("--speculators-python", default=".venvs/speculators/bin/python")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default="runs/speculators_check")

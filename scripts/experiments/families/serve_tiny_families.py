@@ -8,7 +8,7 @@ as a drafttrain checkpoint, and scripts/tools/check_serving.py serves it in vLLM
 evaluator's on the same prompts.
 
     python scripts/experiments/families/serve_tiny_families.py OUT [--families qwen3_moe gemma3 gpt_oss]
-        [--kind eagle3|dflash] [--vllm-python /work/venvs/vllm/bin/python]
+        [--kind eagle3|dflash] [--vllm-python .venvs/vllm/bin/python]
 """
 
 from __future__ import annotations
@@ -24,31 +24,14 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 
-from families import FAMILIES, family_model  # noqa: E402
+from engine_targets import engine_target_folder  # noqa: E402
 
 from drafttrain.config import parse_recipe  # noqa: E402
 from drafttrain.data.chat import prompt_ids, stop_token_ids  # noqa: E402
 from drafttrain.decoding import plain_decode  # noqa: E402
 from drafttrain.drafts import build_drafter  # noqa: E402
 from drafttrain.evaluation.suites import load_suite  # noqa: E402
-from drafttrain.targets import load_target, load_tokenizer, run_target  # noqa: E402
-
-# heads of 64 dimensions (vLLM's CPU attention), and 8 layers: EAGLE-3's default taps (2, L/2, L-3) are then three
-# distinct layers, as vLLM's readers assume (4 layers give two, and fc half the width vLLM builds)
-VLLM_SHAPES = dict(hidden_size=128, head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=8)
-
-
-def target_folder(family: str, out: Path) -> Path:
-    folder = out / f"{family}-target"
-    if not (folder / "config.json").is_file():
-        layer_types = FAMILIES[family][1].get("layer_types")
-        extra = {"layer_types": layer_types * 2} if layer_types else {}
-        if family == "deepseek_v3":  # MLA: as many key-value heads as query heads, a query head of 64 (32 rotary)
-            extra.update(num_key_value_heads=2, head_dim=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
-                         kv_lora_rank=64, q_lora_rank=96, topk_method="noaux_tc")  # vLLM then reads the router bias
-        family_model(family, **{**VLLM_SHAPES, **extra}).save_pretrained(folder)
-        load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
-    return folder
+from drafttrain.targets import load_target, run_target  # noqa: E402
 
 
 def memorising_head(target, prompts: int, new_tokens: int, steps: int, kind: str = "eagle3"):
@@ -79,7 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--families", nargs="+", default=["qwen3_moe", "gemma3", "gpt_oss"])
-    parser.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    parser.add_argument("--vllm-python", default=".venvs/vllm/bin/python")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=400)
@@ -88,7 +71,7 @@ def main() -> int:
     out = Path(args.out).resolve()
     summary = {}
     for family in args.families:
-        target = load_target(str(target_folder(family, out)))
+        target = load_target(str(engine_target_folder(family, out)))
         drafter, loss = memorising_head(target, args.prompts, args.max_new_tokens, args.steps, args.kind)
         checkpoint = drafter.save_pretrained(out / f"{family}-{args.kind}-head")
         check = out / f"{family}-{args.kind}-check"

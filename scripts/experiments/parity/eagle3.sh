@@ -41,9 +41,9 @@ case $kind in
         ours_kind=("${prepare_with[@]}" eval.every_checkpoint=false training.epochs=20) ;;
 esac
 trainers=(${TRAINERS:-drafttrain $references})
-speculators_venv=${SPECULATORS_VENV:-/work/venvs/speculators}
-specforge_venv=${SPECFORGE_VENV:-/work/venvs/specforge}
-vllm_python=${VLLM_PYTHON:-/work/venvs/vllm/bin/python}
+speculators_venv=${SPECULATORS_VENV:-.venvs/speculators}
+specforge_venv=${SPECFORGE_VENV:-.venvs/specforge}
+vllm_python=${VLLM_PYTHON:-.venvs/vllm/bin/python}
 source "$here/share_run.sh"
 run=$out/run
 mkdir -p "$out"

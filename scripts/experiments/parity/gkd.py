@@ -1,7 +1,7 @@
 """TRL's GKD trainer on the rows, student and teacher that scripts/experiments/parity/gkd_inputs.py wrote, for a given training
 time; run with the TRL venv's Python (scripts/experiments/parity/distill.sh does).
 
-    /work/venvs/trl/bin/python scripts/experiments/parity/gkd.py INPUTS OUT --minutes 10 [--seed 0] [--lmbda 0.5] [--beta 0.5]
+    .venvs/trl/bin/python scripts/experiments/parity/gkd.py INPUTS OUT --minutes 10 [--seed 0] [--lmbda 0.5] [--beta 0.5]
         [--lr 1e-4] [--threads 2]
 
 TRL has no time budget, only ``max_steps``: a short calibration run measures its seconds per optimizer step (from the

@@ -1,7 +1,7 @@
 """Train a draft with a reference trainer on the rows and features of scripts/experiments/parity/features.py, for a given
 training time, and import what it wrote as a drafttrain checkpoint for our evaluator.
 
-    python scripts/experiments/parity/reference.py speculators FEATURES OUT --venv /work/venvs/speculators --minutes 15 \
+    python scripts/experiments/parity/reference.py speculators FEATURES OUT --venv .venvs/speculators --minutes 15 \
         [--kind dflash|eagle3|peagle] [--seed 0] [--calibrate-steps 12] -- [extra speculators train flags]
 
 speculators has no time budget, only ``--max-steps``: a short calibration run measures its seconds per optimizer
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-steps", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=4,
                         help="SpecForge: rows per batch (EAGLE-3: accumulated to 4 rows per optimizer step)")
-    parser.add_argument("--speculators-venv", default="/work/venvs/speculators",
+    parser.add_argument("--speculators-venv", default=".venvs/speculators",
                         help="SpecForge: the venv whose `speculators convert` turns its export into speculators' format")
     parser.add_argument("extra", nargs="*", help="more flags for the trainer (after --)")
     args = parser.parse_args(argv)

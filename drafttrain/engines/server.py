@@ -1,9 +1,10 @@
-"""The serving engines ``drafttrain bench`` drives: how each is started, told about a draft, and counted.
+"""The serving engines drafttrain drives: how each is started, told about a draft (bench, evaluation) or asked for
+the target's hidden states (capture), and counted.
 
-An engine is never a drafttrain dependency: it runs from its own Python (``--vllm-python``), started here as an
-OpenAI-compatible server with its log in a file, or already running (``--base-url``). A server that exits before it
-is ready, or during a level, is an error that quotes its log's tail; every server started here is stopped on the
-way out, also on Ctrl-C and on errors.
+An engine is never a drafttrain dependency: it runs from its own Python (``--vllm-python``, ``capture.python``),
+started here as an OpenAI-compatible server with its log in a file, or already running (a URL). A server that exits
+before it is ready, or while it works, is an error that quotes its log's tail; every server started here is stopped
+on the way out, also on Ctrl-C and on errors.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from drafttrain import DrafttrainError
-from drafttrain.evaluation.serving_report import PLAIN
-from drafttrain.serving.metrics import SpecCounters, by_label, counter_samples, total
-from drafttrain.targets import Target
+from drafttrain.engines.metrics import SpecCounters, by_label, counter_samples, total
 from drafttrain.userfiles import cause
 
 LOG_TAIL_CHARS = 3000
 PR_SET_PDEATHSIG = 1
 HEALTH_POLL_S = 2.0
 FIRST_ERROR = re.compile(r"\b[A-Z]\w*(Error|Exception): .*")
+PLAIN = "plain"  # the label of a server that serves the target alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ class VLLM(Engine):
     requirement = ("import vllm, vllm.benchmarks.serve, vllm.utils.argparse_utils, pandas; "
                    "print(vllm.__version__)")
 
-    def server_args(self, target: Target, port, spec, memory_fraction):
+    def server_args(self, target: str, port, spec, memory_fraction):
         args = ["--model", target, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
                 # on a CPU this is the share of RAM its KV cache may take, as on a GPU of the GPU's memory
                 "--gpu-memory-utilization", f"{memory_fraction:.3f}"]
@@ -116,7 +116,7 @@ class SGLang(Engine):
     requirement = ("import sglang, vllm.benchmarks.serve, vllm.utils.argparse_utils, pandas; "
                    "print(sglang.__version__)")
 
-    def server_args(self, target: Target, port, spec, memory_fraction):
+    def server_args(self, target: str, port, spec, memory_fraction):
         args = ["--model-path", target, "--host", "127.0.0.1", "--port", str(port), "--enable-metrics",
                 "--random-seed", "0", "--mem-fraction-static", f"{memory_fraction:.3f}"]
         if spec is not None:
@@ -187,14 +187,24 @@ def log_tail(path: Path) -> str:
     return tail
 
 
+def ready(base_url: str) -> bool:
+    """Whether the server at ``base_url`` answers its health check."""
+    with contextlib.suppress(OSError, urllib.error.URLError):
+        return urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5).status == 200
+    return False
+
+
 class Server:
     """One engine server: started (``start``), waited for (``wait_ready``), stopped on exit of its ``with``."""
 
     def __init__(self, engine: Engine, python: str | None, target: str, spec: Speculation | None, port: int,
-                 log: Path, memory_fraction: float, base_url: str | None = None, extra_args: list[str] = ()):
+                 log: Path, memory_fraction: float, base_url: str | None = None, extra_args: list[str] = (),
+                 env: dict[str, str] | None = None, label: str | None = None):
         self.engine, self.python, self.target, self.spec, self.port, self.log = \
             engine, python, target, spec, port, log
         self.extra_args = list(extra_args)
+        self.env = env or {}  # what the engine's process needs beside this one's environment
+        self._label = label
         self.memory_fraction = memory_fraction
         self.base_url = base_url or f"http://127.0.0.1:{port}"
         self.external = base_url is not None
@@ -202,6 +212,8 @@ class Server:
 
     @property
     def label(self) -> str:
+        if self._label is not None:
+            return self._label
         return PLAIN if self.spec is None else f"{self.spec.label} k={self.spec.length}"
 
     def start(self) -> None:
@@ -216,12 +228,10 @@ class Server:
             # its own process group, so stopping it stops the engine's worker processes too; and told to stop when
             # drafttrain dies, even by SIGKILL, which no handler of ours sees
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                            preexec_fn=_stop_with_parent)
+                                            preexec_fn=_stop_with_parent, env={**os.environ, **self.env})
 
     def ready(self) -> bool:
-        with contextlib.suppress(OSError, urllib.error.URLError):
-            return urllib.request.urlopen(self.base_url + "/health", timeout=5).status == 200
-        return False
+        return ready(self.base_url)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,5 +1,6 @@
-"""The offline cache of target outputs: the target runs once over the train split (``drafttrain prepare``), and
-training streams what the draft kind needs from disk instead of running the target at every step.
+"""The offline cache of target outputs: a source (the HF forward, or capture engines) computes them once over the
+train split (``drafttrain prepare``), and training reads what the draft kind needs from disk instead of running the
+target at every step: the cache is itself a source (:class:`FeatureCache`).
 
 Per row the cache keeps each hidden state the kind needs exactly once (its taps, and the final hidden state when
 the kind needs it or the logits), in the target's dtype unless the recipe chooses another
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -31,17 +31,11 @@ from safetensors.torch import save_file
 from drafttrain import DrafttrainError
 from drafttrain.progress import progress_bar
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
+from drafttrain.sources.base import ROW_INDEX, TargetSource, assemble, cached_names
+from drafttrain.sources.hf import HFForward
 from drafttrain.targets import Target
-from drafttrain.targets.hidden import HiddenStateTap
-from drafttrain.targets.outputs import (
-    TargetNeeds,
-    TargetOutputs,
-    TopK,
-    full_argmax,
-    plain_rows,
-    target_logits,
-    top_k_of,
-)
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, plain_rows
+from drafttrain.userfiles import remove
 
 INDEX = "index.json"
 FORMAT_VERSION = 3
@@ -112,11 +106,16 @@ def start_cache(out_dir: str | Path, settings: dict) -> Path:
         except DrafttrainError:
             same = False
         if not same:
-            shutil.rmtree(out_dir)
+            remove(out_dir, "an offline cache written with other settings", inside=out_dir, made=_is_cache)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not (out_dir / SETTINGS).is_file():
         write_text_atomic(out_dir / SETTINGS, json.dumps(settings, indent=1))
     return out_dir
+
+
+def _is_cache(folder: Path) -> bool:
+    """A folder start_cache made: it writes its settings first."""
+    return (folder / SETTINGS).is_file()
 
 
 def _shard_name(number: int) -> str:
@@ -134,46 +133,37 @@ def _finished(out_dir: Path, number: int) -> dict | None:
 
 
 @torch.no_grad()
-def write_shards(target: Target, dataset, needs: TargetNeeds, out_dir: str | Path, settings: dict, rank: int = 0,
+def write_shards(source: TargetSource, num_rows: int, out_dir: str | Path, settings: dict, rank: int = 0,
                  world: int = 1, progress: bool = True) -> int:
-    """Write this rank's shards (shard k holds rows [k·R, (k+1)·R) and belongs to rank k mod world), skipping the
-    ones a previous run finished. Each shard lands under a temporary name, is renamed, then gets its record: a
-    process killed mid-way loses at most the shard it was writing. Returns the number of shards written now."""
+    """Write this rank's shards (shard k holds rows [k·R, (k+1)·R) and belongs to rank k mod world) from what
+    ``source`` computes of each row, skipping the ones a previous run finished. Each shard lands under a temporary
+    name, is renamed, then gets its record: a process killed mid-way loses at most the shard it was writing. Returns
+    the number of shards written now."""
     out_dir, per_shard = Path(out_dir), settings["rows_per_shard"]
-    layers, top_k = settings["layers"], settings["logits_top_k"]
     dtype = DTYPES[settings["dtype"]]
-    rows_of = {k: list(range(k * per_shard, min((k + 1) * per_shard, len(dataset))))
-               for k in range(-(-len(dataset) // per_shard)) if k % world == rank and _finished(out_dir, k) is None}
+    rows_of = {k: list(range(k * per_shard, min((k + 1) * per_shard, num_rows)))
+               for k in range(-(-num_rows // per_shard)) if k % world == rank and _finished(out_dir, k) is None}
+    source.ask(row for rows in rows_of.values() for row in rows)  # an engine has them ready in order
     bar = progress_bar(total=sum(map(len, rows_of.values())), desc=f"target features (rank {rank})", unit="row",
                        enabled=progress)
     for k, rows in rows_of.items():
         shard: dict[str, torch.Tensor] = {}
-        for row in rows:
-            ids = torch.tensor(dataset[row]["input_ids"]).unsqueeze(0)
-            with HiddenStateTap(target.model, layers) as tap:
-                logits = target.model(input_ids=ids.to(target.device), use_cache=False,
-                                      logits_to_keep=0 if top_k else 1).logits
-                captured = tap.get()
-            for layer, hidden in zip(layers, captured):
-                for suffix, tensor in stored(hidden[0], dtype).items():
-                    shard[f"row{row}.layer{layer}{suffix}"] = tensor
-            if settings.get("argmax"):  # from the final hidden state (the last layer kept), chunk by chunk
-                argmax = full_argmax(target, captured[-1])
-                shard[f"row{row}.argmax"] = argmax[0, :, None].to(torch.int32).cpu().contiguous()
-            if top_k:  # the teacher's distribution as its top-k (float32 log-probabilities: k values per token)
-                kept = top_k_of(logits[0], top_k, needs.logits_temperature)
-                shard[f"row{row}.topk_ids"] = kept.ids.to(torch.int32).cpu().contiguous()
-                shard[f"row{row}.topk_log_probs"] = kept.log_probs.cpu().contiguous()
-                shard[f"row{row}.topk_rest"] = kept.rest.cpu().contiguous()
+        for row, entries in zip(rows, source.states(rows)):
+            for name, tensor in entries.items():
+                kept = stored(tensor, dtype) if name.startswith("layer") else {"": tensor.cpu().contiguous()}
+                shard.update({f"row{row}.{name}{suffix}": value for suffix, value in kept.items()})
             bar.update(1)
-        name = _shard_name(k)
-        save_file(shard, str(out_dir / (name + ".tmp")))
-        os.replace(out_dir / (name + ".tmp"), out_dir / name)
-        record = {"file": name, "sha256": file_sha256(out_dir / name), "rows": rows,
-                  "bytes": (out_dir / name).stat().st_size}
-        write_text_atomic(out_dir / (name + ".json"), json.dumps(record))
+        _write_shard(out_dir, k, shard, rows)
     bar.close()
     return len(rows_of)
+
+
+def _write_shard(out_dir: Path, number: int, shard: dict[str, torch.Tensor], rows: list[int]) -> None:
+    name = _shard_name(number)
+    save_file(shard, str(out_dir / (name + ".tmp")))
+    os.replace(out_dir / (name + ".tmp"), out_dir / name)
+    record = {"file": name, "sha256": file_sha256(out_dir / name), "rows": rows, "bytes": (out_dir / name).stat().st_size}
+    write_text_atomic(out_dir / (name + ".json"), json.dumps(record))
 
 
 def join_shards(out_dir: str | Path) -> Path:
@@ -192,21 +182,27 @@ def join_shards(out_dir: str | Path) -> Path:
 
 
 def write_feature_cache(target: Target, dataset, needs: TargetNeeds, out_dir: str | Path, *, split_fingerprint: str,
-                        dtype: torch.dtype, rows_per_shard: int = 256, progress: bool = True) -> Path:
-    """Run the target over every row of a tokenised split and store what ``needs`` asks for, in one process (see
-    the module doc; ``drafttrain prepare`` under a launcher splits the shards over its processes)."""
+                        dtype: torch.dtype, rows_per_shard: int = 256, progress: bool = True,
+                        source: TargetSource | None = None) -> Path:
+    """Store what ``needs`` asks for of every row of a tokenised split, computed by ``source`` (default: the target's
+    HF forward in this process), in one process (see the module doc; ``drafttrain prepare`` under a launcher splits
+    the shards over its processes)."""
     settings = cache_settings(target, dataset, needs, split_fingerprint=split_fingerprint, dtype=dtype,
                               rows_per_shard=rows_per_shard)
     start_cache(out_dir, settings)
-    write_shards(target, dataset, needs, out_dir, settings, progress=progress)
+    source = source or HFForward(target, needs, dataset, cache_argmax=settings["argmax"])
+    write_shards(source, len(dataset), out_dir, settings, progress=progress)
     return join_shards(out_dir)
 
 
-class FeatureCache:
+class FeatureCache(TargetSource):
     """Streams the target outputs of given rows from the cache (memory-mapped shards, verified once each)."""
 
+    name = "offline cache"
+
     def __init__(self, directory: str | Path, target: Target, needs: TargetNeeds, split_fingerprint: str):
-        self.directory, self.target, self.needs = Path(directory), target, needs
+        super().__init__(target, needs)
+        self.directory = Path(directory)
         path = self.directory / INDEX
         if not path.is_file():
             raise DrafttrainError(f"no feature cache at {self.directory} ({INDEX} missing): run `drafttrain prepare` "
@@ -266,37 +262,6 @@ class FeatureCache:
     @torch.no_grad()
     def outputs(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:
         """Right-padded outputs for the batch's rows (``row_index``), in the target's dtype, on its device."""
-        needs, final_layer = self.needs, self.target.num_layers
-        top_k = needs.logits_top_k if needs.logits else None
-        names = [f"layer{layer}" for layer in needs.stored_layers(final_layer)]
-        if top_k:
-            names += ["topk_ids", "topk_log_probs", "topk_rest"]
-        if self._rows_weight is not None:
-            names.append("argmax")
-        per_row = [dict(zip(names, self._row(int(r), names))) for r in batch["row_index"].tolist()]
-        seq_len, dtype = batch["input_ids"].shape[1], self.target.model.dtype
-
-        def padded(name: str, out_dtype=dtype) -> torch.Tensor:
-            width = per_row[0][name].shape[-1]
-            out = torch.zeros(len(per_row), seq_len, width, dtype=out_dtype)
-            for i, tensors in enumerate(per_row):
-                x = tensors[name][:seq_len]
-                out[i, : x.shape[0]] = x.to(out_dtype)
-            return out.to(self.target.device)
-
-        final = padded(f"layer{final_layer}") if f"layer{final_layer}" in names else None
-        kept = TopK(ids=padded("topk_ids", torch.long), log_probs=padded("topk_log_probs", torch.float32),
-                    rest=padded("topk_rest", torch.float32)) if top_k else None
-        if self._rows_weight is not None:
-            logits, argmax = final @ self._rows_weight.to(final.dtype).T, padded("argmax", torch.long)[..., 0]
-        elif needs.logits and not top_k:
-            logits, argmax = target_logits(self.target, final, needs.logits_rows)
-        else:
-            logits, argmax = None, None
-        return TargetOutputs(
-            hidden=torch.cat([padded(f"layer{layer}") for layer in needs.layers], dim=-1) if needs.layers else None,
-            final=final if needs.final_hidden else None,
-            logits=logits,
-            top_k=kept,
-            argmax=argmax,
-        )
+        names = cached_names(self.needs, self.target.num_layers, argmax=self._rows_weight is not None)
+        per_row = [dict(zip(names, self._row(int(r), names))) for r in batch[ROW_INDEX].tolist()]
+        return assemble(per_row, batch["input_ids"].shape[1], self.target, self.needs, self._rows_weight)

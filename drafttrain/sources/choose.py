@@ -1,0 +1,131 @@
+"""Which source computes a run's target outputs, chosen once from the recipe (``training.hidden_states`` and the
+``capture`` section): the HF forward, the offline cache, or capture servers (started here from ``capture.python``
+by the first process of a launch on each node, or running already at ``capture.urls``). Nothing else asks which."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from drafttrain import DrafttrainError
+from drafttrain.config import Recipe
+from drafttrain.engines.capture import CaptureClient, Parallelism, capture_servers, served_model
+from drafttrain.engines.server import HEALTH_POLL_S, ready
+from drafttrain.runfolder import RunFolder
+from drafttrain.sources.base import TargetSource
+from drafttrain.sources.cache import FeatureCache
+from drafttrain.sources.engine import EngineSource, engine_layer_ids
+from drafttrain.sources.hf import HFForward
+from drafttrain.targets import Target, load_target
+from drafttrain.targets.loading import resolve_model_dir
+from drafttrain.targets.outputs import TargetNeeds
+from drafttrain.targets.partial import load_head, load_shape
+
+
+def capture_folder(recipe: Recipe) -> Path:
+    """Where the capture servers write and drafttrain reads: capture.folder, else ``capture/`` in the run."""
+    folder = recipe.capture.folder
+    return Path(folder).expanduser() if folder else RunFolder.of(recipe.output_dir).root / "capture"
+
+
+@contextlib.contextmanager
+def capture_urls(recipe: Recipe, needs: TargetNeeds, num_layers: int, start: bool) -> Iterator[list[str]]:
+    """The URLs of the run's capture servers, each answering: the recipe's, or ``capture.servers`` started here
+    when ``start`` (the first process of a launch; the others wait for them to answer)."""
+    settings = recipe.capture
+    if settings.urls:
+        _wait_until_ready(settings.urls, settings.startup_timeout_s)
+        yield list(settings.urls)
+        return
+    if not start:
+        urls = [f"http://127.0.0.1:{settings.port + i}" for i in range(settings.servers)]
+        _wait_until_ready(urls, settings.startup_timeout_s)
+        yield urls
+        return
+    run = RunFolder.of(recipe.output_dir)
+    dtype = recipe.target.dtype if settings.dtype == "auto" else settings.dtype
+    max_len = recipe.data.max_length + 1 if recipe.data is not None else 4096
+    parallelism = Parallelism(settings.tensor_parallel_size, settings.pipeline_parallel_size,
+                              settings.data_parallel_size, settings.expert_parallel)
+    with capture_servers(settings.python, resolve_model_dir(recipe.target.model), engine_layer_ids(needs, num_layers),
+                         capture_folder(recipe), servers=settings.servers, parallelism=parallelism, dtype=dtype,
+                         port=settings.port, max_model_len=max_len, memory_fraction=settings.gpu_memory_utilization,
+                         log_dir=run.root / "logs", startup_timeout_s=settings.startup_timeout_s,
+                         extra_args=settings.server_args) as urls:
+        yield urls
+
+
+def _wait_until_ready(urls: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while not ready(url):
+            if time.monotonic() > deadline:
+                raise DrafttrainError(f"the capture server {url} did not answer in {timeout_s:.0f} s: start it with "
+                                      "`drafttrain capture-server RECIPE` (or give capture.python to start it here)")
+            time.sleep(HEALTH_POLL_S)
+
+
+@contextlib.contextmanager
+def engine_source(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, *, rank: int, start: bool,
+                  window: int, cache_argmax: bool = False) -> Iterator[EngineSource]:
+    """A source fed by the run's capture servers, writing into this process's own folder."""
+    with capture_urls(recipe, needs, target.num_layers, start) as urls:
+        client = CaptureClient(urls, served_model(urls[0]), max_in_flight=recipe.capture.max_in_flight)
+        source = EngineSource(target, needs, dataset, client, capture_folder(recipe) / f"rank{rank}", window,
+                              cache_argmax=cache_argmax)
+        try:
+            yield source
+        finally:
+            source.close()
+
+
+def engine_runs_target(recipe: Recipe) -> bool:
+    """Whether the target's layers run in capture engines (this process then needs only the target's head)."""
+    return recipe.capture.engine != "hf"
+
+
+def hf_source(target: Target, needs: TargetNeeds, dataset=None, cache_argmax: bool = False) -> TargetSource:
+    return HFForward(target, needs, dataset, cache_argmax=cache_argmax)
+
+
+@contextlib.contextmanager
+def cache_source(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, *, rank: int = 0, start: bool = True,
+                 cache_argmax: bool = False) -> Iterator[TargetSource]:
+    """What computes the offline cache's rows (``prepare``): the HF forward here, or the capture servers with
+    ``capture.max_in_flight`` rows at them at once."""
+    if not engine_runs_target(recipe):
+        yield HFForward(target, needs, dataset, cache_argmax=cache_argmax)
+        return
+    with engine_source(recipe, target, needs, dataset, rank=rank, start=start, window=recipe.capture.max_in_flight,
+                       cache_argmax=cache_argmax) as source:
+        yield source
+
+
+def process_target(recipe: Recipe, keep_last: int = 0) -> Target:
+    """The target as this process needs it: whole, or only its head (and its last ``keep_last`` layers, a draft's
+    start) when capture engines run its layers."""
+    if not engine_runs_target(recipe):
+        return load_target(recipe.target)
+    layers = load_shape(recipe.target).num_layers
+    return load_head(recipe.target, keep=tuple(range(layers - keep_last, layers)))
+
+
+@contextlib.contextmanager
+def training_source(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, split_fingerprint: str
+                    ) -> Iterator[TargetSource]:
+    """The source a training process takes its target outputs from, for ``training.hidden_states``: the HF forward
+    (online), the offline cache prepare wrote, or capture engines streaming them (a window of ``capture.window``
+    micro-batches ahead; servers started from ``capture.python`` by the first process of each node)."""
+    mode, run = recipe.training.hidden_states, RunFolder.of(recipe.output_dir)
+    if mode == "online":
+        yield HFForward(target, needs)
+    elif mode == "offline":
+        yield FeatureCache(run.features, target, needs, split_fingerprint)
+    else:
+        rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+        window = recipe.capture.window * recipe.training.batch_size
+        with engine_source(recipe, target, needs, dataset, rank=rank, start=local == 0, window=window) as source:
+            yield source

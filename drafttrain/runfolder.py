@@ -372,13 +372,26 @@ def damaged(path: str | Path, problem: str) -> DrafttrainError:
 
 
 def read_json(path: str | Path) -> Any:
+    return read_json_file(path)[0]
+
+
+def read_json_file(path: str | Path) -> tuple[Any, FileDigest]:
+    """A JSON file read once: its value, and the size and sha256 of the bytes it was read from (what a manifest's
+    check compares without reading the file again)."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        raw = path.read_bytes()
+        return json.loads(raw.decode()), FileDigest(len(raw), hashlib.sha256(raw).hexdigest())
     except FileNotFoundError:
         raise damaged(path, "is missing") from None
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise damaged(path, f"is not valid JSON ({_first_line(err)})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class FileDigest:
+    bytes: int
+    sha256: str
 
 
 def read_safetensors(path: str | Path) -> tuple[dict, dict[str, str]]:
@@ -439,15 +452,21 @@ def write_manifest(folder: Path, built_from: dict[str, Any], skip: tuple[str, ..
     return path
 
 
-def verify_manifest(folder: Path) -> dict[str, Any]:
-    """Check every file the manifest lists against its size and checksum; returns what it was built from."""
-    manifest = read_json(folder / MANIFEST)
+def verify_manifest(folder: Path, known: dict[str, FileDigest] | None = None) -> dict[str, Any]:
+    """Check every file the manifest lists against its size and checksum; returns what it was built from. ``known``:
+    files the caller has read already, by the digest of the bytes it read (they are not read again)."""
+    manifest, known = read_json(folder / MANIFEST), known or {}
     try:
         files, built_from = manifest["files"], manifest["built_from"]
     except (KeyError, TypeError):
         raise damaged(folder / MANIFEST, "lacks its 'files' or 'built_from' section") from None
     for name, want in files.items():
         path = folder / name
+        if name in known:
+            if known[name] != FileDigest(want["bytes"], want["sha256"]):
+                raise damaged(path, "does not match its checksum in manifest.json: it was changed or damaged after "
+                                    "it was written")
+            continue
         if not path.is_file():
             raise damaged(path, "is missing (listed in manifest.json)")
         if path.stat().st_size != want["bytes"] or file_sha256(path) != want["sha256"]:

@@ -41,7 +41,8 @@ def test_the_card_serves_the_draft_with_its_formats_config_and_the_kinds_notes(n
     target = Target("llama", family_model("llama"), tokenizer)
     torch.manual_seed(0)
     drafter = build_drafter(parse_recipe({"draft": section}).draft, target)
-    assert codecs_of(type(drafter))[fmt].vllm_speculative_config(drafter) == speculative
+    serving = codecs_of(type(drafter))[fmt].serving(drafter)["vllm"]
+    assert {"method": serving.method, **serving.options} == speculative
     export = export_draft(drafter.save_pretrained(tmp_path / "checkpoint"), fmt, tmp_path / fmt, target)
     serve_it = (export / "README.md").read_text().split("## Serve it")[1].split("\n## ")[0]
     assert all(note in serve_it for note in drafter.card_notes())

@@ -24,7 +24,8 @@ from drafttrain.config import (
     parse_recipe,
 )
 from drafttrain.drafts import build_drafter, load_drafter
-from drafttrain.drafts.registry import SavedDraft, continued_config
+from drafttrain.drafts.continuation import continued_config
+from drafttrain.drafts.saved import SavedDraft
 
 CUT = {"kind": "draft_model", "cut": "first:2"}
 

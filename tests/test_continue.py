@@ -21,14 +21,14 @@ from trainer_helpers import (  # noqa: F401 (fresh_accelerate: a fixture)
     tiny_target,
 )
 
-import drafttrain.commands.train as train_command
+import drafttrain.runs.train as train_command
 from drafttrain import DrafttrainError
 from drafttrain.config import DraftModelConfig, MedusaConfig, ReplayConfig, TargetLora, parse_recipe
 from drafttrain.data.replay import with_replay
 from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.data.vocab import DraftVocab, DraftVocabKey, build_mapping, save_draft_vocab
 from drafttrain.drafts import load_drafter, start_drafter
-from drafttrain.drafts.registry import check_vocabulary_choice, continued_config
+from drafttrain.drafts.continuation import check_vocabulary_choice, continued_config, resolve_draft
 from drafttrain.evaluation.report import _config_line
 from drafttrain.runfolder import WEIGHTS_NAME, DataManifest, RunFolder, read_safetensors
 from drafttrain.targets import load_target
@@ -315,5 +315,24 @@ def test_the_plan_stands_in_for_a_continued_heads_vocabulary_by_its_saved_size(t
         recipe = parse_recipe({"output_dir": str(tmp_path / "new"),
                                "draft": {"kind": "eagle3", "init_from": str(general)},
                                "draft_vocab": {"enabled": enabled}, "data": {"sources": [{"path": "x.jsonl"}]}})
-        with draft_section(recipe, VOCAB) as (draft, _):
+        with draft_section(recipe, VOCAB, resolve_draft(recipe.draft)) as (draft, _):
             assert read_safetensors(Path(draft.draft_vocab))[0]["d2t"].numel() == 64
+
+
+def test_a_continued_run_reads_its_saved_drafts_config_once(tmp_path):
+    """The recipe's draft section is resolved once (drafts/continuation.py: ResolvedDraft) and passed to the checks,
+    the plan and the start of training: the saved draft's config.json is opened once in the whole run."""
+    import sys
+
+    saved = trained_head(tmp_path / "general", steps=2)
+    recipe = recipe_for(prepared_run(tmp_path / "new", tiny_dataset(16, seed=1)),
+                        {"kind": "eagle3", "init_from": str(saved)}, max_steps=1)
+    opened, config = [], str(saved / "config.json")
+
+    def count(event, args):
+        if event == "open" and args and isinstance(args[0], (str, Path)) and str(args[0]) == config:
+            opened.append(1)
+
+    sys.addaudithook(count)  # audit hooks stay for the process: it counts only that one file
+    train_command.train(recipe, target=tiny_target())
+    assert len(opened) == 1

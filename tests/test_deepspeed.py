@@ -279,8 +279,8 @@ def test_zero3_refuses_what_it_cannot_do_before_anything_loads(tmp_path):
     from conftest import small_recipe
 
     from drafttrain import DrafttrainError
-    from drafttrain.commands.train import check_trainable
     from drafttrain.config import load_recipe
+    from drafttrain.runs.train import check_trainable
 
     medusa2 = {"kind": "medusa", "target_lora": {"target_modules": ["q_proj"]}}
     zero3 = {"deepspeed": str(REPO / ZERO3)}

@@ -415,7 +415,7 @@ def test_a_foreign_draft_given_to_eval_is_told_the_exact_import_command(tmp_path
 
 def test_a_whole_model_folder_is_a_draft_model_not_a_foreign_draft(folder_target):
     """A Llama folder's config is what EAGLE-1's trainer writes for a head: its weights tell them apart."""
-    from drafttrain.drafts.registry import foreign_draft
+    from drafttrain.drafts.foreign import foreign_draft
 
     assert foreign_draft(folder_target) is None
     assert foreign_draft(EAGLE1 / "llama3")[0].kind == "eagle"

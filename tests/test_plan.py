@@ -20,6 +20,10 @@ from drafttrain.training.plan import GIB, Cluster, _MetaScalars, check_fits, pla
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
 EAGLE3 = {"kind": "eagle3", "ttt_steps": 7}
+# the engine recipes' target run in the training processes instead (online, no capture servers)
+ONLINE = ["training.hidden_states=online", "capture.engine=hf", "capture.urls=[]", "capture.python=null"]
+# Llama-3.3-70B: embeddings and lm_head of 128256 x 8192 and the final norm, in bf16
+LLAMA70B_HEAD = (2 * 128256 * 8192 + 8192) * 2
 
 
 def drafttrain(capsys, *args: str) -> str:
@@ -82,13 +86,14 @@ def test_the_planned_offline_cache_matches_the_written_one(tmp_path, capsys):
 @pytest.mark.parametrize("recipe, config, nodes, target_bytes", [
     ("eagle3_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),  # bf16, whole
     ("medusa2_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),
-    ("eagle_llama70b.yaml", "meta-llama--Llama-3.3-70B-Instruct.json", 2, 70.55e9 * 2 / 16),  # ZeRO-3 over 16
+    ("eagle_llama70b.yaml", "meta-llama--Llama-3.3-70B-Instruct.json", 1, LLAMA70B_HEAD),  # capture servers: head
+    ("eagle3_gpt_oss_120b.yaml", "openai--gpt-oss-120b.json", 1, 2 * 201088 * 2880 * 2 + 2880 * 2),
     ("dflash_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),
     ("dflash_qwen3_8b.yaml", "Qwen--Qwen3-8B.json", 1, 8.19e9 * 2),
 ])
 def test_the_cluster_recipes_fit_their_clusters(recipe, config, nodes, target_bytes):
-    result = plan(load_recipe(REPO / "recipes" / recipe), Cluster(gpus=8, nodes=nodes, gpu_memory=80 * GIB),
-                  config_path=str(CONFIGS / config))
+    cluster = Cluster(gpus=8, nodes=nodes, gpu_memory=80 * GIB, disk_free=4000 * GIB)  # the 70B cache: 1.8 TiB
+    result = plan(load_recipe(REPO / "recipes" / recipe), cluster, config_path=str(CONFIGS / config))
     assert result.fits, result.render()
     weights = next(v for k, v in result.memory.items() if k.startswith("target weights"))
     assert weights == pytest.approx(target_bytes, rel=0.01)
@@ -96,12 +101,16 @@ def test_the_cluster_recipes_fit_their_clusters(recipe, config, nodes, target_by
 
 
 def test_the_70b_target_does_not_fit_one_gpu_whole():
-    """What ZeRO-3 is for: the same recipe with the target whole on every GPU (ZeRO-2) does not fit."""
-    recipe = load_recipe(REPO / "recipes" / "eagle_llama70b.yaml", ["training.deepspeed=recipes/deepspeed/zero2.json"])
-    result = plan(recipe, Cluster(gpus=8, nodes=2, gpu_memory=80 * GIB),
-                  config_path=str(CONFIGS / "meta-llama--Llama-3.3-70B-Instruct.json"))
+    """What ZeRO-3 is for: the 70B recipe computed online, with the target whole on every GPU (ZeRO-2), does not
+    fit; partitioned by ZeRO-3 over 2 x 8 GPUs it does."""
+    online = [*ONLINE, "training.deepspeed=recipes/deepspeed/zero2.json"]
+    cluster, config = Cluster(gpus=8, nodes=2, gpu_memory=80 * GIB), str(CONFIGS / "meta-llama--Llama-3.3-70B-Instruct.json")
+    result = plan(load_recipe(REPO / "recipes" / "eagle_llama70b.yaml", online), cluster, config_path=config)
     assert not result.fits and result.clearly_cannot_fit
     assert result.memory["target weights"] > 130 * GIB
+    zero3 = plan(load_recipe(REPO / "recipes" / "eagle_llama70b.yaml", [*ONLINE, "training.deepspeed=recipes/deepspeed/"
+                                                                                  "zero3.json"]), cluster, config_path=config)
+    assert zero3.fits and zero3.memory["target weights (ZeRO-3 shard)"] == pytest.approx(70.55e9 * 2 / 16, rel=0.01)
 
 
 def test_zero_stages_split_what_they_shard():
@@ -301,3 +310,143 @@ def test_a_distilled_drafts_student_is_planned_from_its_shipped_config(capsys, m
                  f"meta-llama/Llama-3.2-1B-Instruct={CONFIGS / 'meta-llama--Llama-3.2-1B-Instruct.json'}"])
     out = capsys.readouterr().out
     assert code in (0, 1) and "optimizer" in out and "verdict:" in out  # a plan (one GPU of 80 GiB: it does not fit)
+
+
+# ------------------------------------------------------------------------------------------ capture servers
+
+LLAMA70B = str(CONFIGS / "meta-llama--Llama-3.3-70B-Instruct.json")
+GPT_OSS = str(CONFIGS / "openai--gpt-oss-120b.json")
+LLAMA70B_LAYER = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192  # q, o, k, v, MLP, two norms
+NODE = Cluster(gpus=8, gpu_memory=80 * GIB, disk_free=4000 * GIB)  # 8 x 80 GB a node
+
+
+def engine_plan(recipe: str, overrides=(), cluster=NODE, config=None, **throughput):
+    path = REPO / "recipes" / recipe
+    config = config or (LLAMA70B if "llama70b" in recipe else GPT_OSS)
+    return plan(load_recipe(path, list(overrides)), cluster, config_path=config, **throughput)
+
+
+def test_a_trainer_fed_by_capture_servers_holds_the_targets_head_alone():
+    """With capture.engine vllm a training process holds what targets/partial.py loads: the embeddings, final norm
+    and lm_head (and the last layer when the draft starts from it), neither the whole target nor a ZeRO-3 shard."""
+    head = engine_plan("eagle_llama70b.yaml")
+    whole = engine_plan("eagle_llama70b.yaml", ONLINE)  # the same recipe, its target run in every process
+    assert head.memory["target weights (head)"] == LLAMA70B_HEAD
+    assert whole.memory["target weights"] == LLAMA70B_HEAD + 80 * LLAMA70B_LAYER * 2
+    assert whole.total - head.total > 120 * GIB and head.fits and not whole.fits
+    started = engine_plan("eagle_llama70b.yaml", ["draft.init_from_target=[layer]"])
+    assert started.memory["target weights (head + last layer)"] == LLAMA70B_HEAD + LLAMA70B_LAYER * 2
+    zero3 = engine_plan("eagle_llama70b.yaml", ["training.deepspeed=recipes/deepspeed/zero3.json"])
+    assert zero3.memory["target weights (head)"] == LLAMA70B_HEAD
+    assert not any("ZeRO-3" in part for part in zero3.memory)
+
+
+def test_a_capture_server_at_tp8_fits_eight_80gb_gpus_or_is_refused():
+    """Per GPU of a TP8 server: Llama-3.3-70B's bf16 weights over 8 (16.4 GiB) fit an 80 GB GPU; DeepSeek-V3 as
+    published (fp8, 671B parameters) needs 78 GiB of each, more than vLLM may take of 80 GB (0.9 of it), not of an
+    H200's 141 GB; a server of more GPUs than a node has is refused."""
+    llama = engine_plan("eagle_llama70b.yaml", ["capture.gpu_memory_utilization=0.9"])
+    assert llama.capture.memory["target weights (TP8 x PP1)"] == (LLAMA70B_HEAD + 80 * LLAMA70B_LAYER * 2) // 8
+    assert llama.capture.budget == int(0.9 * 80 * GIB) and llama.capture.memory_fits and llama.fits
+    deepseek = ["target.model=/models/DeepSeek-V3"]
+    config = str(REPO / "tests" / "published_configs" / "deepseek_v3.json")
+    too_big = engine_plan("eagle3_gpt_oss_120b.yaml", deepseek, config=config)
+    assert too_big.capture.memory["target weights (TP8 x PP1)"] > 72 * GIB
+    assert not too_big.capture.memory_fits and not too_big.fits and too_big.memory_fits  # the trainers fit
+    assert "vLLM may use 72.00 GiB: DOES NOT FIT" in too_big.render()
+    h200 = engine_plan("eagle3_gpt_oss_120b.yaml", deepseek, config=config,
+                       cluster=Cluster(gpus=8, gpu_memory=141 * GIB, disk_free=4000 * GIB))
+    assert h200.capture.memory_fits and h200.fits
+    two_nodes = engine_plan("eagle_llama70b.yaml", ["capture.pipeline_parallel_size=2"])
+    assert two_nodes.capture.memory_fits and not two_nodes.capture.gpus_fit and not two_nodes.fits
+    assert "16 GPU(s) each, a node has 8: DOES NOT FIT" in two_nodes.render()
+
+
+def test_expert_parallelism_splits_an_moes_experts_over_tensor_and_data_ranks():
+    """gpt-oss-120b on 8 data-parallel ranks: without expert parallelism each GPU holds the whole model; with it, a
+    GPU holds an eighth of the experts and the rest whole. Experts as published: MXFP4 matrices (4.25 bits a value),
+    bf16 biases; everything else in bf16."""
+    experts, hidden, width, layers = 128, 2880, 2880, 36
+    expert_bytes = layers * experts * ((hidden * 2 * width + width * hidden) * 4.25 / 8 + (2 * width + hidden) * 2)
+    attention = 4096 * hidden + 4096 + 2 * (512 * hidden + 512) + hidden * 4096 + hidden + 64  # q, k, v, o, sinks
+    dense_layer = attention + 2 * hidden + 128 * hidden + 128  # two norms, the router
+    dense_bytes = (layers * dense_layer + 2 * 201088 * hidden + hidden) * 2  # and embeddings, lm_head, final norm
+    data_parallel = ["capture.tensor_parallel_size=1", "capture.data_parallel_size=8"]
+    split = engine_plan("eagle3_gpt_oss_120b.yaml", data_parallel).capture
+    whole = engine_plan("eagle3_gpt_oss_120b.yaml", [*data_parallel, "capture.expert_parallel=false"]).capture
+    assert split.memory["target weights (TP1 x PP1, experts over 8)"] == pytest.approx(
+        dense_bytes + expert_bytes / 8, abs=1)
+    assert whole.memory["target weights (TP1 x PP1)"] == pytest.approx(dense_bytes + expert_bytes, abs=1)
+    assert (dense_bytes + expert_bytes) / 2**30 == pytest.approx(60.8, abs=0.1)  # the published checkpoint's size
+
+
+def test_experts_are_found_by_name_or_type_and_shared_experts_stay_dense():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from drafttrain.training.plan import expert_parameter_names
+
+    config = AutoConfig.from_pretrained(REPO / "tests" / "published_configs" / "deepseek_v3.json")
+    config.num_hidden_layers = 4  # its first three are dense
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = expert_parameter_names(model)
+    assert names == {"model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj"}
+
+
+def test_a_stream_window_larger_than_its_disk_is_refused(tmp_path, monkeypatch):
+    """Each of 8 processes keeps capture.window (8) micro-batches of 1 row of at most 4096 tokens on the capture
+    folder's disk: EAGLE-3's 3 taps and the final state of 2880 bf16 values, and the token ids, a token."""
+    small = Cluster(gpus=8, gpu_memory=80 * GIB, disk_free=GIB)
+    result = engine_plan("eagle3_gpt_oss_120b.yaml", cluster=small)
+    assert result.capture.window_bytes == 8 * 8 * 1 * 4096 * (4 * 2880 * 2 + 8)
+    assert not result.capture.window_fits and not result.fits and result.clearly_cannot_fit
+    assert "stream window: 5.63 GiB of files on the capture folder's disk (8 process(es)), 1.00 GiB free: DOES NOT " \
+           "FIT" in result.render()
+    import drafttrain.training.plan as planning
+
+    target = tmp_path / "gpt-oss-120b"  # a folder with the target's config: what `train` reads before it loads
+    target.mkdir()
+    (target / "config.json").write_text(Path(GPT_OSS).read_text())
+    recipe = load_recipe(REPO / "recipes" / "eagle3_gpt_oss_120b.yaml",
+                         [f"target.model={target}", f"output_dir={tmp_path / 'run'}"])
+    seen = []
+    monkeypatch.setattr(planning, "_free_disk", lambda recipe, folder=None: seen.append(folder) or 100 * 2**20)
+    with pytest.raises(DrafttrainError, match="cannot fit here(.|\\n)*stream window(.|\\n)*DOES NOT FIT"):
+        check_fits(recipe, "train")
+    assert seen == [Path("/shared/drafttrain/capture/eagle3_gpt_oss_120b")]  # capture.folder's disk
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stream_whose_servers_cannot_keep_up_is_refused(capsys):
+    """8 processes consuming 4,000 tokens/s each need 32,000; one server delivering 20,000 leaves them waiting."""
+    slow = engine_plan("eagle3_gpt_oss_120b.yaml", capture_throughput=20000, train_throughput=4000)
+    assert slow.capture.needed == 32000 and slow.capture.delivered == 20000
+    assert not slow.capture.keeps_up and not slow.fits and slow.capture.memory_fits
+    assert ("the trainers consume 8 x 4,000 = 32,000 tokens/s, the servers deliver 1 x 20,000 = 20,000 tokens/s: "
+            "CANNOT KEEP UP, 12,000 tokens/s short: the trainers would wait 38% of the time; 2 servers would keep "
+            "up") in slow.render()
+    two = engine_plan("eagle3_gpt_oss_120b.yaml", ["capture.urls=[http://node-1:8200, http://node-2:8200]"],
+                      capture_throughput=20000, train_throughput=4000)
+    assert two.capture.delivered == 40000 and two.fits
+    unknown = engine_plan("eagle3_gpt_oss_120b.yaml").render()
+    assert "give --train-throughput and --capture-throughput to check that they keep up" in unknown
+    assert "stream/tokens_per_s_consumed" in unknown
+    args = ["plan", str(REPO / "recipes" / "eagle3_gpt_oss_120b.yaml"), "--gpus", "8", "--gpu-memory", "80",
+            "--disk", "100", "--capture-throughput", "20000", "--train-throughput", "4000", "--target-config", GPT_OSS]
+    capsys.readouterr()
+    assert main(args) == 1 and "CANNOT KEEP UP" in capsys.readouterr().out
+    assert main(["plan", str(REPO / "recipes" / "eagle3_llama3.1_8b.yaml"), "--train-throughput", "4000"]) == 2
+    assert "--train-throughput: for a recipe whose capture servers run the target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", ["eagle_llama70b.yaml", "eagle3_gpt_oss_120b.yaml"])
+def test_the_engine_recipes_pass_the_plan_their_comments_give(recipe, capsys, monkeypatch):
+    """The `drafttrain plan` line each engine recipe's comments give (run offline: --target-config, the throughput
+    flags) plans it as fitting, its servers and its trainers."""
+    monkeypatch.chdir(REPO)  # the line's paths are the repository's
+    line = next(line for line in (REPO / "recipes" / recipe).read_text().splitlines() if "drafttrain plan" in line)
+    args = line.split("drafttrain plan", 1)[1].split()
+    assert "--capture-throughput" in args and "--train-throughput" in args and "--target-config" in args
+    out = drafttrain(capsys, "plan", *args)
+    assert "capture servers: 1 x vLLM at TP8" in out and "a node has 8: fits" in out and "verdict: fits" in out
+    assert "target weights (head)" in out

@@ -305,8 +305,8 @@ def test_a_damaged_best_pointer_is_ignored_and_the_checkpoints_still_found(run):
 
 
 def test_a_split_tokenised_with_another_tokenizer_is_refused(run, smollm2):
-    from drafttrain.commands.train import check_split_is_current
     from drafttrain.runfolder import RunFolder, open_dataset
+    from drafttrain.runs.train import check_split_is_current
     from drafttrain.targets import Target
 
     folder = RunFolder.of(run / "run")

@@ -41,7 +41,6 @@ class ToySkipDrafter(Drafter):
     config_class = ToyConfig
     proposer = "toy_skip"
     description = "a linear head on the target's last hidden state that predicts the token after next"
-    engine_methods = {"vllm": "toy_skip"}
 
     def __init__(self, config: ToyConfig, hidden_size: int, vocab_size: int):
         super().__init__(config)
@@ -60,8 +59,8 @@ class ToySkipDrafter(Drafter):
         return drafter
 
     @classmethod
-    def from_pretrained(cls, directory, target) -> "ToySkipDrafter":
-        config = ToyConfig.model_validate(read_draft_config(directory)["drafttrain"]["draft"])
+    def from_pretrained(cls, directory, target, config=None) -> "ToySkipDrafter":
+        config = ToyConfig.model_validate((config or read_draft_config(directory))["drafttrain"]["draft"])
         drafter = cls(config, target.hidden_size, target.vocab_size)
         drafter.load_weights(directory)
         return drafter.to(target.device).attach_target(target)
@@ -86,6 +85,7 @@ class ToySkipDrafter(Drafter):
 # 3. its serving format: a codec (the checkpoint's own layout, named vllm here)
 class ToyVllm(Codec):
     fmt = "vllm"
+    engines = {"vllm": "toy_skip"}  # how vLLM would be told to serve it (the card's command)
 
     def write(self, drafter: ToySkipDrafter) -> Exported:
         return Exported(drafter.checkpoint_config(export={"format": self.fmt}), drafter.state_tensors())

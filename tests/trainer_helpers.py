@@ -125,8 +125,8 @@ class StandInDraft(Drafter):
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory, target: Target) -> "StandInDraft":
-        config = json.loads((Path(directory) / "config.json").read_text())
+    def from_pretrained(cls, directory, target: Target, config: dict | None = None) -> "StandInDraft":
+        config = config or json.loads((Path(directory) / "config.json").read_text())
         draft = cls(target, layers=config["layers"], dropout=config["dropout"])
         draft.load_state_dict(load_file(str(Path(directory) / "model.safetensors")))
         return draft

@@ -14,7 +14,7 @@ import time
 from drafttrain import DrafttrainError
 from drafttrain.config import load_recipe
 from drafttrain.drafts import drafter_for
-from drafttrain.drafts.registry import resolved_section
+from drafttrain.drafts.continuation import resolved_section
 from drafttrain.sources.choose import capture_urls
 from drafttrain.targets.partial import load_shape
 

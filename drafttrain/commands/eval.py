@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,10 @@ from drafttrain.config import DecodeSettings, EvalConfig, describe_errors
 from drafttrain.cpu_linear import cpu_linear_mode
 from drafttrain.decoding import PROPOSERS
 from drafttrain.decoding.proposers import model_folder_proposer, trained_draft
-from drafttrain.decoding.trees import tree_of
+from drafttrain.decoding.trees import check_tree_depth, tree_of
 from drafttrain.drafts import load_drafter
-from drafttrain.drafts.registry import SavedDraft
+from drafttrain.drafts.foreign import foreign_draft
+from drafttrain.drafts.saved import SavedDraft
 from drafttrain.evaluation.checkpoint_eval import CALIBRATION_PROMPTS
 from drafttrain.evaluation.evaluate import evaluate
 from drafttrain.evaluation.report import print_report, write_report
@@ -69,13 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                               "held-out validation prompts, else another suite")
     decoding = parser.add_argument_group("decoding (the fields of a recipe's eval section)")
     add_schema_flags(decoding, DecodeSettings, DECODE_FIELDS, FLAG_EXTRAS)
+    for name, section in _settings_sections().items():
+        add_schema_flags(parser.add_argument_group(f"the {name} proposer (--proposer {name}, --compare {name})"),
+                         section, section.model_fields)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--hf-reference", action="store_true",
                         help="also time HF model.generate (plain, and prompt lookup / assisted to match the proposer)")
     parser.add_argument("--compare", action="append", default=[], type=CompareSpec.parse, metavar=CompareSpec.FORM,
                         help="also run another side on the same prompts in the same run, against the same baseline: "
-                             "a draft-free proposer (prompt_lookup), a trained draft's checkpoint/run folder, or a "
+                             "a draft-free proposer (prompt_lookup, lookahead), a trained draft's checkpoint/run folder, or a "
                              "plain model folder (served as a draft model, as --draft serves one); @SHAPE gives it its "
                              "own chain depth (@3, @auto) or tree (@tree:medusa-16, @tree:auto); LABEL= names it in the "
                              "report (default: the proposer or the folder's name); repeatable")
@@ -154,11 +159,13 @@ def run(args: argparse.Namespace) -> int:
     settings = eval_settings(args)
     suite = load_suite(settings.suite).select(settings.num_prompts, turns=args.turns)
     tree_of(settings)  # a bad tree spec fails now, before the target loads
-    saved = _saved_draft(args.draft)
+    saved = _saved_draft(args.draft, args.target)
     proposer = _checked_proposer(args, saved)
-    sides = [_compared_side(spec, settings) for spec in args.compare]
-    if saved is not None:
-        settings = settings.fitted_to(saved.max_depth())
+    sides = [_compared_side(spec, settings, args.target) for spec in args.compare]
+    own = _proposer_settings(args, {proposer, *(side.spec.source for side in sides if side.serves == "proposer")})
+    run_settings = settings  # as given: a compared proposer's default depth is fitted from it too
+    settings = settings.fitted_to(saved.max_depth() if saved is not None
+                                  else PROPOSERS[proposer].deepest(**own.get(proposer, {})))
     autos = [settings.depth, settings.tree, *(s for side in sides for s in (side.spec.depth, side.spec.tree))]
     calibration = _calibration(args, suite) if "auto" in autos else ()
     _prepare_out_dir(args.out)
@@ -169,12 +176,13 @@ def run(args: argparse.Namespace) -> int:
         # a drafttrain draft: loaded (and checked) here, so the report records which weights it measured
         method, method_kwargs = trained_draft(proposer, target, load_drafter(saved, target)), {}
     else:
-        method, method_kwargs = proposer, _proposer_kwargs(args, proposer)
+        method, method_kwargs = proposer, {**_proposer_kwargs(args, proposer), **own.get(proposer, {})}
     if args.draft_vocab is not None:
         method_kwargs["vocab"] = False if args.draft_vocab == "none" else args.draft_vocab
     report = evaluate(target, method, suite, settings.decode_settings(), calibration=calibration,
                       hf_reference=args.hf_reference, progress=not args.no_progress, proposer_kwargs=method_kwargs,
-                      compare=[_load_compared(side, target) for side in sides], cpu_linear=args.cpu_linear,
+                      compare=[_load_compared(side, target, own, run_settings) for side in sides],
+                      cpu_linear=args.cpu_linear,
                       feedback=Path(args.out) / FEEDBACK_FILE if args.feedback else None)
     paths = write_report(report, args.out)
     print_report(report)
@@ -202,14 +210,19 @@ def eval_settings(args: argparse.Namespace) -> EvalConfig:
 
 
 def _flags_that_act(settings: EvalConfig) -> None:
-    """Refuse a flag that cannot act on the run it is given for, rather than let it do nothing. --top-k once set
-    the dynamic tree's expansion (now --tree-top-k): a user who gives it at temperature 0, where sampling's top-k
-    does nothing, most likely means the old flag."""
+    """Refuse a flag that cannot act on the run it is given for, rather than let it do nothing (and the report
+    record it as if it had): sampling's --top-p and --top-k at temperature 0, a --depth beside a static tree. --top-k
+    once set the dynamic tree's expansion (now --tree-top-k): a user who gives it at temperature 0 most likely means
+    the old flag."""
     given = [flag_of(field) for field in DYNAMIC_TREE_FIELDS if field in settings.model_fields_set]
     if given and settings.tree != "dynamic":
         raise DrafttrainError(f"{' and '.join(given)}: flags that shape the dynamic tree (--tree dynamic) and cannot "
                               f"act on --tree {settings.tree} (--tree-top-k is the tree's expansion, not sampling's "
                               "top-k: that is --top-k)")
+    check_tree_depth(settings)
+    if settings.top_p < 1 and settings.temperature == 0:
+        raise DrafttrainError(f"--top-p {settings.top_p} is sampling's nucleus, which cannot act at temperature 0 "
+                              "(greedy decoding): give --temperature above 0 to sample")
     if settings.top_k > 0 and settings.temperature == 0:
         cannot = f"--top-k {settings.top_k} is sampling's top-k, which cannot act at temperature 0 (greedy decoding)"
         if settings.tree == "dynamic":
@@ -249,12 +262,30 @@ def _prepare_out_dir(out: str) -> None:
         raise DrafttrainError(f"cannot create the output folder {out}: {err.strerror}") from None
 
 
-def _saved_draft(draft: str | None) -> SavedDraft | None:
+def _saved_draft(draft: str | None, target: str) -> SavedDraft | None:
     """The --draft when drafttrain saved it (opened once, here: damage is named before the target loads); None for
-    no draft, or a plain model folder, built-in name or Hub id. A missing local path is refused."""
+    no draft, or a plain model folder, built-in name or Hub id. A missing local path is refused, and so is a draft
+    another tool wrote (see ``_refuse_foreign``)."""
     if draft and _looks_like_path(draft) and not Path(draft).expanduser().exists():
         raise DrafttrainError(f"draft not found: {draft}")
+    if draft:
+        _refuse_foreign(draft, target, "--draft")
     return SavedDraft.find(draft) if draft else None
+
+
+def _refuse_foreign(folder: str, target: str, flag: str) -> None:
+    """A draft another tool wrote (speculators, SpecForge, ...) is refused with the command that imports it. Not
+    imported on the fly: `drafttrain import` writes a checkpoint with a manifest, checked once against the target,
+    that eval, export and train then all take and a report names by its path and weights; an import made inside
+    each eval would measure a temporary folder no later command can name, and repeat the import every run."""
+    found = foreign_draft(folder)
+    if found is not None:
+        kind, fmt = found
+        imported = str(Path(folder).with_name(Path(folder).name + "-imported"))
+        raise DrafttrainError(f"{flag} {folder} is a draft another tool wrote ({kind.kind}, {fmt} format): import "
+                              f"it first, then evaluate the import: drafttrain import {shlex.quote(folder)} "
+                              f"--target {shlex.quote(target)} --out {shlex.quote(imported)} (and give {flag} "
+                              f"{shlex.quote(imported)})")
 
 
 def _checked_proposer(args: argparse.Namespace, saved: SavedDraft | None) -> str:
@@ -285,7 +316,7 @@ class Side(NamedTuple):
     saved: SavedDraft | None = None  # a drafttrain draft, opened once
 
 
-def _compared_side(spec: CompareSpec, settings: EvalConfig) -> Side:
+def _compared_side(spec: CompareSpec, settings: EvalConfig, target: str) -> Side:
     """What a --compare names, checked now (its tree parsed as the run's is): a draft-free proposer, a drafttrain
     draft, or a plain model folder."""
     known = set(PROPOSERS)
@@ -302,6 +333,7 @@ def _compared_side(spec: CompareSpec, settings: EvalConfig) -> Side:
                               f"({', '.join(sorted(p for p in known if 'draft' not in _proposer_options(p)))}) nor a "
                               "draft folder")
     label = spec.label or Path(spec.source).name + spec.suffix
+    _refuse_foreign(spec.source, target, "--compare")
     config = Path(spec.source).expanduser() / CONFIG_NAME
     if config.is_file() and "drafttrain" not in read_json(config):  # a plain model (another trainer's, say)
         return Side(spec, label, "model_folder")
@@ -309,10 +341,17 @@ def _compared_side(spec: CompareSpec, settings: EvalConfig) -> Side:
     return Side(spec, label, "draft", SavedDraft.open(spec.source))
 
 
-def _load_compared(side: Side, target: Target) -> Compared:
+def _load_compared(side: Side, target: Target, own: dict[str, dict[str, Any]], run: EvalConfig) -> Compared:
+    """A --compare side as the evaluator takes it; a draft-free proposer with settings of its own gets them, and a
+    depth it cannot fill, the run's default, is fitted to it (as the method's is)."""
     shape = dict(depth=side.spec.depth, tree=side.spec.tree, label=side.label)
     if side.serves == "model_folder":
         return Compared(model_folder_proposer(), **shape, proposer_kwargs={"draft": side.spec.source})
+    if side.serves == "proposer" and side.spec.source in own:
+        settings = own[side.spec.source]
+        if side.spec.depth is None and side.spec.tree is None:
+            shape["depth"] = run.fitted_to(PROPOSERS[side.spec.source].deepest(**settings)).depth
+        return Compared(side.spec.source, **shape, proposer_kwargs=settings)
     proposer = load_drafter(side.saved, target) if side.serves == "draft" else side.spec.source
     return Compared(proposer, **shape)
 
@@ -323,6 +362,27 @@ def _default_proposer(draft: str | None, saved: SavedDraft | None) -> str:
     if not draft:
         raise DrafttrainError("give --proposer (e.g. prompt_lookup), or --draft with a checkpoint written by drafttrain")
     return model_folder_proposer() if saved is None else saved.kind.proposer
+
+
+def _settings_sections() -> dict[str, Any]:
+    """The registered proposers that have settings of their own, and each one's section (its flags' schema)."""
+    return {name: cls.settings_class for name, cls in PROPOSERS.items() if getattr(cls, "settings_class", None)}
+
+
+def _proposer_settings(args: argparse.Namespace, used: set[str]) -> dict[str, dict[str, Any]]:
+    """Each used proposer's own settings, from its flags (the defaults for those not given), validated now, before
+    the target loads; a flag of a proposer the run does not use is refused: it could not act."""
+    own = {}
+    for name, section in _settings_sections().items():
+        values = given_values(args, section.model_fields)
+        if values and name not in used:
+            raise DrafttrainError(f"{', '.join(map(flag_of, values))}: settings of the {name} proposer, which this run "
+                                  f"does not use (give --proposer {name} or --compare {name})")
+        try:
+            own[name] = section.model_validate(values).model_dump()
+        except ValidationError as err:
+            raise DrafttrainError(describe_errors(err, lambda loc: flag_of(loc[0]) if loc else "")) from None
+    return {name: values for name, values in own.items() if name in used}
 
 
 def _proposer_options(name: str) -> set[str]:

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with libraries_log_to(run.root / LOG_FILE):
         # imported once the libraries' logs go to the log file: some bind their handlers at import
-        from drafttrain.commands.train import train
+        from drafttrain.runs.train import train
         from drafttrain.targets import load_target
         from drafttrain.training.prepare import prepare
 

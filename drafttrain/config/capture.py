@@ -23,7 +23,7 @@ class CaptureConfig(Section):
     urls: list[str] = []
     servers: int = Field(1, gt=0)  # capture servers drafttrain starts here (each with the parallelism below)
     tensor_parallel_size: int = Field(1, gt=0)  # vLLM's --tensor-parallel-size, per server
-    pipeline_parallel_size: int = Field(1, gt=0)  # vLLM's --pipeline-parallel-size (a server over several nodes)
+    pipeline_parallel_size: int = Field(1, gt=0)  # vLLM's --pipeline-parallel-size (its layers in stages on one node)
     data_parallel_size: int = Field(1, gt=0)  # vLLM's --data-parallel-size (replicas inside one server)
     expert_parallel: bool = False  # vLLM's --enable-expert-parallel (MoE targets)
     # the dtype the engine computes in; auto: the recipe's target.dtype

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from drafttrain.config.base import Section
 
@@ -13,9 +13,18 @@ class TrainingConfig(Section):
     # online: the target runs every step; offline: prepare caches its states; stream: capture engines compute them
     # while training runs (capture section), nothing cached beyond a window of files
     hidden_states: Literal["online", "offline", "stream"] = "online"
-    # dtype of the offline cache's hidden states; auto = the target's own dtype (nothing lost)
-    # the offline cache's hidden states: the target's dtype (auto), another, or float8 with a per-token scale
+    # the offline cache's hidden states: the target's dtype (auto: nothing lost), another, or float8 with a
+    # per-token scale
     feature_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8"] = "auto"
+    # How prepare writes the offline cache. drafttrain: its own shards. speculators: speculators' layout, so its
+    # trainer reads the cache too (`speculators train --data-path <run>/features`): a prepared dataset
+    # (input_ids, loss_mask, seq_len) beside hidden_states/hs_{i}.safetensors for train row i (token_ids [T],
+    # hidden_states [T, taps + 1, H]: the kind's taps, then the final state before the final norm)
+    cache_layout: Literal["drafttrain", "speculators"] = "drafttrain"
+    # A capture speculators made (its --data-path folder, or the hidden_states folder in it): prepare gives each
+    # train row the file holding its token ids, and computes the rows none holds with the run's source (capture
+    # section), written beside in speculators' layout. The files must hold the kind's taps then the final state
+    cache_from: str | None = None
     cache_shard_rows: int = Field(256, gt=0)  # rows per offline-cache shard: the unit a rerun after a crash redoes
     epochs: float = Field(1.0, gt=0)  # passes over the train split
     max_steps: int | None = Field(None, gt=0)  # stop after this many optimizer steps (None: the epochs)
@@ -54,6 +63,22 @@ class TrainingConfig(Section):
     best_metric: str | None = None
     log_every: int = Field(10, gt=0)  # a metrics record every this many steps
     num_workers: int = Field(0, ge=0)  # data loader worker processes
+
+    @property
+    def written_layout(self) -> str:
+        """The layout prepare writes the offline cache in: speculators' whenever it joins a capture of speculators'."""
+        return "speculators" if self.cache_from is not None else self.cache_layout
+
+    @model_validator(mode="after")
+    def _cache_layout_writable(self) -> "TrainingConfig":
+        speculators = self.written_layout == "speculators"
+        if speculators and self.feature_dtype == "float8":
+            raise ValueError("training.feature_dtype float8 is drafttrain's own layout (a bfloat16 scale per tap and "
+                             "token); speculators' layout holds bfloat16, float16 or float32: pick one of those")
+        if speculators and self.hidden_states != "offline":
+            raise ValueError("training.cache_layout speculators and training.cache_from are the offline cache's "
+                             "settings: set training.hidden_states: offline")
+        return self
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -1,5 +1,5 @@
 """Speculative decoding: the loop (engine), lossless verification rules (verify), draft shapes (trees), and the
-proposers (prompt lookup, draft model, EAGLE heads), registered by name.
+proposers (prompt lookup, lookahead, draft model, EAGLE heads), registered by name.
 
     from drafttrain.decoding import SpeculativeDecoder, build_proposer, DynamicTree
     dec = SpeculativeDecoder(target, build_proposer("prompt_lookup", target), depth=5)
@@ -12,6 +12,7 @@ from drafttrain.decoding.block import BlockProposer
 from drafttrain.decoding.draft_model import DraftModelProposer
 from drafttrain.decoding.eagle import EagleProposer
 from drafttrain.decoding.engine import DecodeOutput, DecodeStats, SpeculativeDecoder, plain_decode
+from drafttrain.decoding.lookahead import LookaheadProposer
 from drafttrain.decoding.medusa import MedusaProposer
 from drafttrain.decoding.pard import PardProposer
 from drafttrain.decoding.peagle import PEagleProposer
@@ -39,6 +40,7 @@ __all__ = [
     "DraftRequest",
     "DynamicTree",
     "EagleProposer",
+    "LookaheadProposer",
     "MedusaProposer",
     "PEagleProposer",
     "PardProposer",

@@ -53,6 +53,7 @@ from drafttrain.decoding.trees import (
     ancestor_matrix,
     as_shape,
     build_static_tree,
+    drafted_depth,
     expected_tree_tokens,
     tree_of,
     tree_position_ids,
@@ -423,6 +424,9 @@ def choose_shape(target: Target, proposer: Proposer, settings: DecodeSettings, c
     machine from the ``calibration`` prompts (first-turn texts, never the reported ones)."""
     tree, depth, min_confidence = tree_of(settings), settings.depth, settings.min_confidence
     choice, checked = ShapeChoice(proposer, settings), None  # checked: (costs, plain step, prediction) of the choice
+    if (tree == "auto" or depth == "auto") and proposer.side_tokens:
+        raise DrafttrainError(f"depth and tree auto price a verification forward by its draft alone, and the "
+                              f"{proposer.name} proposer feeds tokens of its own beside it: give a depth")
     if tree == "auto" or depth == "auto":
         prompts, stops = _calibration_prompts(target, calibration)
         budget = min(settings.max_new_tokens, CALIBRATION_NEW_TOKENS)
@@ -440,7 +444,9 @@ def choose_shape(target: Target, proposer: Proposer, settings: DecodeSettings, c
             checked = (chosen.costs, chosen.costs.plain_s, chosen.predicted_speedup)
             if depth == 0:  # drafting would cost more than it saves: plain decoding
                 choice.proposer, depth = NoDraft(), 1
-    choice.settings = DecodeSettings.of(settings, depth=depth, tree=tree, min_confidence=min_confidence)
+    # the depth it drafts, which a report records: a static tree's own, never a depth set beside it
+    choice.settings = DecodeSettings.of(settings, depth=drafted_depth(tree, depth), tree=tree,
+                                        min_confidence=min_confidence)
     if checked is not None and not choice.plain and settings.runtime_check:
         costs, plain_s, predicted = checked
         choice.guard = RuntimeGuard(as_shape(tree, depth, min_confidence), costs, plain_s, predicted,

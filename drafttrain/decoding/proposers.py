@@ -26,8 +26,8 @@ The interface (``Proposer``), as the engine drives it for one ``generate`` call:
   verification forward for its own use, masked apart from the draft, whose logits the engine sets on the draft's
   ``side`` before ``accept``. They need tree masks, so the engine refuses targets whose caches cannot take them.
 * ``settings_class``: None, or the section of its own settings (a ``config`` Section); ``drafttrain eval``
-  generates a flag per field and gives the values given to the proposer as keywords. ``deepest(**settings)``: the
-  deepest draft it fills with them (None: any), known before a target loads, so a default depth is fitted to it.
+  generates a flag per field and builds the proposer with the section's values as keywords. ``deepest(**settings)``:
+  the deepest draft it fills with them (None: any), known before a target loads, so a default depth is fitted to it.
 
 A proposer keeps its own state (token history, KV cache) between these calls; ``prefill`` resets it.
 Register new kinds with ``@register_proposer("name")``, and a proposer for a kind's variant (a subclass of the kind's
@@ -48,7 +48,7 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.decoding.trees import Chain, Draft, DynamicTree, StaticTree, TreeShape
 from drafttrain.drafts import Drafter, load_drafter
-from drafttrain.drafts.registry import SavedDraft
+from drafttrain.drafts.saved import SavedDraft
 from drafttrain.sampling import Sampling
 from drafttrain.targets import Target
 

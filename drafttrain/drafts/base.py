@@ -33,7 +33,15 @@ from drafttrain.config import DraftConfig, LoraSettings
 from drafttrain.data.vocab import mapping_problem
 from drafttrain.drafts.codecs import writable_formats
 from drafttrain.drafts.lora import has_lora, merged_state
-from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, RunFolder, damaged, read_json, read_safetensors
+from drafttrain.runfolder import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    FileDigest,
+    RunFolder,
+    damaged,
+    read_json_file,
+    read_safetensors,
+)
 from drafttrain.targets import Target
 from drafttrain.targets.family import draft_layer_fields
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
@@ -103,8 +111,6 @@ class Drafter(nn.Module):
     config_class: ClassVar[type[DraftConfig]]
     proposer: ClassVar[str]
     description: ClassVar[str] = ""  # what it is, in a phrase (the model card's first line)
-    # How each serving engine names its method: {"vllm": the speculative_config method, "sglang": the algorithm}
-    engine_methods: ClassVar[dict[str, str]] = {}
     # A continued draft (draft.init_from) may draft over a vocabulary chosen on the new data (adopt_vocabulary)
     adopts_vocabulary: ClassVar[bool] = False
     # The facts of the target it was trained for (TARGET_FACTS) that the target it serves must share: its weights
@@ -151,7 +157,9 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def from_pretrained(cls, directory: Path, target: Target) -> "Drafter":
+    def from_pretrained(cls, directory: Path, target: Target, config: dict[str, Any] | None = None) -> "Drafter":
+        """The draft saved in ``directory`` for ``target``; ``config``: its config.json when the caller has read it
+        already (a saved draft is read once: drafts/saved.py)."""
         raise NotImplementedError
 
     @classmethod
@@ -346,11 +354,16 @@ def saved_section(config_class: type[DraftConfig], config: dict[str, Any]) -> Dr
 
 
 def read_draft_config(directory: str | Path) -> dict[str, Any]:
+    return read_draft_config_file(directory)[0]
+
+
+def read_draft_config_file(directory: str | Path) -> tuple[dict[str, Any], FileDigest]:
+    """A draft's config.json, read once: its value and the digest of the bytes it came from."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise DrafttrainError(f"no draft checkpoint at {directory}: {CONFIG_NAME} is missing")
-    config = read_json(path)
+    config, digest = read_json_file(path)
     if not isinstance(config, dict) or not isinstance(config.get("drafttrain"), dict) \
             or "kind" not in config["drafttrain"]:
         raise damaged(path, "has no 'drafttrain' section with the draft's kind: not a checkpoint written by drafttrain")
-    return config
+    return config, digest

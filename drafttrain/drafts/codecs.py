@@ -2,9 +2,11 @@
 keeps ``convert/<kind>/``.
 
 A ``Codec`` writes a draft in its format (``write``: the config, tensors, sub-folders and card notes of an export),
-reads such an export back into the kind's checkpoint layout (``read``), and says why a draft, as configured, is not
-written in it (``refusal``: an option the format's readers do not apply). A ``ForeignReader`` recognises a draft
-another tool wrote (``recognises``) and reads it as the kind's (``read_foreign``).
+reads such an export back into the kind's checkpoint layout (``read``), says why a draft, as configured, is not
+written in it (``refusal``: an option the format's readers do not apply), and owns how engines serve its files
+(``serving``: for each engine that reads the format, its method and options; drafttrain.engines turns that into a
+server's flags and the model card's command). A ``ForeignReader`` recognises a draft another tool wrote
+(``recognises``) and reads it as the kind's (``read_foreign``).
 
 A kind's codecs are one table registered for its class (``register_codecs``); a variant registers its own table
 (P-EAGLE: speculators' format alone), else it uses its kind's. The exporter, the loader, the importer, the card and
@@ -20,6 +22,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from drafttrain.config import DraftConfig
+from drafttrain.engines.server import Serving
 from drafttrain.targets import Target
 from drafttrain.targets.loading import verifier_path
 
@@ -59,6 +62,9 @@ class Codec:
     """One serving format of a kind."""
 
     fmt: ClassVar[str]
+    # each engine that serves drafts written in this format, with its speculative method for them
+    engines: ClassVar[dict[str, str]] = {}
+    names_verifier: ClassVar[bool] = False  # the export names the target it serves beside (speculators' config)
 
     def refusal(self, drafter: Drafter) -> str | None:
         """Why this draft, as configured, is not written in this format (None: it is; "": it is not, for no reason
@@ -74,10 +80,14 @@ class Codec:
         """An export in this format back to the kind's checkpoint (config, tensors): the inverse of ``write``."""
         raise NotImplementedError
 
-    def vllm_speculative_config(self, drafter: Drafter) -> dict[str, Any]:
-        """What vLLM's ``--speculative-config`` needs beside the model and the token count to serve the draft from
-        this format."""
-        return {"method": drafter.engine_methods["vllm"]}
+    def serving(self, drafter: Drafter) -> dict[str, Serving]:
+        """How each engine that reads this format is told to serve the draft (engine name -> Serving)."""
+        return {engine: Serving(method, self.engine_options(drafter, engine), self.names_verifier)
+                for engine, method in self.engines.items()}
+
+    def engine_options(self, drafter: Drafter, engine: str) -> dict[str, Any]:
+        """What ``engine``'s speculative config needs beside the method, the model and the token count."""
+        return {}
 
 
 class ForeignReader:

@@ -172,7 +172,6 @@ class DFlashDrafter(Drafter):
     config_class = DFlashConfig
     proposer = "block"
     description = "a DFlash block drafter on several of the target's hidden layers"
-    engine_methods = {"vllm": "dflash"}
 
     def __init__(self, config: DFlashConfig, layer_config, layer_ids: list[int], d2t, t2d, mask_token_id: int):
         super().__init__(config)
@@ -243,8 +242,8 @@ class DFlashDrafter(Drafter):
         self.fc.weight[:, -h:] = torch.eye(h)
 
     @classmethod
-    def from_pretrained(cls, directory, target: Target) -> "DFlashDrafter":
-        config = read_draft_config(directory)
+    def from_pretrained(cls, directory, target: Target, config: dict | None = None) -> "DFlashDrafter":
+        config = config or read_draft_config(directory)
         layer = config["transformer_layer_config"]
         if layer["vocab_size"] != target.vocab_size or layer["hidden_size"] != target.hidden_size:
             raise DrafttrainError(f"draft at {directory} was trained for a target with vocab {layer['vocab_size']} and "

@@ -64,7 +64,6 @@ SERVING_VOCAB = "draft_vocab/draft_vocab.safetensors"
 class DraftModelDrafter(Drafter):
     kind = "draft_model"
     description = "a small causal LM distilled to agree with the target"
-    engine_methods = {"vllm": "draft_model"}
     config_class = DraftModelConfig
     proposer = "draft_model"
     # a whole LM of its own: any target with its tokenizer serves (the same draft model for a family's sizes)
@@ -126,9 +125,9 @@ class DraftModelDrafter(Drafter):
         return {}
 
     @classmethod
-    def from_pretrained(cls, directory, target: Target) -> "DraftModelDrafter":
+    def from_pretrained(cls, directory, target: Target, config: dict | None = None) -> "DraftModelDrafter":
         directory = Path(directory)
-        saved = read_json(directory / CONFIG_NAME)
+        saved = config or read_json(directory / CONFIG_NAME)
         config = saved_section(DraftModelConfig, saved)
         student = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.model.dtype, use_safetensors=True)
         vocab_file = directory / SERVING_VOCAB

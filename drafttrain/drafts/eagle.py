@@ -26,7 +26,6 @@ from drafttrain.targets.outputs import TargetNeeds, TargetOutputs
 class EagleDrafter(EagleHead):
     kind = "eagle"
     description = "an EAGLE-1/2 head on the target's last hidden state"
-    engine_methods = {"vllm": "eagle", "sglang": "EAGLE"}
     config_class = EagleConfig
 
     def __init__(self, config: EagleConfig, layer_config, num_target_layers: int):
@@ -57,8 +56,8 @@ class EagleDrafter(EagleHead):
         self.fc.bias.zero_()
 
     @classmethod
-    def from_pretrained(cls, directory, target: Target) -> "EagleDrafter":
-        config = cls.read_checked_config(directory, target)
+    def from_pretrained(cls, directory, target: Target, config: dict | None = None) -> "EagleDrafter":
+        config = cls.read_checked_config(directory, target, config)
         cfg = saved_section(EagleConfig, config)
         head = cls(cfg, llama_config_like(target.config, **saved_layer_fields(config)), target.num_layers)
         head.load_weights(directory)

@@ -50,7 +50,6 @@ def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
 class Eagle3Drafter(EagleHead):
     kind = "eagle3"
     description = "an EAGLE-3 head on three of the target's hidden layers"
-    engine_methods = {"vllm": "eagle3", "sglang": "EAGLE3"}
     config_class = Eagle3Config
     adopts_vocabulary = True
 
@@ -135,8 +134,8 @@ class Eagle3Drafter(EagleHead):
         self.fc.weight[:, -h:] = torch.eye(h)
 
     @classmethod
-    def from_pretrained(cls, directory, target: Target) -> "Eagle3Drafter":
-        config = cls.read_checked_config(directory, target)
+    def from_pretrained(cls, directory, target: Target, config: dict | None = None) -> "Eagle3Drafter":
+        config = cls.read_checked_config(directory, target, config)
         cfg = saved_section(Eagle3Config, config)
         layer_ids = check_aux_layers(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers)
         n = config["draft_vocab_size"]

@@ -29,6 +29,11 @@ class EagleHead(Drafter):
     def new_caches(self) -> list[LayerCache]:
         return [LayerCache() for _ in range(self.config.num_layers)]
 
+    @classmethod
+    def start_layers(cls, config) -> int:
+        # only init_from_target's "layer" copies one: a process fed by capture engines then loads no layer at all
+        return 1 if "layer" in config.init_from_target else 0
+
     @torch.no_grad()
     def init_from_target(self, parts: list[str]) -> "EagleHead":
         """Start from the target instead of noise (see the config's ``init_from_target``)."""
@@ -54,9 +59,10 @@ class EagleHead(Drafter):
         raise NotImplementedError
 
     @staticmethod
-    def read_checked_config(directory, target: Target) -> dict[str, Any]:
-        """The checkpoint's config, refused when the head was trained for a target of another shape."""
-        config = read_draft_config(directory)
+    def read_checked_config(directory, target: Target, config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The checkpoint's config (read here unless given), refused when the head was trained for a target of
+        another shape."""
+        config = config or read_draft_config(directory)
         check_target_sizes(config, target, f"the draft at {directory}: its")
         return config
 

@@ -57,7 +57,6 @@ class ResidualBlock(nn.Module):
 class MedusaDrafter(Drafter):
     kind = "medusa"
     description = "Medusa heads on the target's last hidden state"
-    engine_methods = {"vllm": "medusa"}
     config_class = MedusaConfig
     proposer = "medusa"
     # heads on the final hidden state, with no layer of their own mirroring the target's attention: the model and
@@ -98,9 +97,9 @@ class MedusaDrafter(Drafter):
         return drafter
 
     @classmethod
-    def from_pretrained(cls, directory, target: Target) -> "MedusaDrafter":
+    def from_pretrained(cls, directory, target: Target, config: dict | None = None) -> "MedusaDrafter":
         directory = Path(directory)
-        config = read_draft_config(directory)
+        config = config or read_draft_config(directory)
         cfg = saved_section(MedusaConfig, config)
         check_target_sizes(config, target, "the heads'")
         n = config.get("truncated_vocab_size") or target.vocab_size

@@ -37,23 +37,31 @@ PLAIN = "plain"  # the label of a server that serves the target alone
 
 
 @dataclasses.dataclass(frozen=True)
+class Serving:
+    """How one engine is told to serve a draft written in one format (a format's codec says it): the engine's
+    speculative method, what its speculative config needs beside the method, the model and the length, and whether
+    the export names its verifier (the engine may then be given the export alone)."""
+
+    method: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    names_verifier: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Speculation:
-    """One way to serve the target with a draft: a label for the report, the draft length, and each engine's
-    settings for it (``methods``: {engine name: its method, as the kind's registry entry names it}; ``options``:
-    what vLLM's speculative config needs beside the method, model and length)."""
+    """One way to serve the target with a draft: a label for the report, the draft length, and how each engine that
+    can serve it is told to (``serving``: {engine name: Serving})."""
 
     label: str
     length: int
-    methods: dict[str, str]
+    serving: dict[str, Serving]
     model: str | None = None  # the export folder (None: a draft-free proposer such as n-gram lookup)
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
     weights_sha256: str | None = None  # the checkpoint's, so the sweep can be put on that checkpoint's card
 
 
 class Engine:
     name: ClassVar[str]
     server_module: ClassVar[str]
-    reads: ClassVar[tuple[str, ...]]  # export formats it serves drafts from, in order of preference
     tested: ClassVar[bool]
     # what its Python must import (the engine, and the load generator's needs); prints the engine's version
     requirement: ClassVar[str]
@@ -72,16 +80,19 @@ class Engine:
     def read_counters(self, samples: dict, steps: float) -> SpecCounters:
         raise NotImplementedError
 
-    def method(self, spec: Speculation) -> str:
-        if self.name not in spec.methods:
-            raise DrafttrainError(f"{self.name} has no speculative method for {spec.label} (methods it is served "
-                                  f"by: {', '.join(spec.methods) or 'none'})")
-        return spec.methods[self.name]
+    def serving_of(self, spec: Speculation) -> Serving:
+        if self.name not in spec.serving:
+            raise DrafttrainError(f"{self.name} has no speculative method for {spec.label} (engines that serve it: "
+                                  f"{', '.join(spec.serving) or 'none'})")
+        return spec.serving[self.name]
+
+    def card_command(self, serving: Serving, target: str, depth: int) -> str:
+        """How a user serves an export (THIS_REPO) beside ``target`` with this engine: the model card's text."""
+        raise NotImplementedError
 
 
 class VLLM(Engine):
     name, server_module, tested = "vllm", "vllm.entrypoints.openai.api_server", True
-    reads = ("vllm", "speculators", "hf")
     # the load generator's imports (serving.loadgen_driver) as well as the engine's
     requirement = ("import vllm, vllm.benchmarks.serve, vllm.utils.argparse_utils, pandas; "
                    "print(vllm.__version__)")
@@ -91,11 +102,22 @@ class VLLM(Engine):
                 # on a CPU this is the share of RAM its KV cache may take, as on a GPU of the GPU's memory
                 "--gpu-memory-utilization", f"{memory_fraction:.3f}"]
         if spec is not None:
-            config = {"method": self.method(spec), **spec.options, "num_speculative_tokens": spec.length}
+            serving = self.serving_of(spec)
+            config = {"method": serving.method, **serving.options, "num_speculative_tokens": spec.length}
             if spec.model is not None:
                 config["model"] = spec.model
             args += ["--speculative-config", json.dumps(config)]
         return args
+
+    def card_command(self, serving: Serving, target: str, depth: int) -> str:
+        if serving.names_verifier:
+            return ("A [speculators](https://github.com/vllm-project/speculators) model: vLLM reads the verifier from "
+                    "its config.\n\n```bash\nvllm serve THIS_REPO\n```\n\nor with the target named:\n\n```bash\n"
+                    f"vllm serve {target} --speculative-config "
+                    f"'{json.dumps({'model': 'THIS_REPO', 'num_speculative_tokens': depth})}'\n```")
+        config = json.dumps({"method": serving.method, **serving.options, "model": "THIS_REPO",
+                             "num_speculative_tokens": depth})
+        return f"```bash\nvllm serve {target} --speculative-config '{config}'\n```"
 
     steps_counter = "vllm:spec_decode_num_drafts_total"
 
@@ -112,7 +134,6 @@ class SGLang(Engine):
     verification calls and output tokens, not accepted tokens per position."""
 
     name, server_module, tested = "sglang", "sglang.launch_server", False
-    reads = ("sglang",)
     requirement = ("import sglang, vllm.benchmarks.serve, vllm.utils.argparse_utils, pandas; "
                    "print(sglang.__version__)")
 
@@ -120,11 +141,17 @@ class SGLang(Engine):
         args = ["--model-path", target, "--host", "127.0.0.1", "--port", str(port), "--enable-metrics",
                 "--random-seed", "0", "--mem-fraction-static", f"{memory_fraction:.3f}"]
         if spec is not None:
-            args += ["--speculative-algorithm", self.method(spec), "--speculative-num-steps", str(spec.length),
+            args += ["--speculative-algorithm", self.serving_of(spec).method, "--speculative-num-steps", str(spec.length),
                      "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(spec.length + 1)]
             if spec.model is not None:
                 args += ["--speculative-draft-model-path", spec.model]
         return args
+
+    def card_command(self, serving: Serving, target: str, depth: int) -> str:
+        return ("```bash\npython -m sglang.launch_server --model-path " + target + " \\\n"
+                f"  --speculative-algorithm {serving.method} --speculative-draft-model-path THIS_REPO"
+                f" \\\n  --speculative-num-steps {depth} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+                f"{depth + 1}\n```")
 
     steps_counter = "sglang:spec_verify_calls_total"
 
@@ -133,6 +160,15 @@ class SGLang(Engine):
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (VLLM(), SGLang())}
+
+
+def register_engine(engine: Engine) -> None:
+    """Another serving engine: the codecs that serve on it name it in their ``engines``."""
+    ENGINES[engine.name] = engine
+
+
+def unregister_engine(name: str) -> None:
+    ENGINES.pop(name, None)
 
 
 def check_exists(engine: Engine, python: str) -> None:

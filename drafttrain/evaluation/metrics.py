@@ -25,6 +25,9 @@ Definitions (one *step* = one target verification forward; the prefill forward i
 * **by context length**: the same τ, acceptance and per-position acceptance over the steps whose context (the
   prompt, history included, plus the tokens already generated in that turn) falls in each bucket of
   :data:`CONTEXT_BUCKETS`, so a decay with long prompts is seen before it costs a RAG or agent deployment.
+* **tokens per verification**: the mean number of tokens a verification forward fed: the root, the draft's nodes
+  (every node of a tree) and any side tokens of its proposer (lookahead's window). It is a step's width, which a
+  step's cost grows with where the target is compute-bound (a CPU), beside τ, what the step gave.
 * **greedy_match** (T=0 only): share of prompts whose method tokens equal the baseline tokens exactly. A
   lossless engine gives 1.0; anything less is a bug (or float nondeterminism worth investigating).
 """
@@ -220,9 +223,18 @@ def summarize(records: Sequence[dict[str, Any]], depth: int | None = None) -> di
         "steps": len(accepted),
         "accepted_tokens": sum(accepted),
         "drafted_tokens": sum(drafted),
+        "tokens_per_verification": tokens_per_verification(records),
         "step_ms": step_time_split(records, len(accepted)),
         "by_context": by_context(records, depth),
     }
+
+
+def tokens_per_verification(records: Sequence[dict[str, Any]]) -> float | None:
+    """Mean tokens a verification forward fed (the root, the draft's nodes, a proposer's side tokens): what a step
+    costs in the target's width, beside the tokens it gave (τ). None when no step was recorded (or a record was
+    written before drafttrain counted them)."""
+    fed = [f for r in records for f in r.get("fed_per_step", [])]
+    return sum(fed) / len(fed) if fed else None
 
 
 def step_time_split(records: Sequence[dict[str, Any]], steps: int) -> dict[str, float] | None:

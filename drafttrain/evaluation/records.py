@@ -82,9 +82,11 @@ def _sum_positions(stats: list[Any], field: str) -> list[int]:
 
 
 def _step_lists(run: SideRun) -> dict[str, list[int]]:
-    """The run's steps, all turns in order: accepted and drafted tokens, and the context length each drafted from."""
+    """The run's steps, all turns in order: accepted and drafted tokens, the tokens each verification fed, and the
+    context length each drafted from."""
     return {"accepted_per_step": _stats_lists(run.stats, "accepted_per_step"),
             "drafted_per_step": _stats_lists(run.stats, "drafted_per_step"),
+            "fed_per_step": _stats_lists(run.stats, "fed_per_step"),
             "context_per_step": [ctx for prompt, s in zip(run.prompt_tokens, run.stats)
                                  for ctx in metrics.contexts_per_step(prompt, s.accepted_per_step)]}
 
@@ -171,10 +173,10 @@ def _speed_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: float)
     }
     bases = [b for _, b in pairs if b is not None]
     if len(bases) == len(pairs) and pairs:
-        line["speed_vs_baseline"] = metrics.speedup(
-            [r.new_tokens for r, _ in pairs], [r.seconds for r, _ in pairs],
-            [b.new_tokens for b in bases], [b.seconds for b in bases],
-        )
+        columns = ([r.new_tokens for r, _ in pairs], [r.seconds for r, _ in pairs],
+                   [b.new_tokens for b in bases], [b.seconds for b in bases])
+        line["speed_vs_baseline"] = metrics.speedup(*columns)
+        line["speed_vs_baseline_ci95"] = metrics.speedup_interval(*columns)
         if temperature == 0:
             line["greedy_match_vs_baseline"] = metrics.greedy_match_share(
                 [r.turn_tokens == b.turn_tokens for r, b in pairs]
@@ -200,4 +202,4 @@ def comparison_line(pairs: list[tuple[SideRun, SideRun | None]], temperature: fl
     accepted = [a for s in steps for a in s["accepted_per_step"]]
     drafted = [d for s in steps for d in s["drafted_per_step"]]
     return dict(line, tau=metrics.tau(accepted), acceptance_rate=metrics.acceptance_rate(accepted, drafted),
-                by_context=metrics.by_context(steps))
+                tokens_per_verification=metrics.tokens_per_verification(steps), by_context=metrics.by_context(steps))

@@ -27,7 +27,7 @@ from drafttrain.decoding import SpeculativeDecoder, build_proposer, plain_decode
 from drafttrain.decoding.autodepth import ShapeChoice, choose_shape
 from drafttrain.drafts import Drafter
 from drafttrain.evaluation.records import GenerateFn
-from drafttrain.evaluation.run_info import describe_tree
+from drafttrain.evaluation.run_info import describe_tree, jsonable
 from drafttrain.targets import Target
 
 COMPARED, BASELINE, ORIGINAL_TARGET, HF_REFERENCE = "compared", "baseline", "original_target", "hf_reference"
@@ -53,8 +53,10 @@ class Side:
         settings = self.choice.settings
         autos = {k: v for k, v in (("depth_auto", self.choice.depth_auto), ("tree_auto", self.choice.tree_auto),
                                    ("runtime_check", self.choice.runtime_check())) if v}
+        own = {key: value for key, value in self.proposer_kwargs.items() if key != "draft"}  # a proposer's settings
         return {"label": self.label, "proposer": self.proposer_name, **autos, "depth": settings.depth,
-                "tree": describe_tree(settings.tree), "min_confidence": settings.min_confidence}
+                "tree": describe_tree(settings.tree), "min_confidence": settings.min_confidence,
+                **({"proposer_settings": jsonable(own)} if own else {})}
 
 
 @dataclasses.dataclass

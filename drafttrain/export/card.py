@@ -6,7 +6,6 @@ the weights' sha256); without one the card says that nothing was measured rather
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from drafttrain import __version__
 from drafttrain.drafts.codecs import Exported, codecs_of
+from drafttrain.engines.server import ENGINES
 from drafttrain.evaluation.report import CONTEXT_PLOT, context_table
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT
 from drafttrain.evaluation.serving_report import agreement_lines, conclusions, markdown_table
@@ -33,8 +33,7 @@ def build_card(drafter, fmt: str, exported: Exported, measured: dict[str, Any] |
     data = ModelCardData(
         base_model=facts["base_model"], license=facts["license"], library_name="drafttrain",
         pipeline_tag="text-generation", datasets=hub_datasets or None,
-        tags=["speculative-decoding", drafter.kind, fmt, *(["vllm"] if fmt in ("vllm", "speculators") else []),
-              *(["sglang"] if fmt == "sglang" else [])],
+        tags=["speculative-decoding", drafter.kind, fmt, *codecs_of(type(drafter))[fmt].serving(drafter)],
     )
     depth = _served_depth(drafter, measured)
     sections = [
@@ -132,20 +131,11 @@ def _serving(drafter, fmt: str, target: str, depth: int) -> str:
 
 
 def _command(drafter, fmt: str, target: str, depth: int) -> str:
-    if fmt == "sglang":
-        return ("```bash\npython -m sglang.launch_server --model-path " + target + " \\\n"
-                f"  --speculative-algorithm {drafter.engine_methods['sglang']} --speculative-draft-model-path THIS_REPO"
-                f" \\\n  --speculative-num-steps {depth} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
-                f"{depth + 1}\n```")
-    if fmt == "speculators":
-        return ("A [speculators](https://github.com/vllm-project/speculators) model: vLLM reads the verifier from "
-                "its config.\n\n```bash\nvllm serve THIS_REPO\n```\n\nor with the target named:\n\n```bash\n"
-                f"vllm serve {target} --speculative-config "
-                f"'{json.dumps({'model': 'THIS_REPO', 'num_speculative_tokens': depth})}'\n```")
+    """Each engine's command for the draft in this format, as the format's codec says the engine serves it."""
     served = "THIS_REPO/target" if drafter.adapts_target else target
-    speculative = codecs_of(type(drafter))[fmt].vllm_speculative_config(drafter)
-    spec = json.dumps({**speculative, "model": "THIS_REPO", "num_speculative_tokens": depth})
-    return f"```bash\nvllm serve {served} --speculative-config '{spec}'\n```"
+    commands = [ENGINES[engine].card_command(serving, served, depth)
+                for engine, serving in codecs_of(type(drafter))[fmt].serving(drafter).items() if engine in ENGINES]
+    return "\n\n".join(commands) or "No serving engine reads this format: `drafttrain eval --draft THIS_REPO` loads it."
 
 
 def _files_text(exported: Exported, fmt: str) -> str:

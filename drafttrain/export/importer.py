@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
 from drafttrain.drafts import drafter_for, load_drafter
-from drafttrain.drafts.registry import foreign_kind
+from drafttrain.drafts.foreign import foreign_kind
 from drafttrain.export.writer import publish, staging_for
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, file_sha256, read_json, read_safetensors, write_manifest
 from drafttrain.targets import Target

@@ -21,7 +21,8 @@ from drafttrain.data.traffic import redacted
 from drafttrain.drafts import load_drafter
 from drafttrain.drafts.base import Drafter
 from drafttrain.drafts.codecs import codecs_of, refused, writable_formats
-from drafttrain.drafts.registry import SavedDraft, known_formats
+from drafttrain.drafts.registry import known_formats
+from drafttrain.drafts.saved import SavedDraft
 from drafttrain.evaluation.evaluate import EvalReport
 from drafttrain.evaluation.report import ACCEPTANCE_PLOT, CONTEXT_PLOT, plot_acceptance, plot_by_context
 from drafttrain.evaluation.serving_report import PLOT_NAME as BENCH_PLOT

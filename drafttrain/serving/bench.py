@@ -20,13 +20,14 @@ from typing import Any
 
 from drafttrain import DrafttrainError
 from drafttrain.config import BenchConfig
-from drafttrain.drafts import load_drafter
+from drafttrain.drafts import drafter_for, load_drafter
 from drafttrain.drafts.codecs import codecs_of
-from drafttrain.drafts.registry import SavedDraft
+from drafttrain.drafts.saved import SavedDraft
 from drafttrain.engines.server import (
     ENGINES,
     Engine,
     Server,
+    Serving,
     Speculation,
     check_exists,
     check_python,
@@ -45,24 +46,24 @@ from drafttrain.targets.loading import load_tokenizer, resolve_model_dir
 log = logging.getLogger(__name__)
 
 NGRAM = "ngram"  # the engine's own n-gram lookup: no draft to load
-NGRAM_METHODS = {"vllm": "ngram", "sglang": "NGRAM"}
+NGRAM_SERVING = {"vllm": Serving("ngram"), "sglang": Serving("NGRAM")}
 
 
 @dataclasses.dataclass
 class Draft:
-    """A draft to serve: its name in the report, the export the engine loads, and the checkpoint it came from."""
+    """A draft to serve: its name in the report, how each engine serves it (its format's codec says), the export the
+    engine loads, and the checkpoint it came from."""
 
     name: str
-    methods: dict[str, str]
-    options: dict[str, Any]
+    serving: dict[str, Serving]
     export: Path | None = None
     checkpoint: Path | None = None
     drafter: Any = None
     weights_sha256: str | None = None
 
     def speculation(self, length: int) -> Speculation:
-        return Speculation(self.name, length, self.methods, str(self.export) if self.export else None,
-                           self.options, self.weights_sha256)
+        return Speculation(self.name, length, self.serving, str(self.export) if self.export else None,
+                           self.weights_sha256)
 
 
 @dataclasses.dataclass
@@ -78,25 +79,24 @@ class BenchInputs:
 
 def resolve_draft(source: str, engine: Engine, target: Target, out: Path) -> Draft:
     """``ngram``, an export folder (served as it is) or a run or checkpoint (exported here in the first format the
-    engine reads)."""
+    engine serves)."""
     if source == NGRAM:
-        return Draft(NGRAM, NGRAM_METHODS, {})
+        return Draft(NGRAM, NGRAM_SERVING)
     saved = SavedDraft.open(source)
     path = saved.directory
     built_from = export_record(path)
     drafter = load_drafter(saved, target)
-    name = Path(source).resolve().name
+    codecs, name = codecs_of(type(drafter)), Path(source).resolve().name
     if built_from is not None:  # an export: served as written
-        speculative = codecs_of(type(drafter))[built_from["format"]].vllm_speculative_config(drafter)
-        return Draft(name, drafter.engine_methods, speculative, path, Path(built_from["checkpoint"]), drafter,
-                     built_from.get("weights_sha256"))
-    formats = [f for f in drafter.export_formats() if f in engine.reads]
+        return Draft(name, codecs[built_from["format"]].serving(drafter), path, Path(built_from["checkpoint"]),
+                     drafter, built_from.get("weights_sha256"))
+    formats = [f for f in drafter.export_formats() if engine.name in codecs[f].engines]
     if not formats:
         raise DrafttrainError(f"{engine.name} serves no format a {drafter.kind} draft like {source} is written in "
                               f"(it writes {', '.join(drafter.export_formats())})")
     export = export_draft(saved, formats[0], out / "exports" / f"{name}-{formats[0]}", target, overwrite=True)
-    speculative = codecs_of(type(drafter))[formats[0]].vllm_speculative_config(drafter)
-    return Draft(name, drafter.engine_methods, speculative, export, path, drafter, drafter.identity()["weights_sha256"])
+    return Draft(name, codecs[formats[0]].serving(drafter), export, path, drafter,
+                 drafter.identity()["weights_sha256"])
 
 
 def export_record(path: Path) -> dict[str, Any] | None:
@@ -122,10 +122,16 @@ def check_inputs(inputs: BenchInputs, settings: BenchConfig, engine: Engine) -> 
             raise DrafttrainError(f"port {busy[0]} is in use (another server?): choose another --port (the sweep "
                                   f"uses {servers} consecutive ports from it)")
     for source in inputs.drafts:
-        built_from = export_record(SavedDraft.open(source).directory) if source != NGRAM else None
-        if built_from is not None and built_from["format"] not in engine.reads:
-            raise DrafttrainError(f"{source} is in the {built_from['format']} format; {engine.name} serves drafts "
-                                  f"from {', '.join(engine.reads)}: export it again with --format")
+        saved = SavedDraft.open(source) if source != NGRAM else None
+        built_from = export_record(saved.directory) if saved is not None else None
+        if built_from is None:
+            continue
+        codecs = codecs_of(drafter_for(saved.section()))
+        if engine.name not in codecs[built_from["format"]].engines:
+            served = " or ".join(fmt for fmt, codec in codecs.items() if engine.name in codec.engines)
+            advice = f"export it again with --format {served}" if served else f"{engine.name} serves none of its formats"
+            raise DrafttrainError(f"{source} is in the {built_from['format']} format, which {engine.name} does not "
+                                  f"serve: {advice}")
     return check_python(engine, inputs.python)
 
 

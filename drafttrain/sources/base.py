@@ -3,7 +3,8 @@
 A :class:`TargetSource` gives two things: ``outputs(batch)``, the :class:`TargetOutputs` a training step (or a
 held-out evaluation) needs for a batch of rows, and ``states(rows)``, per row the entries an offline cache keeps
 (``layer{n}``: the hidden state at HF index n, n = num_layers the final, normed one; ``argmax``; a teacher's
-``topk_*``), which the cache writer stores. ``ask(rows)`` tells a source which rows will be asked for next, in order,
+``topk_*``; ``prenorm``, the final state before the final norm, from a source made with ``prenorm=True``), which
+the cache writer stores. ``ask(rows)`` tells a source which rows will be asked for next, in order,
 so one that computes them elsewhere (an engine) can have them ready; ``stats()`` is what it reports of itself.
 
 The implementations: the HF forward in this process (sources/hf.py), the offline cache on disk (sources/cache.py)
@@ -19,9 +20,12 @@ from collections.abc import Iterable
 import torch
 
 from drafttrain.targets import Target
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, target_logits
+from drafttrain.targets.hidden import final_norm
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, TopK, full_argmax, target_logits
 
 ROW_INDEX = "row_index"  # batch key: the dataset row of each batch row (sources that work by row read it)
+# entry: the final state before the final norm, as vLLM captures it and speculators' files keep it
+PRENORM = "prenorm"
 
 
 class TargetSource(abc.ABC):
@@ -29,8 +33,8 @@ class TargetSource(abc.ABC):
 
     name: str
 
-    def __init__(self, target: Target, needs: TargetNeeds):
-        self.target, self.needs = target, needs
+    def __init__(self, target: Target, needs: TargetNeeds, prenorm: bool = False):
+        self.target, self.needs, self.prenorm = target, needs, prenorm
 
     @abc.abstractmethod
     def outputs(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:
@@ -56,6 +60,32 @@ class TargetSource(abc.ABC):
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:
         return self.outputs(batch)
+
+
+def normed_final(target: Target, prenorm: torch.Tensor) -> torch.Tensor:
+    """The final state the target's head reads, from the state before its final norm: the target's own norm applied
+    (in the target's dtype, on the CPU)."""
+    norm = final_norm(target.model)
+    with torch.no_grad():
+        return norm(prenorm.to(device=norm.weight.device, dtype=target.model.dtype)).cpu()
+
+
+def states_of_slots(hidden: torch.Tensor, layer_ids: list[int], target: Target) -> dict[str, torch.Tensor]:
+    """A row's entries from states captured in vLLM's layer ids (``hidden [T, len(layer_ids), H]``, an engine's file
+    or speculators'): id n is HF index n, except that id num_layers is the final state *before* the norm
+    (``prenorm``), and its ``layer{num_layers}`` the normed one."""
+    entries = {f"layer{layer}": hidden[:, i] for i, layer in enumerate(layer_ids)}
+    final = f"layer{target.num_layers}"
+    if final in entries:
+        entries[PRENORM] = entries[final]
+        entries[final] = normed_final(target, entries[PRENORM])
+    return entries
+
+
+def argmax_entry(target: Target, final: torch.Tensor) -> torch.Tensor:
+    """The ``argmax`` entry of a row (T, 1) from its final, normed state (T, H): the target's argmax over its whole
+    vocabulary, chunk by chunk."""
+    return full_argmax(target, final[None].to(target.device))[0, :, None].to(torch.int32).cpu()
 
 
 def cached_names(needs: TargetNeeds, num_layers: int, argmax: bool) -> list[str]:

@@ -16,11 +16,18 @@ that have no record (a process that dies loses only the shard it was writing). `
 with the settings: the target, the layers, the dtype, the target's fingerprint and the fingerprint of the split the
 rows come from, so a cache built for other data, another target or other layers is refused instead of silently
 feeding the wrong rows.
+
+In speculators' layout (``training.cache_layout: speculators``, drafttrain.sources.speculators) each row's hidden
+states are a file of their own, in speculators' form (the final state kept before the norm and normed when read,
+as an engine's), beside speculators' prepared dataset; a shard then keeps the rest of its rows (the argmax) and
+its record each row's file and sha256. With ``training.cache_from`` those files are a capture speculators made,
+each train row given the one holding its token ids.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -31,11 +38,23 @@ from safetensors.torch import save_file
 from drafttrain import DrafttrainError
 from drafttrain.progress import progress_bar
 from drafttrain.runfolder import damaged, file_sha256, read_json, write_text_atomic
-from drafttrain.sources.base import ROW_INDEX, TargetSource, assemble, cached_names
+from drafttrain.sources.base import ROW_INDEX, TargetSource, argmax_entry, assemble, cached_names, states_of_slots
 from drafttrain.sources.hf import HFForward
+from drafttrain.sources.speculators import (
+    check_match,
+    describe_missing,
+    layout_refusal,
+    match_rows,
+    read_row,
+    slot_layers,
+    write_prepared_dataset,
+    write_row,
+)
 from drafttrain.targets import Target
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, plain_rows
 from drafttrain.userfiles import remove
+
+log = logging.getLogger(__name__)
 
 INDEX = "index.json"
 FORMAT_VERSION = 3
@@ -68,13 +87,24 @@ def cache_dtype(name: str, target: Target) -> torch.dtype:
 
 
 SETTINGS = "settings.json"  # what the shards in the folder were written for; a rerun with others starts over
+MATCHED = "cache_from.json"  # {train row: the file of the speculators capture holding its token ids}
 
 
 def cache_settings(target: Target, dataset, needs: TargetNeeds, *, split_fingerprint: str, dtype: torch.dtype,
-                   rows_per_shard: int) -> dict:
+                   rows_per_shard: int, layout: str = "drafttrain", cache_from: str | None = None) -> dict:
+    """What a cache is written for. In speculators' layout (``layout``; always with ``cache_from``, a capture of
+    speculators' the rows are matched to) ``layers`` lists the slots of a row's file, its last the final state
+    before the norm."""
     top_k = needs.logits_top_k if needs.logits else None
-    return {"format_version": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
-            "layers": needs.stored_layers(target.num_layers), "hidden_size": target.hidden_size,
+    if cache_from and layout != "speculators":
+        raise ValueError("a cache joining a capture of speculators' (cache_from) is in its layout")
+    if layout == "speculators" and layout_refusal(needs):
+        raise DrafttrainError(layout_refusal(needs))
+    layers = slot_layers(needs, target.num_layers) if layout == "speculators" else needs.stored_layers(target.num_layers)
+    return {"format_version": FORMAT_VERSION, "layout": layout,
+            "cache_from": str(Path(cache_from).expanduser().resolve()) if cache_from else None,
+            "target": target.name, "target_fingerprint": target.fingerprint,
+            "layers": layers, "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size, "logits_top_k": top_k,
             "logits_temperature": needs.logits_temperature if top_k else None,
             "argmax": keeps_argmax(needs), "num_rows": len(dataset),
@@ -96,9 +126,10 @@ def reads_argmax(needs: TargetNeeds, vocab_size: int) -> bool:
     return keeps_argmax(needs) and rows is not None and rows.numel() < vocab_size
 
 
-def start_cache(out_dir: str | Path, settings: dict) -> Path:
+def start_cache(out_dir: str | Path, settings: dict, train=None) -> Path:
     """Keep the finished shards of an interrupted run with the same settings; anything else starts over (outputs
-    written for other rows, another target or other layers would not line up). One process calls this."""
+    written for other rows, another target or other layers would not line up). With ``cache_from``, give each row of
+    ``train`` the capture's file holding its token ids (MATCHED). One process calls this."""
     out_dir = Path(out_dir)
     if out_dir.is_dir():
         try:
@@ -110,7 +141,19 @@ def start_cache(out_dir: str | Path, settings: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     if not (out_dir / SETTINGS).is_file():
         write_text_atomic(out_dir / SETTINGS, json.dumps(settings, indent=1))
+    if settings.get("cache_from"):
+        matched, missing = match_rows(settings["cache_from"], train, settings["layers"], settings["hidden_size"])
+        if missing:
+            log.warning("%s", describe_missing(settings["cache_from"], missing, len(train)))
+        write_text_atomic(out_dir / MATCHED, json.dumps(matched))
     return out_dir
+
+
+
+def _matched(out_dir: Path, settings: dict) -> dict[int, str]:
+    if not settings.get("cache_from"):
+        return {}
+    return {int(row): path for row, path in read_json(out_dir / MATCHED).items()}
 
 
 def _is_cache(folder: Path) -> bool:
@@ -134,40 +177,93 @@ def _finished(out_dir: Path, number: int) -> dict | None:
 
 @torch.no_grad()
 def write_shards(source: TargetSource, num_rows: int, out_dir: str | Path, settings: dict, rank: int = 0,
-                 world: int = 1, progress: bool = True) -> int:
+                 world: int = 1, progress: bool = True, train=None) -> int:
     """Write this rank's shards (shard k holds rows [k·R, (k+1)·R) and belongs to rank k mod world) from what
     ``source`` computes of each row, skipping the ones a previous run finished. Each shard lands under a temporary
-    name, is renamed, then gets its record: a process killed mid-way loses at most the shard it was writing. Returns
-    the number of shards written now."""
+    name, is renamed, then gets its record: a process killed mid-way loses at most the shard it was writing. In
+    speculators' layout each row gets its own file (``train``: the rows' token ids) or a matched capture's, and the
+    shard keeps the rest (the argmax). Returns the number of shards written now."""
     out_dir, per_shard = Path(out_dir), settings["rows_per_shard"]
-    dtype = DTYPES[settings["dtype"]]
     rows_of = {k: list(range(k * per_shard, min((k + 1) * per_shard, num_rows)))
                for k in range(-(-num_rows // per_shard)) if k % world == rank and _finished(out_dir, k) is None}
-    source.ask(row for rows in rows_of.values() for row in rows)  # an engine has them ready in order
+    matched = _matched(out_dir, settings)
+    source.ask(row for rows in rows_of.values() for row in rows if row not in matched)  # an engine has them ready
     bar = progress_bar(total=sum(map(len, rows_of.values())), desc=f"target features (rank {rank})", unit="row",
                        enabled=progress)
+    files = _RowFiles(source, out_dir, settings, train, matched) if settings.get("layout") == "speculators" else None
     for k, rows in rows_of.items():
-        shard: dict[str, torch.Tensor] = {}
-        for row, entries in zip(rows, source.states(rows)):
-            for name, tensor in entries.items():
-                kept = stored(tensor, dtype) if name.startswith("layer") else {"": tensor.cpu().contiguous()}
-                shard.update({f"row{row}.{name}{suffix}": value for suffix, value in kept.items()})
-            bar.update(1)
-        _write_shard(out_dir, k, shard, rows)
+        if files is None:
+            _write_shard(out_dir, k, _shard_of(source.states(rows), rows, DTYPES[settings["dtype"]], bar), rows)
+        else:
+            _write_shard(out_dir, k, *files.shard(rows, bar))
     bar.close()
     return len(rows_of)
 
 
-def _write_shard(out_dir: Path, number: int, shard: dict[str, torch.Tensor], rows: list[int]) -> None:
+def _shard_of(states: list[dict[str, torch.Tensor]], rows: list[int], dtype: torch.dtype, bar) -> dict:
+    """drafttrain's layout: every entry of every row in the shard, hidden states in the cache's dtype."""
+    shard: dict[str, torch.Tensor] = {}
+    for row, entries in zip(rows, states):
+        for name, tensor in entries.items():
+            kept = stored(tensor, dtype) if name.startswith("layer") else {"": tensor.cpu().contiguous()}
+            shard.update({f"row{row}.{name}{suffix}": value for suffix, value in kept.items()})
+        bar.update(1)
+    return shard
+
+
+class _RowFiles:
+    """Shards in speculators' layout: each row's states in a file of its own (written from the source's entries, or
+    the file of speculators' capture holding its tokens), the shard keeping its argmax."""
+
+    def __init__(self, source: TargetSource, out_dir: Path, settings: dict, train, matched: dict[int, str]):
+        if train is None:
+            raise ValueError("speculators' layout writes each row's token ids: pass the rows (train)")
+        self.source, self.out_dir, self.settings, self.train, self.matched = source, out_dir, settings, train, matched
+
+    def shard(self, rows: list[int], bar) -> tuple[dict, list[int], list[dict]]:
+        """(the shard's tensors, its rows, each row's file record)."""
+        computed = [row for row in rows if row not in self.matched]
+        states = dict(zip(computed, self.source.states(computed)))
+        shard, files = {}, []
+        for row in rows:
+            ids = self.train[row]["input_ids"]
+            name, entries = self._written(row, ids, states[row]) if row in states else self._from_capture(row, ids)
+            if self.settings["argmax"]:
+                shard[f"row{row}.argmax"] = entries["argmax"].contiguous()
+            files.append({"file": name, "sha256": file_sha256(self.out_dir / name)})
+            bar.update(1)
+        return shard, rows, files
+
+    def _written(self, row: int, ids: list[int], entries: dict) -> tuple[str, dict]:
+        target = self.source.target
+        return write_row(self.out_dir, row, ids, entries, self.settings["layers"], target.num_layers,
+                         DTYPES[self.settings["dtype"]]), entries
+
+    def _from_capture(self, row: int, ids: list[int]) -> tuple[str, dict]:
+        """The capture's file for the row (checked to hold its tokens), and its argmax from its final state."""
+        name, target = self.matched[row], self.source.target
+        tokens, hidden = read_row(Path(name))
+        check_match(name, row, ids, tokens)
+        if not self.settings["argmax"]:
+            return name, {}
+        final = states_of_slots(hidden, self.settings["layers"], target)[f"layer{target.num_layers}"]
+        return name, {"argmax": argmax_entry(target, final)}
+
+
+def _write_shard(out_dir: Path, number: int, shard: dict[str, torch.Tensor], rows: list[int],
+                 row_files: list[dict] | None = None) -> None:
     name = _shard_name(number)
     save_file(shard, str(out_dir / (name + ".tmp")))
     os.replace(out_dir / (name + ".tmp"), out_dir / name)
     record = {"file": name, "sha256": file_sha256(out_dir / name), "rows": rows, "bytes": (out_dir / name).stat().st_size}
+    if row_files is not None:
+        record["row_files"] = row_files
     write_text_atomic(out_dir / (name + ".json"), json.dumps(record))
 
 
-def join_shards(out_dir: str | Path) -> Path:
-    """index.json: the settings and every shard's record, once all ranks are done (one process calls this)."""
+def join_shards(out_dir: str | Path, train=None) -> Path:
+    """index.json: the settings and every shard's record, once all ranks are done (one process calls this). In
+    speculators' layout written whole here (no ``cache_from``), ``train`` beside the files as its prepared dataset."""
     out_dir = Path(out_dir)
     settings = read_json(out_dir / SETTINGS)
     count = -(-settings["num_rows"] // settings["rows_per_shard"])
@@ -176,23 +272,28 @@ def join_shards(out_dir: str | Path) -> Path:
     if missing:
         raise DrafttrainError(f"feature cache {out_dir}: {len(missing)} of {count} shards are not written "
                               f"({', '.join(missing[:3])}...): rerun `drafttrain prepare` to write only those")
-    index = {**settings, "shards": [{k: r[k] for k in ("file", "sha256", "rows")} for r in records]}
+    index = {**settings, "shards": [{k: r[k] for k in ("file", "sha256", "rows", "row_files") if k in r}
+                                    for r in records]}
+    if settings.get("layout") == "speculators" and not settings.get("cache_from"):
+        write_prepared_dataset(train, out_dir)
     write_text_atomic(out_dir / INDEX, json.dumps(index, indent=1))
     return out_dir
 
 
 def write_feature_cache(target: Target, dataset, needs: TargetNeeds, out_dir: str | Path, *, split_fingerprint: str,
                         dtype: torch.dtype, rows_per_shard: int = 256, progress: bool = True,
-                        source: TargetSource | None = None) -> Path:
+                        source: TargetSource | None = None, layout: str = "drafttrain",
+                        cache_from: str | None = None) -> Path:
     """Store what ``needs`` asks for of every row of a tokenised split, computed by ``source`` (default: the target's
-    HF forward in this process), in one process (see the module doc; ``drafttrain prepare`` under a launcher splits
-    the shards over its processes)."""
+    HF forward in this process; in speculators' layout one made with ``prenorm``), in one process (see the module
+    doc; ``drafttrain prepare`` under a launcher splits the shards over its processes)."""
     settings = cache_settings(target, dataset, needs, split_fingerprint=split_fingerprint, dtype=dtype,
-                              rows_per_shard=rows_per_shard)
-    start_cache(out_dir, settings)
-    source = source or HFForward(target, needs, dataset, cache_argmax=settings["argmax"])
-    write_shards(source, len(dataset), out_dir, settings, progress=progress)
-    return join_shards(out_dir)
+                              rows_per_shard=rows_per_shard, layout=layout, cache_from=cache_from)
+    start_cache(out_dir, settings, dataset)
+    source = source or HFForward(target, needs, dataset, cache_argmax=settings["argmax"],
+                                 prenorm=settings["layout"] == "speculators")
+    write_shards(source, len(dataset), out_dir, settings, progress=progress, train=dataset)
+    return join_shards(out_dir, dataset)
 
 
 class FeatureCache(TargetSource):
@@ -211,6 +312,9 @@ class FeatureCache(TargetSource):
         try:
             self._check(split_fingerprint)
             self._row_shard = {r: s["file"] for s in self.index["shards"] for r in s["rows"]}
+            # speculators' layout: each row's own file (relative to the cache, or a capture's elsewhere) and sha256
+            self._row_file = {r: (f["file"], f["sha256"]) for s in self.index["shards"]
+                              for r, f in zip(s["rows"], s.get("row_files", ()))}
         except (KeyError, TypeError) as err:
             raise damaged(path, f"lacks or garbles its {err} entry") from None
         self._verified: set[str] = set()
@@ -244,20 +348,37 @@ class FeatureCache(TargetSource):
             raise DrafttrainError(f"{where} was built from other training rows (split {index['split_fingerprint']}, "
                                   f"now {split_fingerprint}): it is stale; {rerun}")
 
-    def _open(self, name: str):
+    def _verify(self, name: str, expected: str) -> Path:
+        """The path of a file of the cache, its sha256 checked the first time it is read."""
         path = self.directory / name
         if name not in self._verified:
-            expected = next(s["sha256"] for s in self.index["shards"] if s["file"] == name)
             if not path.is_file() or file_sha256(path) != expected:
                 raise damaged(path, "is missing or does not match its sha256 in index.json")
             self._verified.add(name)
-        return safe_open(str(path), framework="pt")
+        return path
+
+    def _open(self, name: str):
+        expected = next(s["sha256"] for s in self.index["shards"] if s["file"] == name)
+        return safe_open(str(self._verify(name, expected)), framework="pt")
 
     def _row(self, row: int, names: list[str]) -> list[torch.Tensor]:
         if row not in self._row_shard:
             raise DrafttrainError(f"feature cache {self.directory} has no row {row}")
+        if row in self._row_file:
+            return self._row_of_file(row, names)
         with self._open(self._row_shard[row]) as f:
             return [restored(f.get_tensor, f"row{row}.{name}") for name in names]
+
+    def _row_of_file(self, row: int, names: list[str]) -> list[torch.Tensor]:
+        """A row in speculators' layout: its states from its file (the final one normed here), the rest from its
+        shard."""
+        _, hidden = read_row(self._verify(*self._row_file[row]))
+        entries = states_of_slots(hidden, self.index["layers"], self.target)
+        rest = [name for name in names if name not in entries]
+        if rest:
+            with self._open(self._row_shard[row]) as f:
+                entries.update({name: f.get_tensor(f"row{row}.{name}") for name in rest})
+        return [entries[name] for name in names]
 
     @torch.no_grad()
     def outputs(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:

@@ -31,6 +31,11 @@ def capture_folder(recipe: Recipe) -> Path:
     return Path(folder).expanduser() if folder else RunFolder.of(recipe.output_dir).root / "capture"
 
 
+def served_length(recipe: Recipe) -> int:
+    """The longest request a capture server started here takes (its --max-model-len): a row and one token more."""
+    return recipe.data.max_length + 1 if recipe.data is not None else 4096
+
+
 @contextlib.contextmanager
 def capture_urls(recipe: Recipe, needs: TargetNeeds, num_layers: int, start: bool) -> Iterator[list[str]]:
     """The URLs of the run's capture servers, each answering: the recipe's, or ``capture.servers`` started here
@@ -47,10 +52,11 @@ def capture_urls(recipe: Recipe, needs: TargetNeeds, num_layers: int, start: boo
         return
     run = RunFolder.of(recipe.output_dir)
     dtype = recipe.target.dtype if settings.dtype == "auto" else settings.dtype
-    max_len = recipe.data.max_length + 1 if recipe.data is not None else 4096
+    max_len = served_length(recipe)
     parallelism = Parallelism(settings.tensor_parallel_size, settings.pipeline_parallel_size,
                               settings.data_parallel_size, settings.expert_parallel)
-    with capture_servers(settings.python, resolve_model_dir(recipe.target.model), engine_layer_ids(needs, num_layers),
+    layer_ids = engine_layer_ids(needs, num_layers, prenorm=keeps_prenorm(recipe))
+    with capture_servers(settings.python, resolve_model_dir(recipe.target.model), layer_ids,
                          capture_folder(recipe), servers=settings.servers, parallelism=parallelism, dtype=dtype,
                          port=settings.port, max_model_len=max_len, memory_fraction=settings.gpu_memory_utilization,
                          log_dir=run.root / "logs", startup_timeout_s=settings.startup_timeout_s,
@@ -68,6 +74,11 @@ def _wait_until_ready(urls: list[str], timeout_s: float) -> None:
             time.sleep(HEALTH_POLL_S)
 
 
+def keeps_prenorm(recipe: Recipe) -> bool:
+    """Whether the run's sources give the final state before the norm too: the last slot of speculators' layout."""
+    return recipe.training.hidden_states == "offline" and recipe.training.written_layout == "speculators"
+
+
 @contextlib.contextmanager
 def engine_source(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, *, rank: int, start: bool,
                   window: int, cache_argmax: bool = False) -> Iterator[EngineSource]:
@@ -75,7 +86,7 @@ def engine_source(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, *
     with capture_urls(recipe, needs, target.num_layers, start) as urls:
         client = CaptureClient(urls, served_model(urls[0]), max_in_flight=recipe.capture.max_in_flight)
         source = EngineSource(target, needs, dataset, client, capture_folder(recipe) / f"rank{rank}", window,
-                              cache_argmax=cache_argmax)
+                              cache_argmax=cache_argmax, prenorm=keeps_prenorm(recipe))
         try:
             yield source
         finally:
@@ -97,7 +108,7 @@ def cache_source(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, *,
     """What computes the offline cache's rows (``prepare``): the HF forward here, or the capture servers with
     ``capture.max_in_flight`` rows at them at once."""
     if not engine_runs_target(recipe):
-        yield HFForward(target, needs, dataset, cache_argmax=cache_argmax)
+        yield HFForward(target, needs, dataset, cache_argmax=cache_argmax, prenorm=keeps_prenorm(recipe))
         return
     with engine_source(recipe, target, needs, dataset, rank=rank, start=start, window=recipe.capture.max_in_flight,
                        cache_argmax=cache_argmax) as source:

@@ -24,10 +24,9 @@ from safetensors.torch import load_file
 
 from drafttrain import DrafttrainError
 from drafttrain.engines.capture import CaptureClient
-from drafttrain.sources.base import ROW_INDEX, TargetSource, assemble
+from drafttrain.sources.base import PRENORM, ROW_INDEX, TargetSource, argmax_entry, assemble, states_of_slots
 from drafttrain.targets import Target
-from drafttrain.targets.hidden import final_norm
-from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, full_argmax, logits_from_final, top_k_of
+from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, logits_from_final, top_k_of
 from drafttrain.userfiles import remove
 
 # training waits more than this share of its time for the engines: say so
@@ -35,10 +34,10 @@ LAGGING_SHARE = 0.05
 MARKER = ".drafttrain-capture"  # a folder of captured rows drafttrain made (what it may delete rows from)
 
 
-def engine_layer_ids(needs: TargetNeeds, num_layers: int) -> list[int]:
+def engine_layer_ids(needs: TargetNeeds, num_layers: int, prenorm: bool = False) -> list[int]:
     """The engine's layer ids for what a cache keeps: the same numbers (id k is the input of decoder layer k; id
-    num_layers is the final state, taken before the norm and normed here)."""
-    return needs.stored_layers(num_layers)
+    num_layers is the final state, taken before the norm and normed here), the final state always with ``prenorm``."""
+    return sorted(set(needs.stored_layers(num_layers)) | ({num_layers} if prenorm else set()))
 
 
 def _made_here(folder: Path) -> bool:
@@ -51,10 +50,10 @@ class EngineSource(TargetSource):
     name = "engine"
 
     def __init__(self, target: Target, needs: TargetNeeds, dataset, client: CaptureClient, folder: Path,
-                 window: int, cache_argmax: bool = False):
-        super().__init__(target, needs)
+                 window: int, cache_argmax: bool = False, prenorm: bool = False):
+        super().__init__(target, needs, prenorm)
         self.dataset, self.client, self.folder, self.window = dataset, client, Path(folder), max(1, window)
-        self.layer_ids = engine_layer_ids(needs, target.num_layers)
+        self.layer_ids = engine_layer_ids(needs, target.num_layers, prenorm)
         self.cache_argmax = cache_argmax
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / MARKER).touch()
@@ -121,15 +120,16 @@ class EngineSource(TargetSource):
 
     @torch.no_grad()
     def _entries(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        entries = {f"layer{layer}": hidden[:, i] for i, layer in enumerate(self.layer_ids)}
+        entries = states_of_slots(hidden, self.layer_ids, self.target)  # the engine's final state comes before the norm
+        prenorm = entries.pop(PRENORM, None)
+        if self.prenorm:
+            entries[PRENORM] = prenorm
         last = f"layer{self.target.num_layers}"
-        if last in entries:  # the engine's final state comes before the norm
-            norm = final_norm(self.target.model)
-            entries[last] = norm(entries[last].to(norm.weight.device)).cpu()
-            final = entries[last][None].to(self.target.device)
+        if last in entries:
             if self.cache_argmax:
-                entries["argmax"] = full_argmax(self.target, final)[0, :, None].to(torch.int32).cpu()
+                entries["argmax"] = argmax_entry(self.target, entries[last])
             if self.needs.logits and self.needs.logits_top_k is not None:
+                final = entries[last][None].to(self.target.device)
                 kept = top_k_of(logits_from_final(self.target, final)[0], self.needs.logits_top_k,
                                 self.needs.logits_temperature)
                 entries.update(topk_ids=kept.ids.to(torch.int32).cpu(), topk_log_probs=kept.log_probs.cpu(),

@@ -18,24 +18,39 @@ must hold exactly what it would hold had the refused tokens never been fed:
 A tree is verified in one forward through attention alone: each layer type gets the ancestor mask in its own shape
 (the keys its cache returns, its window or chunk applied at the nodes' depth positions). A recurrent or convolution
 layer would mix the branches in feed order, so those caches refuse trees (``supports_trees``), as engines do.
+
+Each layer is treated by its cache kind (targets/cache_kinds.py: what it holds, whether trees pass through it).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from drafttrain import DrafttrainError
+from drafttrain.targets.cache_kinds import CacheKind, kind_of
 from drafttrain.targets.masks import model_forward
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # positions a window or convolution layer keeps beyond what its next forward reads, and recurrent states kept per
 # layer: a rollback that follows a trim (a proposal timed again, the end of a generate call) still finds them. A
 # forward of at most this many tokens records a recurrent state per token; a longer one (a prefill) runs chunked.
 RECORDED_MARGIN = 64
 _STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
                  "is_recurrent_states_initialized", "conv_kernel_size")
+
+
+def tree_refusal(model: torch.nn.Module, cannot: str = "verify a tree's branches side by side",
+                 instead: str = "Use a chain (--tree chain)") -> str | None:
+    """Why one forward cannot do what tree masks do on ``model`` (``cannot``) and what to do ``instead``, read from
+    its layers' cache kinds alone (no cache is built); None: every layer lets a tree through."""
+    config = model.config.get_text_config(decoder=True)
+    types = get_layer_types_and_kwargs(config)[0]
+    refusing = sorted({t for t in types if not kind_of(t, config).trees})
+    if not refusing:
+        return None
+    return (f"{type(model).__name__} has {'/'.join(refusing)} layers, which run the fed tokens in order: one forward "
+            f"cannot {cannot}. {instead}")
 
 
 class TargetCache:
@@ -46,10 +61,10 @@ class TargetCache:
         self.model = model
         text_config = model.config.get_text_config(decoder=True)
         self.layer_types, kwargs = get_layer_types_and_kwargs(text_config)
+        self.kinds = [kind_of(layer_type, text_config) for layer_type in self.layer_types]
         self.windows = [k.get("sliding_window") for k in kwargs]
         self.cache = self._new_cache()
-        self.stateful = [i for i, layer in enumerate(self.cache.layers)
-                         if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.stateful = [i for i, kind in enumerate(self.kinds) if kind.states]
         self.tokens = torch.zeros(1, 0, dtype=torch.long)  # what each held position was fed (a recurrent replay)
         self.positions = torch.zeros(0, dtype=torch.long)  # each held position's position id (window masks)
         self.snapshots: dict[int, dict] = {}  # length -> copies of the recurrent states at that length
@@ -72,8 +87,8 @@ class TargetCache:
 
     @property
     def supports_trees(self) -> bool:
-        """Whether one forward can verify a tree: attention layers only (see the module docstring)."""
-        return not self.stateful
+        """Whether one forward can verify a tree: every layer's kind lets one through (see the module docstring)."""
+        return all(kind.trees for kind in self.kinds)
 
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 allowed: torch.Tensor | None = None, logits_to_keep: int = 0,
@@ -104,9 +119,7 @@ class TargetCache:
     def tree_refusal(self, cannot: str = "verify a tree's branches side by side",
                      instead: str = "Use a chain (--tree chain)") -> str:
         """Why one forward cannot do what tree masks do on this model (``cannot``), and what to do ``instead``."""
-        kinds = sorted({self.layer_types[i] for i in self.stateful})
-        return (f"{type(self.model).__name__} has {'/'.join(kinds)} layers, which run the fed tokens in order: one "
-                f"forward cannot {cannot}. {instead}")
+        return tree_refusal(self.model, cannot, instead) or ""
 
     def keep(self, start: int, keep: list[int]) -> None:
         """Keep, of the positions from ``start`` on, only the offsets ``keep`` (increasing), moved to start,
@@ -133,8 +146,8 @@ class TargetCache:
     def _move(self, start: int, keep: list[int]) -> None:
         """A tree's accepted nodes moved into place in every attention layer (a layer holding fewer positions
         than were fed, a window, is indexed from its end)."""
-        for layer in self.cache.layers:
-            if not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
+        for kind, layer in zip(self.kinds, self.cache.layers):
+            if not kind.positions or not getattr(layer, "is_initialized", False):
                 continue
             offset = layer.keys.shape[-2] - (self.length - start)  # where position ``start`` lies in this layer
             idx = torch.tensor(keep, device=layer.keys.device) + offset
@@ -146,16 +159,16 @@ class TargetCache:
         the next forward reads plus ``RECORDED_MARGIN`` positions (transformers' own crop trims to exactly what the
         next forward reads, so a second rollback before a forward, as at the end of a generate call, would lose one
         position the window still needs)."""
-        for layer in self.cache.layers:
-            if isinstance(layer, LinearAttentionCacheLayerMixin):
+        for kind, layer in zip(self.kinds, self.cache.layers):
+            if kind.states:
                 _crop_conv(layer, dropped)
                 if hasattr(layer, "cumulative_length_linear"):  # the token count a model reads its positions from
                     layer.cumulative_length_linear.fill_(self.length if length is None else length)
-            if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", False):
+            if not kind.positions or not getattr(layer, "is_initialized", False):
                 continue
             if dropped:
                 layer.keys, layer.values = layer.keys[..., :-dropped, :], layer.values[..., :-dropped, :]
-            if hasattr(layer, "cumulative_length"):  # a sliding or chunked layer
+            if kind.windowed:
                 layer.cumulative_length -= dropped
                 kept = layer.sliding_window - 1 + RECORDED_MARGIN
                 layer.keys, layer.values = layer.keys[..., -kept:, :], layer.values[..., -kept:, :]
@@ -163,11 +176,12 @@ class TargetCache:
     def _tree_masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, device) -> torch.Tensor | dict:
         """The ancestor mask in each attention layer type's own shape: one 4D mask, or a mask per layer type."""
         masks = {}
-        for kind in dict.fromkeys(t for t in self.layer_types if t in ATTENTION_TYPES):
-            index = self.layer_types.index(kind)
+        attention = [t for t, kind in zip(self.layer_types, self.kinds) if kind.positions]
+        for layer_type in dict.fromkeys(attention):
+            index = self.layer_types.index(layer_type)
             kv_length, kv_offset = self.cache.get_mask_sizes(len(query_positions), index)
-            masks[kind] = _window_tree_mask(allowed, self.positions, query_positions, kv_length, kv_offset, kind,
-                                            self.windows[index], self.model.dtype, device)
+            masks[layer_type] = _window_tree_mask(allowed, self.positions, query_positions, kv_length, kv_offset,
+                                                  self.kinds[index], self.windows[index], self.model.dtype, device)
         if len(masks) == 1 and len(set(self.layer_types)) == 1:
             return next(iter(masks.values()))
         return masks
@@ -269,7 +283,8 @@ def _crop_conv(layer, dropped: int) -> None:
 
 
 def _window_tree_mask(allowed: torch.Tensor, held_positions: torch.Tensor, query_positions: torch.Tensor,
-                      kv_length: int, kv_offset: int, kind: str, window: int | None, dtype, device) -> torch.Tensor:
+                      kv_length: int, kv_offset: int, kind: CacheKind, window: int | None, dtype,
+                      device) -> torch.Tensor:
     """A 4D additive mask [1, 1, n, kv_length] over the keys a layer returns (held positions from ``kv_offset``,
     then the n new ones): a key is seen when it is before the tree's last m keys or an allowed one of them, and
     within the layer's window (sliding: fewer than ``window`` positions back; chunked: the same chunk of
@@ -281,11 +296,7 @@ def _window_tree_mask(allowed: torch.Tensor, held_positions: torch.Tensor, query
     seen = torch.ones(n, kv_length, dtype=torch.bool)
     in_tree = slots >= first_tree_slot
     seen[:, in_tree] = allowed.cpu()[:, slots[in_tree] - first_tree_slot]
-    q = query_positions[:, None]
-    if kind == "sliding_attention":
-        seen &= (q - keys[None]) < window
-    elif kind == "chunked_attention":
-        seen &= (q // window) == (keys[None] // window)
+    seen &= kind.sees(query_positions[:, None], keys[None], window)
     mask = torch.zeros(n, kv_length, dtype=dtype)
     mask.masked_fill_(~seen, torch.finfo(dtype).min)
     return mask[None, None].to(device)

@@ -11,7 +11,9 @@ Per process, on the device the recipe trains on:
 
 * runtime: on CPU, this process's own resident memory after importing what training imports (measured); on a GPU,
   the CUDA context and allocator reserve (an estimate, :data:`CUDA_CONTEXT`);
-* the target's weights, split over the processes under ZeRO-3;
+* the target's weights, split over the processes under ZeRO-3; when capture engines run the target
+  (``capture.engine: vllm``), its head alone, as targets/partial.py loads it (everything outside the decoder layers,
+  and the last layers a fresh draft starts from);
 * the draft's weights, gradients and AdamW states, split as the ZeRO stage splits them;
 * DeepSpeed's gradient-reduction buckets, which it allocates at their configured size however small the draft;
 * activations saved for the backward pass, the target outputs the step consumes, and the largest transient: one
@@ -24,13 +26,23 @@ packed copies of the target's linear weights it generates through. Not counted, 
 memory that grows by about 1 GiB while a batch of 7k-token rows decodes its 256 tokens (its KV cache grows by 47 MiB),
 which puts the measured peak of long-row regeneration a fifth above the plan (BENCHMARKS.md, "Regenerating the long
 rows in memory the plan counts").
+
+For capture servers (:func:`capture_plan`), per GPU of one server, within the share vLLM may take of it
+(``capture.gpu_memory_utilization``): the runtime, its share of the target's weights at the server's parallelism
+(:func:`server_weights`; a target published quantized counted as published, :data:`QUANTIZED_BITS`), the prefill
+activations and the KV cache of one row (the captured states included), which vLLM needs before it starts; what is
+left is KV cache for rows at once. A server that needs more GPUs than a node has is refused. For a stream: the
+window of files on the capture folder's disk (``capture.window`` micro-batches of every process), and the tokens
+per second all trainers consume against what all servers deliver, refused when the servers cannot keep up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import logging
+import math
 import os
 import shutil
 import socket
@@ -51,10 +63,13 @@ from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
 from drafttrain.cpu_linear import packed_weight_bytes
 from drafttrain.drafts import drafter_for
+from drafttrain.drafts.continuation import ResolvedDraft, kept_target_layers, resolve_draft, run_target_needs
 from drafttrain.drafts.lora import add_draft_lora
-from drafttrain.drafts.registry import resolved_section, run_target_needs, saved_draft_vocab_size
+from drafttrain.drafts.saved import saved_draft_vocab_size
 from drafttrain.runfolder import RunFolder, open_dataset
 from drafttrain.sources.cache import cache_dtype, keeps_argmax
+from drafttrain.sources.choose import capture_folder, engine_runs_target, served_length
+from drafttrain.sources.engine import engine_layer_ids
 from drafttrain.targets.checks import check_source
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
@@ -83,6 +98,7 @@ class Plan:
     tokens_measured: bool = False  # from the prepared data, not estimated from the recipe
     regen_tokens: int = 0
     regen_seconds: float | None = None
+    capture: CapturePlan | None = None  # the capture servers, when capture engines run the target
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -99,13 +115,14 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.memory_fits and self.disk_fits
+        return self.memory_fits and self.disk_fits and (self.capture is None or self.capture.fits)
 
     @property
     def clearly_cannot_fit(self) -> bool:
         too_big = self.capacity is not None and SLACK * self.total > self.capacity
-        return too_big or (self.cache_bytes is not None and self.disk_free is not None
-                           and SLACK * self.cache_bytes > self.disk_free)
+        window = self.capture is not None and self.capture.window_clearly_too_big
+        return too_big or window or (self.cache_bytes is not None and self.disk_free is not None
+                                     and SLACK * self.cache_bytes > self.disk_free)
 
     def render(self) -> str:
         lines = [f"drafttrain plan ({self.stage}): {self.where}", "", "memory per process:"]
@@ -128,12 +145,17 @@ class Plan:
             at = (f", about {self.regen_seconds / 3600:.1f} h at the stated throughput"
                   if self.regen_seconds is not None else " (give --regen-throughput for a time)")
             lines.append(f"regeneration: at most {self.regen_tokens:,} new tokens{at}")
-        lines += [f"note: {n}" for n in self.notes]
+        if self.capture is not None:
+            lines += ["", *self.capture.render()]
+        lines += [f"note: {n}" for n in self.notes + (self.capture.notes if self.capture else [])]
         lines.append(f"verdict: {'fits' if self.fits else 'does not fit'}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "total": self.total, "fits": self.fits}
+        out = {**dataclasses.asdict(self), "total": self.total, "fits": self.fits}
+        if self.capture is not None:
+            out["capture"].update(self.capture.verdicts())
+        return out
 
 
 def _size(n: int | float) -> str:
@@ -277,15 +299,15 @@ def meta_target(recipe: Recipe, config):
 
 
 @contextlib.contextmanager
-def _draft_section(recipe: Recipe, vocab_size: int):
+def _draft_section(recipe: Recipe, vocab_size: int, resolved: ResolvedDraft):
     """The draft section the run trains with (a continued draft's own); a draft vocabulary that prepare has not
     written yet, or that a continued draft brings, is stood in for by one of its size (only its size matters)."""
-    draft, run = resolved_section(recipe.draft), RunFolder.of(recipe.output_dir)
+    draft, run = resolved.section, RunFolder.of(recipe.output_dir)
     size = None
     if "draft_vocab" in type(draft).model_fields:
-        if draft.init_from and not (recipe.draft_vocab.enabled and run.draft_vocab.is_file()):
+        if resolved.saved is not None and not (recipe.draft_vocab.enabled and run.draft_vocab.is_file()):
             # it keeps its own, or extends it by tokens prepare has not counted yet (at least its size)
-            size = saved_draft_vocab_size(draft.init_from)
+            size = saved_draft_vocab_size(resolved.saved)
         elif recipe.draft_vocab.enabled and not draft.draft_vocab and not run.draft_vocab.is_file():
             size = recipe.draft_vocab.size
     if size is None:
@@ -346,11 +368,12 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def draft_footprint(recipe: Recipe, target: Target) -> dict[str, int]:
+def draft_footprint(recipe: Recipe, target: Target, resolved: ResolvedDraft | None = None) -> dict[str, int]:
     """Parameters of the draft (trainable, frozen) and the bytes one training step holds, from a meta-device run
     of the kind's own code at the recipe's batch size and sequence length."""
     batch_size, seq = recipe.training.batch_size, recipe.data.max_length if recipe.data else 2048
-    with _draft_section(recipe, target.vocab_size) as (section, run), _MetaScalars() as ops:
+    resolved = resolved or resolve_draft(recipe.draft)
+    with _draft_section(recipe, target.vocab_size, resolved) as (section, run), _MetaScalars() as ops:
         # eval mode: the step's own computation and its saved tensors, without the random side paths (on-policy
         # generation, dropout masks) that a meta tensor cannot decide
         with init_empty_weights():  # parameters made on meta, never initialised: an 8B target's took 12 s on a CPU
@@ -472,8 +495,11 @@ def cache_bytes_per_token(recipe: Recipe, target: Target, needs) -> int:
 
 
 def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", config_path: str | None = None,
-         regen_throughput: float | None = None) -> Plan:
-    """The plan for ``recipe`` on ``cluster`` (default: this machine as launched)."""
+         regen_throughput: float | None = None, capture_throughput: float | None = None,
+         train_throughput: float | None = None, draft: ResolvedDraft | None = None) -> Plan:
+    """The plan for ``recipe`` on ``cluster`` (default: this machine as launched). ``capture_throughput`` (one
+    capture server's prefill tokens/s) and ``train_throughput`` (one training process's tokens/s) say whether a
+    stream's servers keep up. ``draft``: the recipe's draft section resolved already (else resolved here)."""
     if recipe.draft is None and stage != "prepare":  # a prepare-only recipe plans its prepare
         raise DrafttrainError("the recipe has no draft section: nothing to train, so nothing to plan for train "
                               "(--stage prepare plans its data stage)")
@@ -483,53 +509,15 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
     if config_path:
         check_config_is_the_target(recipe, config, config_path)
     target = meta_target(recipe, config)
-    zero = configured_zero_stage(recipe.training)
-    bf16 = recipe.training.mixed_precision == "bf16"
-    target_bytes = sum(_nbytes(p) for p in target.model.parameters())
-
-    needs = run_target_needs(recipe.draft, target) \
-        if recipe.draft is not None else TargetNeeds()
+    draft = draft or (resolve_draft(recipe.draft) if recipe.draft is not None else None)
+    needs = run_target_needs(draft, target) if draft is not None else TargetNeeds()
     offline = recipe.training.hidden_states == "offline" and recipe.draft is not None
-    memory = {"runtime": runtime}
     if stage == "prepare":
-        memory["target weights"] = target_bytes
-        regenerated = _regeneration_batch_tokens(recipe)  # rows x (prompt + answer): a batch at its widest
-        cached = _batch_tokens(recipe) if offline else 0  # the offline cache's forward, a training batch at a time
-        memory["target forward (widest batch)"] = _forward_bytes(max(cached, regenerated), target)
-        memory["KV cache (widest regen batch)"] = regenerated * _kv_bytes_per_token(target)
-        if regenerated and not _on_gpu(recipe):  # the hf backend generates through oneDNN's packed copies
-            memory["packed weight copies (regen)"] = packed_weight_bytes(target.model)
-        where = f"1 process on {'GPU' if _on_gpu(recipe) else 'CPU'}"
+        memory, where = _prepare_memory(recipe, target, offline), f"1 process on {'GPU' if _on_gpu(recipe) else 'CPU'}"
     else:
-        try:
-            footprint = draft_footprint(recipe, target)
-        except DrafttrainError as err:
-            if "could not load draft model" not in str(err):
-                raise
-            raise DrafttrainError(f"{err} `drafttrain plan` takes a model this machine lacks by its config: "
-                                  "--model-config NAME=CONFIG.json") from None
-        sharded = zero == 3 and not offline
-        memory["target weights" + (" (ZeRO-3 shard)" if sharded else "")] = \
-            target_bytes // cluster.world if sharded else target_bytes
-        if sharded:  # each layer is gathered whole for its forward, the next one prefetched meanwhile
-
-            layer = max(sum(_nbytes(p) for p in layer.parameters()) for layer in decoder_layers(target.model))
-            memory["target layers gathered (ZeRO-3)"] = 2 * layer
-        memory["draft weights (frozen)"] = footprint["frozen_bytes"]
-        memory.update(optimizer_bytes(footprint["trainable"], zero, cluster.world, bf16))
-        if zero:
-            memory["DeepSpeed gradient buckets"] = gradient_bucket_bytes(
-                recipe, footprint["trainable"], target.model.config.hidden_size)
-        memory["activations saved for backward"] = footprint["saved"]
-        memory["target outputs (taps, logits)"] = footprint["outputs"]
-        online = 0 if offline else _forward_bytes(_batch_tokens(recipe), target)
-        memory["largest transient"] = max(footprint["transient"], online)
-        device = f"GPU ({_size(cluster.gpu_memory)})" if _on_gpu(recipe) and cluster.gpu_memory else \
-            ("GPU" if _on_gpu(recipe) else "CPU process")
-        where = (f"{cluster.nodes} node(s) x {cluster.gpus} {device}" + (f", ZeRO-{zero}" if zero else "")
-                 + (", offline hidden states" if offline else ", online hidden states"))
+        memory, where = _train_memory(recipe, target, cluster, draft)
     tokens, measured = token_count(recipe) if recipe.data else (0, False)
-    result = Plan(stage=stage, where=where, memory={k: int(v) for k, v in memory.items() if v},
+    result = Plan(stage=stage, where=where, memory={k: int(v) for k, v in {"runtime": runtime, **memory}.items() if v},
                   capacity=_capacity(recipe, cluster), tokens=tokens, tokens_measured=measured)
     if offline:
         result.cache_bytes = tokens * cache_bytes_per_token(recipe, target, needs)
@@ -538,11 +526,82 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
         result.regen_tokens = _regenerated_rows(recipe) * recipe.regenerate.max_new_tokens
         if regen_throughput:
             result.regen_seconds = result.regen_tokens / regen_throughput
+    if engine_runs_target(recipe) and recipe.draft is not None:
+        result.capture = capture_plan(recipe, target, needs, cluster, tokens, capture_throughput, train_throughput)
     if not _on_gpu(recipe):
         result.notes.append("runtime is this process's measured resident memory after the training imports")
     elif cluster.gpu_memory is None:
         result.notes.append("GPU memory unknown: give --gpu-memory GiB")
     return result
+
+
+def _prepare_memory(recipe: Recipe, target: Target, offline: bool) -> dict[str, int]:
+    """What ``prepare``'s process holds: the target (its head alone when capture engines compute the offline
+    cache), and its forward over the widest batch it runs itself."""
+    memory = _target_memory(recipe, target, world=1, zero=0, keep=0)
+    regenerated = _regeneration_batch_tokens(recipe)  # rows x (prompt + answer): a batch at its widest
+    # the offline cache's forward, a training batch at a time, unless capture engines run it
+    cached = _batch_tokens(recipe) if offline and not engine_runs_target(recipe) else 0
+    memory["target forward (widest batch)"] = _forward_bytes(max(cached, regenerated), target)
+    memory["KV cache (widest regen batch)"] = regenerated * _kv_bytes_per_token(target)
+    if regenerated and not _on_gpu(recipe):  # the hf backend generates through oneDNN's packed copies
+        memory["packed weight copies (regen)"] = packed_weight_bytes(target.model)
+    return memory
+
+
+def _train_memory(recipe: Recipe, target: Target, cluster: Cluster, draft: ResolvedDraft) -> tuple[dict[str, int], str]:
+    """What a training process holds, by part, and where the run goes."""
+    zero = configured_zero_stage(recipe.training)
+    mode = recipe.training.hidden_states
+    # counted first: a draft built on the target (Medusa-2's adapters) adds parameters of its own to it
+    memory = _target_memory(recipe, target, cluster.world, zero, keep=kept_target_layers(draft))
+    try:
+        footprint = draft_footprint(recipe, target, draft)
+    except DrafttrainError as err:
+        if "could not load draft model" not in str(err):
+            raise
+        raise DrafttrainError(f"{err} `drafttrain plan` takes a model this machine lacks by its config: "
+                              "--model-config NAME=CONFIG.json") from None
+    memory["draft weights (frozen)"] = footprint["frozen_bytes"]
+    memory.update(optimizer_bytes(footprint["trainable"], zero, cluster.world,
+                                  recipe.training.mixed_precision == "bf16"))
+    if zero:
+        memory["DeepSpeed gradient buckets"] = gradient_bucket_bytes(
+            recipe, footprint["trainable"], target.model.config.hidden_size)
+    memory["activations saved for backward"] = footprint["saved"]
+    memory["target outputs (taps, logits)"] = footprint["outputs"]
+    online = _forward_bytes(_batch_tokens(recipe), target) if mode == "online" else 0
+    memory["largest transient"] = max(footprint["transient"], online)
+    device = f"GPU ({_size(cluster.gpu_memory)})" if _on_gpu(recipe) and cluster.gpu_memory else \
+        ("GPU" if _on_gpu(recipe) else "CPU process")
+    source = "hidden states streamed" if mode == "stream" else f"{mode} hidden states"
+    if engine_runs_target(recipe):
+        source += f" {'from' if mode == 'stream' else 'captured by'} {recipe.capture.engine} servers"
+    where = f"{cluster.nodes} node(s) x {cluster.gpus} {device}" + (f", ZeRO-{zero}" if zero else "")
+    return memory, f"{where}, {source}"
+
+
+def _target_memory(recipe: Recipe, target: Target, world: int, zero: int, keep: int) -> dict[str, int]:
+    """The target's weights in a process: its head alone (and a draft's ``keep`` start layers) when capture engines
+    run its layers, as targets/partial.py loads it; under ZeRO-3 online, its shard and the two layers gathered at a
+    time; else all of them."""
+    if engine_runs_target(recipe):
+        layers = "" if not keep else " + last layer" if keep == 1 else f" + last {keep} layers"
+        return {f"target weights (head{layers})": head_bytes(target, keep)}
+    whole = sum(_nbytes(p) for p in target.model.parameters())
+    if zero != 3 or recipe.training.hidden_states != "online":
+        return {"target weights": whole}
+    # each layer is gathered whole for its forward, the next one prefetched meanwhile
+    layer = max(sum(_nbytes(p) for p in layer.parameters()) for layer in decoder_layers(target.model))
+    return {"target weights (ZeRO-3 shard)": whole // world, "target layers gathered (ZeRO-3)": 2 * layer}
+
+
+def head_bytes(target: Target, keep: int = 0) -> int:
+    """The bytes of what targets/partial.py loads: every parameter outside the decoder layers (a tied one once),
+    and the last ``keep`` layers whole."""
+    layers = decoder_layers(target.model)
+    absent = {id(p) for layer in layers[:len(layers) - keep] for p in layer.parameters()}
+    return sum(_nbytes(p) for p in target.model.parameters() if id(p) not in absent)
 
 
 def _forward_bytes(tokens: int, target: Target) -> int:
@@ -572,12 +631,15 @@ def _regeneration_batch_tokens(recipe: Recipe) -> int:
     return widest
 
 
-def _kv_bytes_per_token(target: Target) -> int:
-    """Keys and values of every layer for one token, in the target's dtype."""
+def _kv_bytes_per_token(target: Target, dtype: torch.dtype | None = None, tensor: int = 1, pipeline: int = 1) -> int:
+    """Keys and values of every layer for one token, in the target's dtype (or ``dtype``). Split over ``tensor`` x
+    ``pipeline`` ranks, one GPU's share: its stage's layers and its key/value heads (whole heads: with fewer heads
+    than ranks each is replicated)."""
     config = target.model.config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * target.model.dtype.itemsize
+    layers = math.ceil(config.num_hidden_layers / pipeline)
+    return 2 * layers * math.ceil(heads / tensor) * head_dim * (dtype or target.model.dtype).itemsize
 
 
 def _regenerated_rows(recipe: Recipe) -> int:
@@ -586,22 +648,23 @@ def _regenerated_rows(recipe: Recipe) -> int:
     return int((recipe.data.num_samples or 0) * share)
 
 
-def _free_disk(recipe: Recipe) -> int | None:
-
-    folder = RunFolder.of(recipe.output_dir).root
+def _free_disk(recipe: Recipe, folder: Path | None = None) -> int | None:
+    """Free space on the disk of ``folder`` (default: the run folder), or of its nearest existing parent."""
+    folder = folder or RunFolder.of(recipe.output_dir).root
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return shutil.disk_usage(folder).free if folder.exists() else None
 
 
-def check_fits(recipe: Recipe, stage: str) -> Plan | None:
-    """Run before ``train`` and ``prepare``: refuse, with the plan, a run that clearly cannot fit here."""
+def check_fits(recipe: Recipe, stage: str, draft: ResolvedDraft | None = None) -> Plan | None:
+    """Run before ``train`` and ``prepare``: refuse, with the plan, a run that clearly cannot fit here (``draft``:
+    the recipe's draft section resolved already)."""
     writes_cache = recipe.training.hidden_states == "offline"
     if os.environ.get(SKIP_ENV) == "1" or recipe.draft is None or (
             stage == "prepare" and not writes_cache and not _regeneration_batch_tokens(recipe)):
         return None
     try:
-        result = plan(recipe, stage=stage)
+        result = plan(recipe, stage=stage, draft=draft)
     except DrafttrainError:
         return None  # the stage itself reports a target or config it cannot read, with its own message
     except Exception as err:  # noqa: BLE001  (the plan advises; a planner bug must not stop the run itself)
@@ -611,3 +674,223 @@ def check_fits(recipe: Recipe, stage: str) -> Plan | None:
         raise DrafttrainError(f"this run cannot fit here; the plan:\n{result.render()}\n"
                               f"(set {SKIP_ENV}=1 to start anyway)")
     return result
+
+
+# ------------------------------------------------------------------------------------------------ the capture side
+
+# Bits a weight of a published quantized target takes as the engine holds it, its scales included: mxfp4 packs 32
+# values of 4 bits with one 8-bit scale; fp8 keeps a float32 scale per 128 x 128 block. Other methods are counted at
+# the served dtype, with a note.
+QUANTIZED_BITS = {"mxfp4": 4 + 8 / 32, "fp8": 8 + 32 / (128 * 128)}
+TOKEN_ID_BYTES = 8  # a captured file's token ids (int64 at most)
+MEASURE_THROUGHPUT = ("a short stream run of one training process against one server measures both: its "
+                      "metrics.jsonl logs stream/tokens_per_s_consumed (--train-throughput) and, while training "
+                      "waits, stream/tokens_per_s_delivered (--capture-throughput)")
+
+
+@dataclasses.dataclass
+class CapturePlan:
+    """The capture servers: memory per GPU of one server by part, the stream's window of files, and the tokens per
+    second the trainers consume against what the servers deliver."""
+    servers: int  # all of the run's capture servers
+    parallelism: str  # e.g. "TP8 x PP1 x DP1, expert parallel"
+    server_gpus: int  # GPUs one server takes
+    node_gpus: int | None  # GPUs a node has (None: not checked, the target runs on CPU)
+    memory: dict[str, int]  # per GPU of one server
+    budget: int | None  # what vLLM may take of one GPU: capture.gpu_memory_utilization x its memory
+    row_kv: int  # the KV cache and captured states of one row, per GPU
+    stream: bool  # training.hidden_states stream; else the servers fill the offline cache in prepare
+    capture_tokens: int  # tokens the servers prefill: the train split once, or once an epoch for a stream
+    trainers: int  # training processes
+    epochs: float = 1.0  # training.epochs
+    window_bytes: int | None = None  # a stream's files on the capture folder's disk, every process's window
+    disk_free: int | None = None
+    capture_rate: float | None = None  # one server's prefill tokens/s (--capture-throughput)
+    train_rate: float | None = None  # one training process's tokens/s (--train-throughput)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.memory.values())
+
+    @property
+    def gpus_fit(self) -> bool:
+        return self.node_gpus is None or self.server_gpus <= self.node_gpus
+
+    @property
+    def memory_fits(self) -> bool:
+        return self.budget is None or self.total <= self.budget
+
+    @property
+    def window_fits(self) -> bool:
+        return self.window_bytes is None or self.disk_free is None or self.window_bytes <= self.disk_free
+
+    @property
+    def window_clearly_too_big(self) -> bool:
+        return self.window_bytes is not None and self.disk_free is not None and SLACK * self.window_bytes > \
+            self.disk_free
+
+    @property
+    def needed(self) -> float | None:
+        """Tokens per second all training processes consume."""
+        return None if self.train_rate is None else self.train_rate * self.trainers
+
+    @property
+    def delivered(self) -> float | None:
+        """Tokens per second all servers deliver."""
+        return None if self.capture_rate is None else self.capture_rate * self.servers
+
+    @property
+    def keeps_up(self) -> bool:
+        return not self.stream or self.needed is None or self.delivered is None or self.delivered >= self.needed
+
+    @property
+    def fits(self) -> bool:
+        return self.gpus_fit and self.memory_fits and self.window_fits and self.keeps_up
+
+    def verdicts(self) -> dict:
+        return {"total": self.total, "needed": self.needed, "delivered": self.delivered, "gpus_fit": self.gpus_fit,
+                "memory_fits": self.memory_fits, "window_fits": self.window_fits, "keeps_up": self.keeps_up,
+                "fits": self.fits}
+
+    def render(self) -> list[str]:
+        node = "" if self.node_gpus is None else \
+            f", a node has {self.node_gpus}: {'fits' if self.gpus_fit else 'DOES NOT FIT'}"
+        lines = [f"capture servers: {self.servers} x vLLM at {self.parallelism}, {self.server_gpus} GPU(s) each{node}",
+                 "memory per GPU of a server:"]
+        lines += [f"  {name:<34} {_size(value):>10}" for name, value in self.memory.items()]
+        if self.budget is None:
+            lines.append(f"  {'total':<34} {_size(self.total):>10}   available unknown")
+        else:
+            rows = int((self.budget - self.total) // self.row_kv) + 1  # the total holds one row already
+            verdict = f"fits, KV cache for {rows:,} rows at once" if self.memory_fits else "DOES NOT FIT"
+            lines.append(f"  {'total':<34} {_size(self.total):>10}   vLLM may use {_size(self.budget)}: {verdict}")
+        if self.window_bytes is not None:
+            free = "unknown" if self.disk_free is None else _size(self.disk_free)
+            lines.append(f"stream window: {_size(self.window_bytes)} of files on the capture folder's disk "
+                         f"({self.trainers} process(es)), {free} free: {'fits' if self.window_fits else 'DOES NOT FIT'}")
+        return lines + self._throughput_lines()
+
+    def _throughput_lines(self) -> list[str]:
+        when = "once an epoch" if self.stream else "once, in prepare"
+        at = "" if not self.delivered else \
+            f", about {self.capture_tokens / self.delivered / 3600:.1f} h at the stated throughput"
+        lines = [f"capture: {self.capture_tokens:,} tokens prefilled ({when}){at}"]
+        need = "?" if self.needed is None else f"{self.trainers} x {self.train_rate:,.0f} = {self.needed:,.0f}"
+        if not self.stream:
+            lines += [] if self.delivered else ["  (give --capture-throughput for a time)"]
+            if self.needed:  # the servers are done before training starts: only its time to tell
+                trained = self.capture_tokens * self.epochs
+                lines.append(f"training from the cache: {trained:,.0f} tokens ({self.epochs:g} epochs) at {need} "
+                             f"tokens/s, about {trained / self.needed / 3600:.1f} h")
+            return lines
+        give = "?" if self.delivered is None else f"{self.servers} x {self.capture_rate:,.0f} = {self.delivered:,.0f}"
+        line = f"stream: the trainers consume {need} tokens/s, the servers deliver {give} tokens/s"
+        if self.needed is None or self.delivered is None:
+            missing = [flag for flag, value in (("--train-throughput", self.needed), ("--capture-throughput",
+                                                                                      self.delivered)) if value is None]
+            return lines + [f"{line}: give {' and '.join(missing)} to check that they keep up; {MEASURE_THROUGHPUT}"]
+        if self.keeps_up:
+            return lines + [f"{line}: keeps up ({self.delivered / self.needed:.2f} x what training consumes)"]
+        short = self.needed - self.delivered
+        return lines + [f"{line}: CANNOT KEEP UP, {short:,.0f} tokens/s short: the trainers would wait "
+                        f"{100 * short / self.needed:.0f}% of the time; {math.ceil(self.needed / self.capture_rate)} "
+                        "servers would keep up"]
+
+
+def capture_plan(recipe: Recipe, target: Target, needs: TargetNeeds, cluster: Cluster, tokens: int,
+                 capture_rate: float | None = None, train_rate: float | None = None) -> CapturePlan:
+    """The capture side of ``recipe``: its servers on nodes like the trainers' (``cluster.gpus`` GPUs of
+    ``cluster.gpu_memory`` each), the ``cluster.world`` training processes they feed."""
+    settings, on_gpu = recipe.capture, _on_gpu(recipe)
+    stream = recipe.training.hidden_states == "stream"
+    dtype = target.model.dtype if settings.dtype == "auto" else _DTYPES[settings.dtype]
+    length, taps = served_length(recipe), len(engine_layer_ids(needs, target.num_layers))
+    captured = taps * target.hidden_size * dtype.itemsize  # one token's states in a captured file
+    row_kv = length * (_kv_bytes_per_token(target, dtype, settings.tensor_parallel_size,
+                                           settings.pipeline_parallel_size) + captured)
+    weights, label, notes = server_weights(target.model, settings, dtype)
+    memory = {"runtime (CUDA context)": CUDA_CONTEXT if on_gpu else 0, label: weights,
+              "prefill activations, 1 row": _forward_bytes(length, target) // settings.tensor_parallel_size,
+              "KV cache + captured states, 1 row": row_kv}
+    parallelism = (f"TP{settings.tensor_parallel_size} x PP{settings.pipeline_parallel_size} x "
+                   f"DP{settings.data_parallel_size}" + (", expert parallel" if settings.expert_parallel else ""))
+    result = CapturePlan(
+        servers=len(settings.urls) or settings.servers * cluster.nodes, parallelism=parallelism,
+        server_gpus=settings.parallel_gpus, node_gpus=cluster.gpus if on_gpu else None,
+        memory={k: int(v) for k, v in memory.items() if v}, row_kv=row_kv, stream=stream,
+        budget=int(settings.gpu_memory_utilization * cluster.gpu_memory) if on_gpu and cluster.gpu_memory else None,
+        capture_tokens=int(tokens * (recipe.training.epochs if stream else 1)), trainers=cluster.world,
+        epochs=recipe.training.epochs,
+        capture_rate=capture_rate, train_rate=train_rate, notes=notes)
+    if stream:
+        per_row = (recipe.data.max_length if recipe.data else 2048) * (captured + TOKEN_ID_BYTES)
+        result.window_bytes = cluster.world * settings.window * recipe.training.batch_size * per_row
+        result.disk_free = cluster.disk_free if cluster.disk_free is not None else \
+            _free_disk(recipe, capture_folder(recipe))
+    if not settings.urls and on_gpu:
+        result.notes.append(f"the {settings.servers} capture server(s) started on each trainer node take "
+                            f"{settings.servers * settings.parallel_gpus} of its GPUs besides the trainers' own")
+    return result
+
+
+def server_weights(model: torch.nn.Module, settings, dtype: torch.dtype) -> tuple[int, str, list[str]]:
+    """One GPU's share of the target's weights in a capture server, at its heaviest pipeline stage: tensor x
+    pipeline parallelism splits every weight (the first stage holds the embeddings, the last the final norm and the
+    lm_head, a tied one a copy of its own); data parallelism replicates the model, except that with expert
+    parallelism the routed experts are split over tensor x data ranks instead (attention stays split over tensor
+    ranks alone). Returns the bytes, the line's name and notes."""
+    tp, pp, dp = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.data_parallel_size
+    bits, skip, notes = _quantization(model.config, dtype)
+    layers = decoder_layers(model)
+    sizes = [len(layers) // pp + (stage < len(layers) % pp) for stage in range(pp)]
+    stage_of = [stage for stage, count in enumerate(sizes) for _ in range(count)]
+    layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
+    experts = expert_parameter_names(model)
+    expert_split = tp * (dp if settings.expert_parallel else 1)
+    stages = [0.0] * pp
+    for name, p in model.named_parameters():
+        layer = layer_of.get(id(p))
+        stage = stage_of[layer] if layer is not None else (0 if id(p) in embedding else pp - 1)
+        stages[stage] += _served_bytes(name, p, layer is not None, dtype, bits, skip) / \
+            (expert_split if name in experts else tp)
+    head = model.get_output_embeddings()
+    if pp > 1 and head is not None:  # a head tied to the embeddings: the last stage holds its own copy
+        stages[-1] += sum(p.numel() * dtype.itemsize for p in head.parameters() if id(p) in embedding) / tp
+    if settings.expert_parallel and not experts:
+        notes.append("capture.expert_parallel: the target has no routed experts to split")
+    split = f", experts over {expert_split}" if experts and expert_split != tp else ""
+    return int(max(stages)), f"target weights (TP{tp} x PP{pp}{split})", notes
+
+
+def expert_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The routed experts' parameters: those under a module named ``experts`` or of a class named ``...Experts``,
+    as every MoE family in transformers builds them (shared experts are named otherwise, and split as dense)."""
+    roots = [name + "." for name, module in model.named_modules()
+             if name.rsplit(".", 1)[-1] == "experts" or type(module).__name__.endswith("Experts")]
+    return {name for name, _ in model.named_parameters() if any(name.startswith(root) for root in roots)}
+
+
+def _quantization(config, dtype: torch.dtype) -> tuple[float | None, tuple[str, ...], list[str]]:
+    """How a target published quantized is held: bits a quantized value takes, the module patterns left out, and
+    a note saying so (None: every weight at ``dtype``)."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return None, (), []
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method, kind = quant.get("quant_method"), str(dtype).removeprefix("torch.")
+    if method not in QUANTIZED_BITS:
+        return None, (), [f"the target's quantization_config ({method}) is not counted: its weights count at {kind}, "
+                          "more than the engine holds"]
+    skip = tuple(quant.get("modules_to_not_convert") or quant.get("ignored_layers") or ())
+    left = f"; {', '.join(skip)} at {kind}" if skip else ""
+    return QUANTIZED_BITS[method], skip, [f"capture server weights as published ({method}): the decoder layers' "
+                                          f"weight matrices at {QUANTIZED_BITS[method]:.3g} bits a value{left}"]
+
+
+def _served_bytes(name: str, param: torch.Tensor, in_layer: bool, dtype: torch.dtype, bits: float | None,
+                  skip: tuple[str, ...]) -> float:
+    quantized = bits is not None and in_layer and param.dim() >= 2 and not name.endswith("bias") and not any(
+        fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, pattern + ".*") for pattern in skip)
+    return param.numel() * (bits / 8 if quantized else dtype.itemsize)

@@ -7,7 +7,9 @@ Outputs in the run folder (drafttrain.runfolder):
     :func:`drafttrain.data.tokenize.build_tokenized_dataset`), and ``data/validation_prompts.jsonl``: the
     validation conversations' first user turns, on which checkpoints are chosen;
   * ``draft_vocab.safetensors`` when ``draft_vocab.enabled`` (see :mod:`drafttrain.data.vocab`);
-  * ``features/`` when ``training.hidden_states: offline``: what the draft kind needs from the target;
+  * ``features/`` when ``training.hidden_states: offline``: what the draft kind needs from the target (in
+    speculators' layout with ``training.cache_layout: speculators``, over a capture of speculators' with
+    ``training.cache_from``: drafttrain.sources.speculators);
   * ``prepare_summary.json``: every count (per source, regenerated, tokens, each skip reason, coverage).
 
 The recipe is validated in full before any work starts, and so are the things that would fail late (missing data
@@ -49,7 +51,8 @@ from drafttrain.data.tokenize import (
 )
 from drafttrain.data.traffic import ANSWER_WEIGHTS, redacted
 from drafttrain.data.vocab import DraftVocabKey, build_draft_vocab, dataset_coverage, save_draft_vocab
-from drafttrain.drafts.registry import check_vocabulary_choice, run_target_needs, saved_draft_ids
+from drafttrain.drafts.continuation import check_vocabulary_choice, run_target_needs
+from drafttrain.drafts.saved import saved_draft_ids
 from drafttrain.runfolder import DataManifest, RunFolder, RunLock, open_dataset, write_text_atomic
 from drafttrain.sources.cache import (
     cache_dtype,
@@ -61,8 +64,10 @@ from drafttrain.sources.cache import (
     write_shards,
 )
 from drafttrain.sources.choose import cache_source, process_target
+from drafttrain.sources.speculators import capture_files, layout_refusal
 from drafttrain.targets import Target, load_target, load_tokenizer
 from drafttrain.targets.loading import checked_model_dir, missing_model_message, target_name
+from drafttrain.targets.partial import load_shape
 from drafttrain.userfiles import remove, writing
 
 log = logging.getLogger(__name__)
@@ -402,10 +407,27 @@ def writes_features(recipe: Recipe) -> bool:
 
 
 def _feature_plan(recipe: Recipe, target: Target, fingerprint: str):
-    """What the offline cache stores for this recipe's kind, and how (the split's fingerprint, the dtype)."""
-    needs = run_target_needs(recipe.draft, target)
-    return needs, {"split_fingerprint": fingerprint, "dtype": cache_dtype(recipe.training.feature_dtype, target),
-                   "rows_per_shard": recipe.training.cache_shard_rows}
+    """What the offline cache stores for this recipe's kind, and how (the split's fingerprint, the dtype, the
+    layout)."""
+    needs, training = run_target_needs(recipe.draft, target), recipe.training
+    return needs, {"split_fingerprint": fingerprint, "dtype": cache_dtype(training.feature_dtype, target),
+                   "rows_per_shard": training.cache_shard_rows, "layout": training.written_layout,
+                   "cache_from": training.cache_from}
+
+
+def check_cache_layout(recipe: Recipe) -> None:
+    """A cache that cannot be written in speculators' layout (a teacher's top-k), or a capture of speculators' that
+    is not there, is refused before any work: the kind's needs from the target's shape alone (a target given with
+    an adapter is merged as it loads, so its refusal comes when the cache starts, still before any row)."""
+    training = recipe.training
+    if not writes_features(recipe) or training.written_layout != "speculators":
+        return
+    if training.cache_from is not None:
+        capture_files(training.cache_from)
+    if recipe.target.adapter is None:
+        refusal = layout_refusal(run_target_needs(recipe.draft, load_shape(recipe.target)))
+        if refusal:
+            raise DrafttrainError(refusal)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -592,6 +614,7 @@ def prepare(
         checked_model_dir(recipe.target, weights_required=False)
     if recipe.draft is not None:
         check_vocabulary_choice(recipe.draft, recipe.draft_vocab.enabled)
+    check_cache_layout(recipe)
     vocab_size = None
     if recipe.draft_vocab.enabled:
         vocab_size = target.vocab_size if target is not None else target_vocab_size_from_config(recipe)
@@ -675,14 +698,14 @@ def _prepare_launched(recipe: Recipe, state, limit: int | None, progress: bool) 
         needs, options = _feature_plan(recipe, target, DataManifest.read(run).train)
         settings = cache_settings(target, train_ds, needs, **options)
         if state.is_main_process:
-            start_cache(run.features, settings)
+            start_cache(run.features, settings, train_ds)
         state.wait_for_everyone()
         with cache_source(recipe, target, needs, train_ds, rank=state.process_index,
                           start=state.is_main_process, cache_argmax=settings["argmax"]) as source:
             written = write_shards(source, len(train_ds), run.features, settings, state.process_index,
-                                   state.num_processes, progress)
+                                   state.num_processes, progress, train=train_ds)
         log.info("rank %d wrote %d shards", state.process_index, written)
         state.wait_for_everyone()
         if state.is_main_process:
-            join_shards(run.features)
+            join_shards(run.features, train_ds)
     return result

@@ -124,10 +124,11 @@ def _checkpoint_side(args: argparse.Namespace, out: Path) -> Side:
     target_name = read_draft_config(checkpoint)["drafttrain"]["target"]["name"]
     target = load_target(target_name)
     drafter = load_drafter(checkpoint, target).eval()
-    formats = args.formats or [f for f in drafter.export_formats() if f in ("vllm", "speculators", "hf")]
+    codecs = codecs_of(type(drafter))
+    formats = args.formats or [f for f in drafter.export_formats() if "vllm" in codecs[f].engines]
     exports = {fmt: (export_draft(checkpoint, fmt, out / f"export-{fmt}", target, overwrite=True,
                                   verifier=str(target.source_dir) if fmt == "speculators" else None),
-                     codecs_of(type(drafter))[fmt].vllm_speculative_config(drafter)) for fmt in formats}
+                     _vllm_config(codecs[fmt].serving(drafter)["vllm"])) for fmt in formats}
     depth = min(args.depth, drafter.max_draft_depth(drafter.config) or args.depth)
     return Side(str(checkpoint), drafter.kind, target, target_name, drafter, {}, depth, exports)
 
@@ -142,7 +143,12 @@ def _model_folder_side(args: argparse.Namespace) -> Side:
     folder = Path(args.draft).resolve()
     draft = load_target(str(folder), role="draft model")
     return Side(str(folder), kind.kind, target, args.target, model_folder_proposer(), {"draft": draft}, args.depth,
-                {"hf": (folder, {"method": kind.engine_methods["vllm"]})})
+                {"hf": (folder, {"method": codecs_of(kind)["hf"].engines["vllm"]})})
+
+
+def _vllm_config(serving) -> dict:
+    """What vLLM's speculative config says of the method, from how the format's codec says vLLM serves it."""
+    return {"method": serving.method, **serving.options}
 
 
 def _ours(report) -> dict:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "drafttrain"
-LAYERS = ["foundation", "engines", "data", "targets", "sources", "drafts", "training", "decoding", "evaluation", "export", "serving", "commands",
+LAYERS = ["foundation", "engines", "data", "targets", "sources", "drafts", "training", "decoding", "evaluation", "export", "serving", "runs", "commands",
           "main"]
 FOUNDATION = {"drafttrain", "drafttrain.packages", "drafttrain.userfiles", "drafttrain.runfolder", "drafttrain.sampling", "drafttrain.cpu_linear",
               "drafttrain.progress"}

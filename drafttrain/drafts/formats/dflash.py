@@ -16,6 +16,7 @@ from drafttrain.targets import Target
 
 class Speculators(Codec):
     fmt = "speculators"
+    engines, names_verifier = {"vllm": "dflash"}, True
 
     def write(self, drafter: DFlashDrafter) -> Exported:
         config = drafter.checkpoint_config(export={"format": self.fmt})

@@ -13,6 +13,7 @@ from drafttrain.drafts.pard import PardDrafter
 
 class Hf(Codec):
     fmt = "hf"
+    engines = {"vllm": "draft_model"}
 
     def write(self, drafter: DraftModelDrafter) -> Exported:
         notes = ["trained on its draft vocabulary only (loss_vocab: draft): engines that draft from the whole "
@@ -26,9 +27,9 @@ class Hf(Codec):
 
 
 class PardHf(Hf):
-    def vllm_speculative_config(self, drafter: PardDrafter) -> dict[str, Any]:
+    def engine_options(self, drafter: PardDrafter, engine: str) -> dict[str, Any]:
         """vLLM 0.16 and later serve a PARD draft with parallel drafting (its mask token is ``pard_token``)."""
-        return {**super().vllm_speculative_config(drafter), "parallel_drafting": True}
+        return {"parallel_drafting": True}
 
 
 DRAFT_MODEL_CODECS = [Hf()]

@@ -16,6 +16,7 @@ from drafttrain.targets import Target
 class Interchange(Codec):
     def __init__(self, fmt: str):
         self.fmt = fmt
+        self.engines = {"vllm": "eagle"} if fmt == "vllm" else {"sglang": "EAGLE"}
 
     def write(self, drafter: EagleDrafter) -> Exported:
         """vLLM builds fc without a bias and reads ``bias`` as "every attention projection has one" (which it then

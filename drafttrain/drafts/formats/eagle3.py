@@ -50,6 +50,7 @@ class Interchange(Codec):
 
     def __init__(self, fmt: str):
         self.fmt = fmt
+        self.engines = {"vllm": "eagle3"} if fmt == "vllm" else {"sglang": "EAGLE3"}
 
     def refusal(self, drafter: Eagle3Drafter) -> str | None:
         # SGLang's EAGLE-3 reader is not known to read EAGLE-3.1's norms or a draft window: a file it would load
@@ -80,6 +81,7 @@ class Speculators(Codec):
     """speculators' Eagle3Speculator: a Llama layer config, ``layers.0.*``, the target's token embeddings."""
 
     fmt = "speculators"
+    engines, names_verifier = {"vllm": "eagle3"}, True
 
     def write(self, drafter: Eagle3Drafter) -> Exported:
         config, tensors = _export_start(drafter, self.fmt)
@@ -148,9 +150,9 @@ class PEagleSpeculators(Speculators):
         tensors[SPECULATORS_EMBEDDINGS][drafter.mask_token_id] = drafter.mask_embedding.detach().cpu()
         return tensors
 
-    def vllm_speculative_config(self, drafter: PEagleDrafter) -> dict:
+    def engine_options(self, drafter: PEagleDrafter, engine: str) -> dict:
         """vLLM serves a P-EAGLE head as EAGLE-3 with parallel drafting."""
-        return {**super().vllm_speculative_config(drafter), "parallel_drafting": True}
+        return {"parallel_drafting": True}
 
     def read_fields(self, config: dict) -> dict:
         return {"mask_token_id": config["mask_token_id"]}

@@ -17,6 +17,7 @@ MERGED_TARGET = "target"  # an export's adapted target, merged
 
 class Vllm(Codec):
     fmt = "vllm"
+    engines = {"vllm": "medusa"}
 
     def write(self, drafter: MedusaDrafter) -> Exported:
         """vLLM's Medusa layout is the checkpoint's (heads over the full vocabulary). A Medusa-2 draft brings its

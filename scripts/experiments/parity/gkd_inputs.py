@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from drafttrain.config import load_recipe
 from drafttrain.drafts import drafter_class
-from drafttrain.drafts.registry import resolved_section
+from drafttrain.drafts.continuation import resolved_section
 from drafttrain.runfolder import RunFolder, open_dataset
 from drafttrain.targets.loading import load_target
 

@@ -39,8 +39,14 @@ def install_command(module: str) -> str:
         spec = requirement.split(";")[0].strip()
         name = re.split(r"[<>=!~\[ ]", spec, maxsplit=1)[0]
         if name.lower().replace("_", "-") == distribution.lower().replace("_", "-") and "extra ==" not in requirement:
-            return f"pip install '{spec}'"
+            return f"pip install '{name}{_floor_first(spec[len(name):])}'"
     return f"pip install {distribution}"
+
+
+def _floor_first(specifiers: str) -> str:
+    """``<0.22,>=0.18`` (the order package metadata keeps) as ``>=0.18,<0.22``, the order people read a range in."""
+    parts = [p.strip() for p in specifiers.split(",") if p.strip()]
+    return ",".join(sorted(parts, key=lambda p: not p.startswith((">", "~", "=")))) if parts else ""
 
 
 def missing_message(module: str, why: str) -> str:

@@ -32,7 +32,10 @@ def test_every_package_the_product_uses_is_a_plain_dependency():
 
 def test_the_install_command_carries_our_own_pin():
     assert install_command("wandb") == "pip install 'wandb>=0.17'"
-    assert install_command("peft") == "pip install 'peft>=0.12'"
+    pins = {re.split(r"[<>=!~\[ ]", s, maxsplit=1)[0]: s.split("#")[0].strip() for s in
+            tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    assert install_command("peft") == f"pip install '{pins['peft']}'"  # floor and ceiling, as pyproject writes them
+    assert "<" in pins["peft"] and install_command("transformers") == f"pip install '{pins['transformers']}'"
 
 
 def _absent(monkeypatch, module: str) -> None:

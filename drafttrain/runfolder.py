@@ -7,7 +7,7 @@ Layout of ``<output_dir>/`` (``RunFolder``)::
     data/validation_prompts.jsonl                        held-out first turns        prepare
     data/manifest.json                                   what the splits were built from  prepare
     draft_vocab.safetensors                              d2t / t2d                   prepare
-    features/                                            offline target outputs      prepare
+    features/, features/validation/                      offline target outputs      prepare
     prepare_summary.json                                 every count of prepare      prepare
     metrics.jsonl, wandb_run_id                          training metrics            train
     checkpoints/step-NNNNNN/                             one checkpoint              train
@@ -20,6 +20,7 @@ Layout of ``<output_dir>/`` (``RunFolder``)::
     eval/                                                the final report                quickstart
     .drafttrain-run                                      drafttrain made this folder (RUN_MARKER)  prepare, train
     .drafttrain-lock                                     which process works in it now (RunLock)  prepare, train, export
+    .drafttrain-watch-lock                               which watcher measures its checkpoints   watch
 
 drafttrain writes and deletes only in folders it made: ``RunFolder.claim`` refuses an output_dir that is not one
 (the home folder, a source tree, a folder holding the recipe's data) before anything is written, and every
@@ -64,6 +65,7 @@ MANIFEST = "manifest.json"
 METRICS = "metrics.jsonl"  # the training log, one JSON object per line (appended)
 RUN_MARKER = ".drafttrain-run"  # written into a run folder when drafttrain makes it (or takes up an earlier one)
 LOCK_FILE = ".drafttrain-lock"  # RunLock's: the pid and start time of the process working in the run now
+WATCH_LOCK_FILE = ".drafttrain-watch-lock"  # the same for `drafttrain watch`, which works beside a trainer
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # What earlier drafttrain versions wrote into a run folder (before RUN_MARKER): such a folder is taken up, not refused
 # (regenerate's settings: a prepare stopped while the target answered, which a rerun resumes)
@@ -105,6 +107,11 @@ class RunFolder:
     @property
     def features(self) -> Path:
         return self.root / "features"
+
+    @property
+    def held_out_features(self) -> Path:
+        """The offline cache of the validation split: the held-out accuracy at each checkpoint reads it."""
+        return self.features / "validation"
 
     @property
     def summary(self) -> Path:
@@ -528,20 +535,21 @@ class RunLock:
     warning naming it. Re-entrant within a process. In a launch (``accelerate launch``: RANK is set) the first
     process, rank 0, holds it for all of them: the others take nothing and would not refuse each other."""
 
-    _held: ClassVar[dict[Path, int]] = {}  # folder -> depth, this process's locks
-    _files: ClassVar[dict[Path, int]] = {}  # folder -> the locked file's descriptor
+    _held: ClassVar[dict[Path, int]] = {}  # lock file -> depth, this process's locks
+    _files: ClassVar[dict[Path, int]] = {}  # lock file -> its descriptor
 
-    def __init__(self, root: str | Path, command: str):
-        self.root, self.command = Path(root).expanduser(), command
+    def __init__(self, root: str | Path, command: str, name: str = LOCK_FILE):
+        # ``name``: another lock file, for a process that works beside the one holding the run's (a watcher)
+        self.root, self.command, self.name = Path(root).expanduser(), command, name
 
     @property
     def path(self) -> Path:
-        return self.root / LOCK_FILE
+        return self.root / self.name
 
     def __enter__(self) -> "RunLock":
         if not first_of_launch():  # a launch's other ranks: rank 0 holds it for them
             return self
-        key = self.root.resolve()
+        key = self.path.resolve()
         if key not in self._held:
             self._files[key] = self._acquire()
         self._held[key] = self._held.get(key, 0) + 1
@@ -550,7 +558,7 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         if not first_of_launch():
             return
-        key = self.root.resolve()
+        key = self.path.resolve()
         self._held[key] -= 1
         if self._held[key] == 0:
             del self._held[key]

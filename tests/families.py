@@ -132,6 +132,61 @@ def noised(model: torch.nn.Module, scale: float) -> torch.nn.Module:
     return out
 
 
+
+# ------------------------------------------------------------------------------------ multi-token-prediction layers
+
+# the families whose published checkpoints ship an MTP layer (Kimi-K2 is DeepSeek-V3's layout), and the MoE and dense
+# Qwen3.5 both
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+# where the published checkpoints keep it: DeepSeek-V3 / GLM-4.5 as decoder layer L with its extras beside (and
+# copies of the embedding and lm_head, which nothing reads), the Qwens beside the model under mtp.*
+MTP_PARTS = {"layers": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "post_norm": "shared_head.norm"},
+             "mtp": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+                     "post_norm": "norm"}}
+
+
+def mtp_ready(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as transformers' MtpModel takes it: the Qwens' configs do not count their MTP layer (one, full
+    attention), and DeepSeek-V3 / GLM-4.5 find theirs at the published layer number (61, 46 or 92) unless told the
+    tiny one."""
+    config, layers = model.config, model.config.num_hidden_layers
+    if getattr(config, "num_mtp_layers", None) is None:
+        config.num_mtp_layers, config.mtp_layer_types = 1, ["full_attention"]
+    else:
+        model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layers}\..*"]
+    return model
+
+
+def save_with_native_mtp(model: torch.nn.Module, folder: Path, tokenizer, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Save ``model`` as a model folder whose checkpoint ships a random MTP layer under the published keys (its
+    experts one by one, as the published files hold them), built and written by transformers alone. Returns the
+    layer's state (transformers' MtpLayer names)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_layers import MtpModel
+
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    layers, beside = model.config.num_hidden_layers, getattr(model.config, "num_mtp_layers", None) is None
+    torch.manual_seed(seed)
+    layer = MtpModel(mtp_ready(model), 1).layers[0]
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, 0.2 if param.dim() < 2 else param.shape[-1] ** -0.5)
+    state = {name: value.detach().clone() for name, value in layer.state_dict().items()}
+    prefix, block = ("mtp.", "mtp.layers.0.") if beside else (f"model.layers.{layers}.",) * 2
+    native = revert_weight_conversion(model, {block + name.removeprefix("mtp_block."): value
+                                              for name, value in state.items() if name.startswith("mtp_block.")})
+    for part, name in MTP_PARTS["mtp" if beside else "layers"].items():
+        native[f"{prefix}{name}.weight"] = state[f"{part}.weight"]
+    if not beside:  # the copies DeepSeek-V3's checkpoint holds beside its MTP layer
+        native[f"{prefix}embed_tokens.weight"] = model.get_input_embeddings().weight
+        native[f"{prefix}shared_head.head.weight"] = model.get_output_embeddings().weight
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.update({name: value.detach().contiguous() for name, value in native.items()})
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return state
+
 # ---------------------------------------------------------------------------------------- published configs
 
 PUBLISHED = Path(__file__).parent / "published_configs"

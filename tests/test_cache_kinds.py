@@ -10,9 +10,8 @@ from families import CACHE_KIND, PUBLISHED_CACHE_KIND, family_model, published_m
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from drafttrain.targets.cache_kinds import kind_of, state_bytes
+from drafttrain.targets.cache_kinds import cache_bytes, kind_of
 from drafttrain.targets.family import text_config
-from drafttrain.targets.hidden import decoder_layers
 
 TOKENS = 24  # past every window of the matrices (8)
 
@@ -27,19 +26,15 @@ def held_bytes(layer) -> tuple[int, int]:
 
 
 def counted_and_held(model) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
-    config = text_config(model.config)
-    cache = DynamicCache(config=model.config)  # transformers' own cache, as plain decoding keeps it
+    """Per layer: what cache_bytes counts for a prompt of TOKENS, and what transformers' own cache (as plain decoding
+    keeps it) holds after it."""
+    cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(torch.arange(1, TOKENS + 1)[None], past_key_values=cache, use_cache=True)
-    types, kwargs = get_layer_types_and_kwargs(config)
-    rows, itemsize = [], next(model.parameters()).element_size()
-    for i, (layer_type, layer_kwargs, held) in enumerate(zip(types, kwargs, cache.layers)):
-        kind = kind_of(layer_type, config)
-        window = layer_kwargs.get("sliding_window")
-        positions = kind.held_positions(TOKENS, window - 1 if window else None) * kind.position_bytes(config, itemsize)
-        states = state_bytes(decoder_layers(model)[i], config, itemsize) if kind.states else 0
-        rows.append((f"{i}:{kind.name}", (positions, states), held_bytes(held)))
-    return rows
+    counted = cache_bytes(model, TOKENS, next(model.parameters()).element_size())
+    assert len(counted) == len(cache.layers)
+    return [(f"{i}:{kind}", (positions, states), held_bytes(held))
+            for i, ((kind, positions, states), held) in enumerate(zip(counted, cache.layers))]
 
 
 @pytest.mark.parametrize("family", list(CACHE_KIND))

@@ -54,10 +54,10 @@ def test_training_step_shapes_and_finite_loss(tiny_target, cfg):
 
 
 def test_eagle3_default_taps_are_inputs_of_layers_2_mid_and_L_minus_3(tiny_target):
-    from drafttrain.drafts.eagle3 import default_aux_layers
+    from drafttrain.drafts.taps import low_mid_high_taps
 
     assert build_drafter(Eagle3Config(), tiny_target).tap_layers == [2, 4, 5]
-    assert default_aux_layers(30) == [2, 15, 27] and default_aux_layers(6) == [2, 3]  # each layer once
+    assert low_mid_high_taps(30) == [2, 15, 27] and low_mid_high_taps(6) == [2, 3]  # each layer once
 
 
 @pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}, {"sliding_window": 6}],

@@ -87,8 +87,12 @@ def test_two_zero3_processes_train_from_an_engine_stream_then_export(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     streamed = [r for r in records if "stream/rows" in r]
     assert streamed and streamed[-1]["stream/rows"] > 0 and 0 <= streamed[-1]["stream/wait_share"] <= 1
-    for rank in (0, 1):  # every row file read was deleted: nothing left beyond the folder's marker
-        assert [p.name for p in (run / "capture" / f"rank{rank}").iterdir()] == [".drafttrain-capture"]
+    held = [r for r in records if "eval/val_acc_0" in r]  # each checkpoint's held-out rows streamed as well
+    assert [r["step"] for r in held] == [2, 4] and all(r["eval/sim_tau"] >= 1.0 for r in held)
+    for rank in (0, 1):  # every row file read was deleted: nothing left beyond the folders' markers
+        folder = run / "capture" / f"rank{rank}"
+        assert sorted(p.name for p in folder.iterdir()) == [".drafttrain-capture", "held-out"]
+        assert [p.name for p in (folder / "held-out").iterdir()] == [".drafttrain-capture"]
     out = tmp_path / "export"
     _drafttrain("export", str(run), "--format", "speculators", "--out", str(out))
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

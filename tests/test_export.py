@@ -9,7 +9,6 @@ numbering), SGLang adds 1 to explicit ids, both default to (2, L/2, L-3); vLLM's
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import torch
 from conftest import draft_vocab_file
 from safetensors.torch import load_file
+from speculators_venv import speculators_python
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain import DrafttrainError
@@ -452,12 +452,7 @@ def test_a_damaged_draft_model_or_adapter_folder_is_named_not_a_traceback(tmp_pa
         load_drafter(folder, tiny_target())
 
 
-SPECULATORS_PYTHON = os.environ.get("DRAFTTRAIN_SPECULATORS_PYTHON")
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not SPECULATORS_PYTHON, reason="no speculators install given: set DRAFTTRAIN_SPECULATORS_PYTHON to a "
-                    "Python with speculators==0.9.0 (its own venv, never a drafttrain dependency) to run this check")
 @pytest.mark.parametrize("config", [pytest.param(Eagle3Config(), id="eagle3"),
                                     pytest.param(DFlashConfig(num_layers=2, block_size=4), id="dflash"),
                                     pytest.param(Eagle3Config(parallel={"depths": 4}), id="peagle"),
@@ -473,7 +468,7 @@ def test_speculators_own_classes_load_the_export_and_draft_what_ours_does(tmp_pa
                 param.add_(torch.randn_like(param) * 0.02)
     checkpoint = drafter.save_pretrained(tmp_path / "checkpoint")
     script = Path(__file__).resolve().parents[1] / "scripts" / "tools" / "check_speculators_load.py"
-    done = subprocess.run([sys.executable, str(script), str(checkpoint), "--speculators-python", SPECULATORS_PYTHON,
+    done = subprocess.run([sys.executable, str(script), str(checkpoint), "--speculators-python", speculators_python(),
                            "--num-prompts", "1", "--max-new-tokens", "24", "--out", str(tmp_path / "check")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

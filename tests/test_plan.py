@@ -90,6 +90,7 @@ def test_the_planned_offline_cache_matches_the_written_one(tmp_path, capsys):
     ("eagle3_gpt_oss_120b.yaml", "openai--gpt-oss-120b.json", 1, 2 * 201088 * 2880 * 2 + 2880 * 2),
     ("dflash_llama3.1_8b.yaml", "meta-llama--Llama-3.1-8B-Instruct.json", 1, 8.03e9 * 2),
     ("dflash_qwen3_8b.yaml", "Qwen--Qwen3-8B.json", 1, 8.19e9 * 2),
+    ("mtp_qwen3_next_80b.yaml", "Qwen--Qwen3-Next-80B-A3B-Thinking.json", 1, 79.7e9 * 2 / 8),  # ZeRO-3: a shard
 ])
 def test_the_cluster_recipes_fit_their_clusters(recipe, config, nodes, target_bytes):
     cluster = Cluster(gpus=8, nodes=nodes, gpu_memory=80 * GIB, disk_free=4000 * GIB)  # the 70B cache: 1.8 TiB

@@ -33,7 +33,7 @@ def test_recipe_validates_and_its_local_files_exist(path, monkeypatch):
 
 def test_cluster_recipes_are_set_for_gpus_and_zero():
     for name in ("eagle3_llama3.1_8b.yaml", "eagle_llama70b.yaml", "medusa2_llama3.1_8b.yaml", "dflash_llama3.1_8b.yaml",
-                 "dflash_qwen3_8b.yaml"):
+                 "dflash_qwen3_8b.yaml", "mtp_qwen3_next_80b.yaml"):
         recipe = load_recipe(REPO / "recipes" / name)
         assert recipe.target.device == "cuda" and recipe.training.mixed_precision == "bf16"
         assert recipe.training.deepspeed

@@ -182,19 +182,23 @@ def test_resume_refuses_when_no_checkpoint_verifies_and_deletes_nothing(run, cap
 
 def test_a_resume_past_damaged_checkpoints_never_prunes_a_good_one_for_them(run, capsys):
     """Resume falls back from damaged steps 3 and 2 to step 1 and trains to step 2: pruning (keep_last 1) must keep
-    the step it just wrote, not the damaged step 3; the last line and `eval --draft RUN` must name that step."""
+    the step it just wrote and the best, not the damaged step 3; the last line names the step written, and `eval
+    --draft RUN` takes the best."""
     for step in (2, 3):
         flip_bytes(run / "run" / STEP.format(step) / "model.safetensors")
     code, out = drafttrain(capsys, "train", run / "recipe.yaml", "--resume", "--max-steps", "2",
                            "training.keep_last=1")
     assert code == 0, out
     assert f"checkpoint: {run / 'run' / STEP.format(2)}" in out
-    assert sorted(p.name for p in (run / "run" / "checkpoints").glob("step-*")) == [
-        "step-000002", "step-000002.damaged", "step-000003.damaged"]  # kept for inspection, never counted
+    # the best by the held-out prediction (never pruned) is a good step too, never a damaged one
+    best = json.loads((run / "run" / "checkpoints" / "best.json").read_text())["checkpoint"]
+    assert best in ("step-000001", "step-000002")
+    assert sorted(p.name for p in (run / "run" / "checkpoints").glob("step-*")) == sorted(
+        {"step-000002", best, "step-000002.damaged", "step-000003.damaged"})  # damaged: kept for inspection only
     code, out = drafttrain(capsys, *eval_args(run / "run", run / "eval"))
     assert code == 0, out
     report = json.loads((run / "eval" / "report.json").read_text())
-    assert report["config"]["draft"]["path"] == str(run / "run" / STEP.format(2))
+    assert report["config"]["draft"]["path"] == str(run / "run" / "checkpoints" / best)
 
 
 def test_a_damaged_train_split_names_the_stage_that_wrote_it(run, capsys):

@@ -12,7 +12,7 @@ import torch
 
 from drafttrain import DrafttrainError
 from drafttrain.config import TargetConfig
-from drafttrain.drafts.eagle3 import default_aux_layers
+from drafttrain.drafts.taps import low_mid_high_taps
 from drafttrain.targets import HiddenStateTap, load_target, load_tokenizer
 from drafttrain.targets.loading import builtin_gguf_path, resolve_model_dir
 
@@ -90,7 +90,7 @@ def test_chat_template_override_from_the_recipe(smollm2):
 
 def test_taps_equal_output_hidden_states(smollm2):
     ids = torch.tensor([[1, 2683, 359, 253, 5356]])
-    layers = default_aux_layers(smollm2.num_layers) + [smollm2.num_layers]
+    layers = low_mid_high_taps(smollm2.num_layers) + [smollm2.num_layers]
     assert layers == [2, 15, 27, 30]
     with torch.no_grad(), HiddenStateTap(smollm2.model, layers) as tap:
         reference = smollm2.model(ids, output_hidden_states=True).hidden_states

@@ -38,8 +38,9 @@ def records(path: Path) -> Iterator[wandb_internal_pb2.Record]:
             yield record
 
 
-def _items(items) -> dict[str, Any]:
-    """Items as a dict; a nested key (a logged table or image: ["eval/categories", "_type"]) as a nested dict."""
+def items_of(items) -> dict[str, Any]:
+    """Items as a dict (wandb writes a plain key as a key or as a one-part nested key); a longer nested key (a
+    logged table or image: ["eval/categories", "_type"]) as a nested dict."""
     out: dict[str, Any] = {}
     for item in items:
         keys = [item.key] if item.key else list(item.nested_key)
@@ -59,12 +60,12 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     for record in records(files[0]):
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            out["history"].append(_items(record.history.item))
+            out["history"].append(items_of(record.history.item))
         elif kind == "metric":
             out["metrics"].append(record.metric)
         elif kind == "artifact":
             out["artifacts"].append(record.artifact)
         elif kind in ("config", "run"):  # the run record carries the config given to wandb.init
             config = record.config if kind == "config" else record.run.config
-            out["config"].update(_items(config.update))
+            out["config"].update(items_of(config.update))
     return out

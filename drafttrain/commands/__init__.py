@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                    "drafttrain checkpoint"),
     "capture-server": ("drafttrain.commands.capture_server", "serve the target in vLLM as a capture server for a "
                                                              "recipe (its hidden states for training)"),
+    "watch": ("drafttrain.commands.watch", "measure a run's checkpoints in the serving engine as they are saved, "
+                                           "from other GPUs or another node"),
     "bench": ("drafttrain.commands.bench", "serve the target in vLLM plainly and with drafts, and sweep concurrency"),
     "push": ("drafttrain.commands.push", "upload an export to the Hugging Face Hub"),
     "report": ("drafttrain.commands.report", "draw a run's training and checkpoint curves as PNG files"),

@@ -7,7 +7,7 @@ from drafttrain.config.base import SETTING_ERROR, Section, needed_packages, posi
 from drafttrain.config.bench import BenchConfig
 from drafttrain.config.capture import CaptureConfig
 from drafttrain.config.data import DataConfig, RegenerateConfig, ReplayConfig, SourceConfig
-from drafttrain.config.decode import DecodeSettings, EvalConfig
+from drafttrain.config.decode import DecodeSettings, EngineEvalSettings, EvalConfig
 from drafttrain.config.draft import DraftConfig, DraftVocabConfig
 from drafttrain.config.errors import describe_errors, format_validation_error
 from drafttrain.config.kinds import (
@@ -36,7 +36,7 @@ from drafttrain.config.training import TrainingConfig
 
 __all__ = ["DRAFT_KINDS", "DRAFT_SECTIONS", "SETTING_ERROR", "BenchConfig", "CaptureConfig", "DFlashConfig", "DataConfig", "DecodeSettings",
            "DraftConfig", "DraftLora", "DraftModelConfig", "DraftSection", "DraftVocabConfig", "Eagle3Config",
-           "EagleConfig", "EvalConfig", "LoraSettings", "MedusaConfig", "ParallelDrafting", "Recipe", "RegenerateConfig",
+           "EagleConfig", "EngineEvalSettings", "EvalConfig", "LoraSettings", "MedusaConfig", "ParallelDrafting", "Recipe", "RegenerateConfig",
            "ReplayConfig", "Section", "SourceConfig", "StudentLora", "TargetConfig", "TargetLora", "TrainingConfig",
            "WandbConfig", "apply_overrides", "describe_errors", "format_validation_error", "load_recipe",
            "needed_packages", "parse_recipe", "positive_int", "register_draft_section", "setting_error",

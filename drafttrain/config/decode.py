@@ -153,6 +153,53 @@ class LookaheadSettings(Section):
             raise DrafttrainError(describe_errors(err, lambda loc: ".".join(map(str, loc)))) from None
 
 
+class EngineEvalSettings(Section):
+    """How the serving engine measures checkpoints (``eval.engine: vllm``) and serves the consistency gate
+    (``eval.gate``): where it runs, its parallelism (vLLM's own flags, as the capture section's), what it computes in,
+    and what it is sent. The engine runs from its own Python, never as a drafttrain dependency."""
+
+    # a Python with vLLM installed (its own venv); None: $DRAFTTRAIN_VLLM_PYTHON
+    python: str | None = None
+    # true: `drafttrain train` measures each checkpoint as it is saved (training waits, the engine starts and stops
+    # on this node's GPUs beside training); false: `drafttrain watch RECIPE` measures them, on other GPUs or nodes
+    inline: bool = True
+    tensor_parallel_size: int = Field(1, gt=0)  # vLLM's --tensor-parallel-size
+    pipeline_parallel_size: int = Field(1, gt=0)  # vLLM's --pipeline-parallel-size
+    data_parallel_size: int = Field(1, gt=0)  # vLLM's --data-parallel-size
+    expert_parallel: bool = False  # vLLM's --enable-expert-parallel (MoE targets)
+    # the dtype the engine computes in; auto: the recipe's target.dtype (float32 on a CPU, as drafttrain's evaluator,
+    # so the agreement of the two compares like with like)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # the share of each GPU's memory (on a CPU: of RAM, for KV cache) its two servers, the target plain and with the
+    # draft, take together
+    memory_fraction: float = Field(0.2, gt=0, le=1)
+    port: int = Field(8300, gt=0, lt=65535)  # the plain server's port; the draft's server takes the next one
+    server_args: list[str] = []  # passed to both servers as they are (--enforce-eager, --max-model-len 4096, ...)
+    startup_timeout_s: float = Field(1800.0, gt=0)  # a large target loads for minutes
+    # held-out prompts sent one at a time (the first turns of data/validation_prompts.jsonl, never eval.suite's)
+    num_prompts: int = Field(8, gt=0)
+    max_new_tokens: int = Field(128, gt=0)  # per prompt
+    # draft tokens per step the engine is served with (a chain); None: eval.depth, fitted to the draft
+    num_speculative_tokens: int | None = Field(None, gt=0)
+    # the export format the engine serves (one of the draft kind's codecs); None: the first format the draft is
+    # written in that the engine reads
+    format: str | None = None
+    # the engine's τ and drafttrain's evaluator's on the same prompts may differ by this much (a near-tie broken the
+    # other way by the engine's kernels); beyond it the checkpoint's record names the disagreement
+    agreement_tolerance: float = Field(0.03, ge=0)
+    gate_steps: int = Field(40, gt=0)  # the gate: optimizer steps overfitting the draft on its one row
+    gate_learning_rate: float = Field(3e-3, gt=0)  # the gate's optimizer's learning rate (AdamW)
+    gate_max_new_tokens: int = Field(48, gt=0)  # the gate row's answer: the plain server's greedy continuation
+    # the gate stops the run when the engine's accepted tokens per step on the row differ from what the overfit
+    # head predicts by more than this share of the prediction
+    gate_tolerance: float = Field(0.3, gt=0, lt=1)
+
+    @property
+    def parallel_gpus(self) -> int:
+        """GPUs one server takes."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+
 class EvalConfig(DecodeSettings):
     """The recipe's eval section: the prompts, and how to decode them."""
 
@@ -170,3 +217,13 @@ class EvalConfig(DecodeSettings):
     # a checkpoint evaluation during training starts no new prompt after this many minutes, and says it ran over
     # (on a busy machine a few prompts can take much longer than the training between checkpoints); None: no budget
     checkpoint_budget_minutes: float | None = Field(5.0, gt=0)
+    # the serving engine that measures every checkpoint's acceptance (exported through its kind's codec, served
+    # beside the target on held-out prompts, against plain serving); none: drafttrain's own evaluator alone
+    # (every_checkpoint). Where the target is not whole in the training process (ZeRO-3, capture engines) only the
+    # engine measures real acceptance
+    engine: Literal["none", "vllm"] = "none"
+    # how the engine runs and what it is sent, for eval.engine and the gate
+    engine_settings: EngineEvalSettings = EngineEvalSettings()
+    # before training, overfit the draft on one row, serve it in the engine and stop the run when the engine's
+    # acceptance on that row is not what the head predicts (`drafttrain train --gate` sets it)
+    gate: bool = False

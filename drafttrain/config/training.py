@@ -53,16 +53,16 @@ class TrainingConfig(Section):
     max_grad_norm: float = Field(0.5, gt=0)  # gradients clipped to this norm
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # bf16 or fp16 autocast (no: float32)
     deepspeed: str | None = None  # path to a DeepSpeed JSON config
-
-    def packages(self) -> list[tuple[str, str]]:
-        return [("deepspeed", "deepspeed")] if self.deepspeed is not None else []
     save_every: int = Field(100, gt=0)  # a checkpoint every this many steps (and at the end)
     keep_last: int = Field(2, gt=0)  # checkpoints kept besides the best
-    # Eval metric (returned by the on_checkpoint callbacks) whose highest-scoring checkpoint is kept as "best"
-    # and never pruned; None: no best tracking.
+    # Eval metric whose highest-scoring checkpoint is kept as "best" and never pruned; None: real τ when
+    # checkpoints are decoded, else the held-out accuracy's sim_tau (no validation split: no best tracking).
     best_metric: str | None = None
     log_every: int = Field(10, gt=0)  # a metrics record every this many steps
     num_workers: int = Field(0, ge=0)  # data loader worker processes
+
+    def packages(self) -> list[tuple[str, str]]:
+        return [("deepspeed", "deepspeed")] if self.deepspeed is not None else []
 
     @property
     def written_layout(self) -> str:

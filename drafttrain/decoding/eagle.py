@@ -39,7 +39,7 @@ class EagleProposer(TreeDrafter):
     @torch.no_grad()
     def _consume(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         positions = torch.arange(self.length, self.length + tokens.shape[1], device=self.device).unsqueeze(0)
-        out, logits = self.head.step(hidden.to(self.head.fc.weight.dtype), tokens, positions, self.caches)
+        out, logits = self.head.step(hidden.to(self.head.feature_dtype), tokens, positions, self.caches)
         self.length += tokens.shape[1]
         self.root_hidden, self.root_logits = out[:, -1:], logits[0, -1]
 

@@ -28,6 +28,7 @@ from drafttrain.decoding.verify import (
 )
 from drafttrain.sampling import Sampling, probabilities
 from drafttrain.targets import HiddenStateTap, Target, TargetCache, synchronize
+from drafttrain.targets.cache import tree_refusal
 
 
 @dataclasses.dataclass
@@ -103,10 +104,10 @@ class SpeculativeDecoder:
             )
         side = self.proposer.side_tokens
         if not isinstance(self.shape, Chain) or side:  # tree masks, which a recurrent target refuses (targets.cache)
-            probe = TargetCache(self.model)
-            if not probe.supports_trees:
-                why = (f"run the {self.proposer.name} proposer's own tokens beside its draft", "Use another proposer")
-                raise DrafttrainError(probe.tree_refusal(*why) if side else probe.tree_refusal())
+            why = (f"run the {self.proposer.name} proposer's own tokens beside its draft", "Use another proposer")
+            refusal = tree_refusal(self.model, *why) if side else tree_refusal(self.model)
+            if refusal:
+                raise DrafttrainError(refusal)
         limit = self.proposer.max_depth
         if limit is not None and self.shape.depth > limit:
             raise DrafttrainError(f"a draft of depth {self.shape.depth} is deeper than proposer "

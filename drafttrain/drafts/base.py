@@ -6,9 +6,9 @@
 * ``trainable_target_parameters``: which target parameters it trains (none: the frozen target is the default);
 * ``training_step``: its loss (built from drafttrain.drafts.losses);
 * ``proposer``: the decoding proposer that serves it (drafttrain.decoding, by name);
-* ``formats``, ``exported`` and ``imported``: the serving formats it can be written in (vllm, sglang,
-  speculators, hf), what it looks like in each, and the way back (so an export loads and evaluates like the
-  checkpoint it came from). drafttrain.export writes the files.
+* its codecs (drafttrain.drafts.formats, one module per kind, registered beside it): the serving formats it can
+  be written in (vllm, sglang, speculators, hf), what it looks like in each, the way back (so an export loads and
+  evaluates like the checkpoint it came from), and the engines that serve each. drafttrain.export writes the files.
 
 The trainer, ``prepare``, checkpoint evaluation and the evaluator only ever talk to a kind through this class.
 A draft never registers the target's weights as its own: it references the target (``attach_target``), so the

@@ -107,6 +107,11 @@ class ForeignReader:
         """The format of a config it recognises."""
         return self.fmt
 
+    def folder_tensors(self, source: Path, config: dict[str, Any], target: Target) -> tuple[Tensors, Path] | None:
+        """The draft's tensors when they sit among a whole model's weights (a model folder that ships its own draft,
+        sharded or not), and the file that identifies them; None (here): the folder's model.safetensors is the draft."""
+        return None
+
     def read_foreign(self, config: dict[str, Any], tensors: Tensors, target: Target) \
             -> tuple[DraftConfig, dict[str, Any], Tensors, list[str]]:
         """The foreign draft as the kind's (draft section, checkpoint config without the ``drafttrain`` section,

@@ -39,13 +39,13 @@ from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, t
 from drafttrain.drafts import losses
 from drafttrain.drafts.base import Drafter, StepOutput, read_draft_config, saved_section, top1_hits
 from drafttrain.drafts.codecs import SPECULATORS_VERSION
-from drafttrain.drafts.eagle3 import check_aux_layers, default_aux_layers
 from drafttrain.drafts.layers import (
     LayerCache,
     llama_config_like,
     resolve_mask_token,
     rope,
 )
+from drafttrain.drafts.taps import check_taps, low_mid_high_taps
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder_layers, final_norm_scale
@@ -189,7 +189,7 @@ class DFlashDrafter(Drafter):
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
     def aux_layers(cls, config: DFlashConfig, num_layers: int) -> list[int]:
-        return check_aux_layers(config.layers or default_aux_layers(num_layers), num_layers)
+        return check_taps(config.layers or low_mid_high_taps(num_layers), num_layers)
 
     @classmethod
     def target_needs(cls, config: DFlashConfig, target: Target) -> TargetNeeds:
@@ -250,7 +250,7 @@ class DFlashDrafter(Drafter):
                                   f"hidden {layer['hidden_size']}; this target has {target.vocab_size} and "
                                   f"{target.hidden_size}")
         cfg = saved_section(DFlashConfig, config)
-        ids = check_aux_layers(config["aux_hidden_state_layer_ids"], target.num_layers)
+        ids = check_taps(config["aux_hidden_state_layer_ids"], target.num_layers)
         layer_config = llama_config_like(target.config, intermediate_size=layer["intermediate_size"],
                                          num_hidden_layers=cfg.num_layers)
         n = config["draft_vocab_size"]
@@ -404,7 +404,7 @@ class DFlashDrafter(Drafter):
             metrics["mean_weight"] = float(weights.sum() / mask.sum().clamp(min=1.0))
         return StepOutput(loss=loss, metrics=metrics, correct=correct, counted=counted)
 
-    # -- save (its formats: drafttrain.drafts.formats.dflash) ------------------------------------------------
+    # -- save (its codecs: drafttrain.drafts.formats.dflash)  ------------------------------------------------
     def layer_fields(self) -> dict:
         """transformer_layer_config: the draft layers as Qwen3 layers (q/k norms), as speculators and vLLM build them."""
         c = self.layer_config

@@ -70,8 +70,7 @@ class EagleDrafter(EagleHead):
     def interchange_config(self) -> dict:
         return {"architectures": ["EagleLlamaForCausalLM"], **self.llama_fields(), "bias": True}
 
-    # -- export (its formats: drafttrain.drafts.formats.eagle) -----------------------------------------------
-    formats = ("vllm", "sglang")
+    # -- export (its codecs: drafttrain.drafts.formats.eagle) ------------------------------------------------
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.model.get_output_embeddings()(hidden)

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from drafttrain import DrafttrainError
 from drafttrain.config import Eagle3Config
 from drafttrain.data.vocab import draft_ids, draft_vocab_for, target_to_draft, to_target_vocab
 from drafttrain.drafts import losses
@@ -24,27 +23,11 @@ from drafttrain.drafts.layers import (
     llama_config_like,
     shift_left,
 )
+from drafttrain.drafts.taps import check_taps, low_mid_high_taps
 from drafttrain.runfolder import RunFolder
 from drafttrain.targets import Target
 from drafttrain.targets.hidden import final_norm_scale
 from drafttrain.targets.outputs import TargetNeeds, TargetOutputs, rows_and_argmax
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high taps: the inputs of layers 2, L/2 and L-3 (vLLM's and SpecForge's default), each
-    once (a shallow target can map two of them to one layer)."""
-    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
-
-
-def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
-    """The taps as vLLM and SGLang read them: ascending, unique, each the input of a real layer (< L)."""
-    if layers != sorted(set(layers)) or any(not 0 <= i < num_layers for i in layers):
-        raise DrafttrainError(
-            f"EAGLE-3 aux layer ids {layers} must be ascending, unique and in 0..{num_layers - 1} for this "
-            f"{num_layers}-layer target (i = the input of layer i; the final output is not a tap): serving engines "
-            "collect the taps in layer order and never the final output"
-        )
-    return list(layers)
 
 
 class Eagle3Drafter(EagleHead):
@@ -74,7 +57,7 @@ class Eagle3Drafter(EagleHead):
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
     def aux_layers(cls, config: Eagle3Config, num_layers: int) -> list[int]:
-        return check_aux_layers(config.layers or default_aux_layers(num_layers), num_layers)
+        return check_taps(config.layers or low_mid_high_taps(num_layers), num_layers)
 
     @classmethod
     def target_needs(cls, config: Eagle3Config, target: Target) -> TargetNeeds:
@@ -137,7 +120,7 @@ class Eagle3Drafter(EagleHead):
     def from_pretrained(cls, directory, target: Target, config: dict | None = None) -> "Eagle3Drafter":
         config = cls.read_checked_config(directory, target, config)
         cfg = saved_section(Eagle3Config, config)
-        layer_ids = check_aux_layers(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers)
+        layer_ids = check_taps(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers)
         n = config["draft_vocab_size"]
         layer_config = llama_config_like(target.config, intermediate_size=config["intermediate_size"],
                                          sliding_window=cfg.sliding_window)

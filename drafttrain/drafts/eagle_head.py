@@ -23,6 +23,11 @@ class EagleHead(Drafter):
         """The target hidden states the proposer feeds the head at decode time, concatenated in this order."""
         return list(self.layer_ids)
 
+    @property
+    def feature_dtype(self) -> torch.dtype:
+        """What the head computes in: the proposer hands it the target's hidden states in this dtype."""
+        return self.fc.weight.dtype
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.target.model.get_input_embeddings()(input_ids)
 

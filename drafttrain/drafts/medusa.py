@@ -154,7 +154,7 @@ class MedusaDrafter(Drafter):
                 "vocab_size": v, "num_heads": self.config.num_heads, "num_hidden_layers": self.config.num_layers,
                 "medusa_fc_bias": True, "truncated_vocab_size": n if n < v else None}
 
-    # -- save (its formats: drafttrain.drafts.formats.medusa) ------------------------------------------------
+    # -- save (its codecs: drafttrain.drafts.formats.medusa)  ------------------------------------------------
     def save_pretrained(self, directory, **meta) -> Path:
         directory = super().save_pretrained(directory, **meta)
         if self.adapts_target:

@@ -27,8 +27,6 @@ __all__ = ["PEagleDrafter", "ParallelMask", "Rollouts", "cod_rollouts", "paralle
 
 
 class PEagleDrafter(Eagle3Drafter):
-    parallel = True  # several draft tokens per forward (what a caller may ask; nothing in drafttrain branches on it)
-
     @classmethod
     def serves(cls, config: Eagle3Config) -> bool:
         return config.parallel is not None

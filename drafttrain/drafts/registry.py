@@ -19,7 +19,9 @@ from drafttrain.drafts.formats import draft_model as draft_model_formats
 from drafttrain.drafts.formats import eagle as eagle_formats
 from drafttrain.drafts.formats import eagle3 as eagle3_formats
 from drafttrain.drafts.formats import medusa as medusa_formats
+from drafttrain.drafts.formats import mtp as mtp_formats
 from drafttrain.drafts.medusa import MedusaDrafter
+from drafttrain.drafts.mtp import MtpDrafter
 from drafttrain.drafts.pard import PardDrafter
 from drafttrain.drafts.peagle import PEagleDrafter
 from drafttrain.runfolder import (
@@ -106,6 +108,7 @@ BUILTIN_KINDS = (
                 ((DraftModelDrafter, draft_model_formats.DRAFT_MODEL_CODECS, []),
                  (PardDrafter, draft_model_formats.PARD_CODECS, []))),
     BuiltinKind(DFlashDrafter, (), ((DFlashDrafter, dflash_formats.DFLASH_CODECS, dflash_formats.DFLASH_READERS),)),
+    BuiltinKind(MtpDrafter, (), ((MtpDrafter, mtp_formats.MTP_CODECS, mtp_formats.MTP_READERS),)),
 )
 for _builtin in BUILTIN_KINDS:
     _builtin.register()

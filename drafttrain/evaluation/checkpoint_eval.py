@@ -1,7 +1,7 @@
 """Evaluation at every checkpoint, to keep the best one.
 
-Two measures: the held-out accuracy at each draft position (and the τ it predicts) on validation rows, and a real
-τ / speedup from the evaluator, against plain decoding in the same run. The real τ is measured on the first turns
+A real τ / speedup from the evaluator, against plain decoding in the same run (the held-out accuracy at each draft
+position, and the τ it predicts, is every run's: training/held_out.py, in the sharded forward). The real τ is measured on the first turns
 of the run's *validation* conversations (``data/validation_prompts.jsonl``, written by prepare), never on the
 suite the final report uses (``eval.suite``): a checkpoint chosen on the prompts it is then reported on would be
 reported too well. Prompts that also occur in the reported suite are left out of the selection slice.
@@ -12,6 +12,7 @@ outputs it declares, and the evaluator serves the draft with the proposer its ki
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +25,6 @@ from drafttrain.data.chat import prompt_ids, stop_token_ids
 from drafttrain.decoding import plain_decode
 from drafttrain.decoding.trees import check_tree_depth, tree_of
 from drafttrain.drafts import drafter_for, load_drafter
-from drafttrain.drafts.base import add_positions, simulated_tau
 from drafttrain.drafts.layers import shift_left
 from drafttrain.drafts.losses import cross_entropy
 from drafttrain.evaluation.evaluate import EvalReport, evaluate
@@ -32,10 +32,14 @@ from drafttrain.evaluation.report import write_report
 from drafttrain.evaluation.sides import Compared
 from drafttrain.evaluation.suites import Suite, load_suite, served_kind, without_reported
 from drafttrain.runfolder import EVAL_DIR, RunFolder
+from drafttrain.sources.choose import HeldOut
+from drafttrain.sources.hf import HFForward
 from drafttrain.targets import Target, TargetNeeds
 from drafttrain.targets.outputs import run_target
+from drafttrain.training.held_out import held_out_accuracy
 from drafttrain.training.loader import ROW_INDEX, pad_collate, to_device
 from drafttrain.training.run_log import CheckpointMetrics
+from drafttrain.training.trainer import TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,9 @@ def check_eval_shape(recipe: Recipe) -> None:
                               f"{recipe.eval.depth}) is deeper than this {recipe.draft.kind} draft can fill ({limit})")
 
 
-def selection_prompts(recipe: Recipe) -> Suite | None:
-    """The held-out prompts a checkpoint is chosen on: validation first turns not in the reported suite."""
+def selection_prompts(recipe: Recipe, num_prompts: int | None = None) -> Suite | None:
+    """The held-out prompts a checkpoint is chosen on: validation first turns not in the reported suite (the first
+    ``num_prompts``, default eval.num_prompts, taken a category at a time)."""
     path = RunFolder.of(recipe.output_dir).validation_prompts
     if not path.is_file():
         return None
@@ -90,7 +95,7 @@ def selection_prompts(recipe: Recipe) -> Suite | None:
                     len(candidates.questions) - len(kept.questions), recipe.eval.suite)
     if not kept.questions:
         return None
-    return kept.select(num_prompts=recipe.eval.num_prompts, turns="1")
+    return kept.select(num_prompts=num_prompts or recipe.eval.num_prompts, turns="1")
 
 
 class CheckpointEvaluator:
@@ -136,11 +141,6 @@ class CheckpointEvaluator:
         drafter = load_drafter(checkpoint, self.target).eval()
         metrics: dict[str, float] = {}
         measured = CheckpointMetrics(metrics)
-        if self.validation is not None and len(self.validation):
-            accs, measures = held_out(drafter, self.target, self.validation)
-            metrics["sim_tau"] = simulated_tau(accs)
-            metrics.update({f"val_acc_{i}": a for i, a in enumerate(accs)})
-            metrics.update({f"val_{name}": value for name, value in measures.items()})
         if drafter.adapts_target:
             metrics.update(self.target_drift(drafter))
         if self.questions is not None:
@@ -160,20 +160,27 @@ def row_batch(rows, row: int, device: torch.device) -> dict[str, torch.Tensor]:
     return to_device(pad_collate([{**rows[row], ROW_INDEX: row}]), device)
 
 
+@dataclasses.dataclass(frozen=True)
+class OneProcess:
+    """What the held-out measure asks of an accelerator, for a draft measured in one process."""
+
+    device: torch.device
+    process_index: int = 0
+    num_processes: int = 1
+
+
 @torch.no_grad()
 def held_out(drafter, target: Target, rows) -> tuple[list[float], dict[str, float]]:
-    """On held-out ``rows`` (tokenised rows, a dataset): per draft position, the share of trainable tokens where the
-    draft's top-1 is the target's; and each per-token measure the kind reports (a draft model's β = 1 - TVD), over
-    all the rows' tokens."""
-    needs, correct, counted, sums = drafter.held_out_needs(), [], [], {}
-    for row in range(len(rows)):
-        batch = row_batch(rows, row, target.device)
-        out = drafter.training_step(batch, run_target(target, batch, needs))
-        correct, counted = add_positions(correct, out.correct), add_positions(counted, out.counted)
-        for name, (total, weight) in out.measures.items():
-            sums[name] = [a + b for a, b in zip(sums.get(name, (0.0, 0.0)), (total, weight))]
-    accuracies = [c / n if n else 0.0 for c, n in zip(correct, counted)]
-    return accuracies, {name: total / weight for name, (total, weight) in sums.items() if weight}
+    """On held-out ``rows`` (tokenised rows, a dataset), in this process: per draft position, the share of trainable
+    tokens where the draft's top-1 is the target's; and each per-token measure the kind reports (a draft model's
+    β = 1 - TVD), over all the rows' tokens (training/held_out.py, which training runs in its sharded forward)."""
+    source = HFForward(target, drafter.held_out_needs())
+    figures = held_out_accuracy(TrainStep(drafter, target, source), HeldOut(rows, source), OneProcess(target.device),
+                                pad_id=0)
+    accuracies = [figures[f"val_acc_{i}"] for i in range(sum(k.startswith("val_acc_") for k in figures))]
+    measures = {k.removeprefix("val_"): v for k, v in figures.items()
+                if k.startswith("val_") and not k.startswith("val_acc_") and k != "val_loss"}
+    return accuracies, measures
 
 
 def dashboard_metrics(report: EvalReport, plot: Path | None = None) -> CheckpointMetrics:

@@ -1,5 +1,6 @@
 """A run's curves as PNG files, without wandb (``drafttrain report RUN``): training loss and accuracy per draft
-position, acceptance per position over checkpoints, and τ (measured and simulated) over checkpoints."""
+position, acceptance and held-out accuracy per position over checkpoints, and τ over checkpoints (drafttrain's
+evaluator's, the serving engine's, and the one held-out accuracy predicts)."""
 
 from __future__ import annotations
 
@@ -51,21 +52,29 @@ def plot_training(records: list[dict[str, Any]], path: Path) -> None:
     save_figure(fig, path, dpi=110)
 
 
+TAUS = (("eval/tau", "τ, drafttrain's evaluator", "o"), ("eval/engine_tau", "τ in vLLM (its counters)", "s"),
+        ("eval/agreement_drafttrain_tau", "τ, drafttrain's evaluator on vLLM's prompts", "x"),
+        ("eval/sim_tau", "τ predicted by held-out accuracy", "^"))
+
+
 def plot_checkpoints(evals: list[dict[str, Any]], path: Path) -> None:
+    """Left: acceptance per position (drafttrain's evaluator: P(k | k-1); vLLM: the share of drafts whose k-th token
+    was accepted) and the held-out top-1 accuracy per position, dashed. Right: every τ measured or predicted."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    conditional = _numbered(evals, r"eval/acceptance_cond_(\d+)")
-    for k, points in conditional.items():
-        left.plot(*zip(*points), marker="o", label=f"position {k}")
-    for k, points in _numbered(evals, r"eval/val_acc_(\d+)").items() if not conditional else ():
-        left.plot(*zip(*points), marker="o", linestyle="--", label=f"held-out top-1, position {k + 1}")
-    left.set_title("acceptance per position over checkpoints" if conditional else
+    measured = {**{f"drafttrain, position {k}": p for k, p in _numbered(evals, r"eval/acceptance_cond_(\d+)").items()},
+                **{f"vLLM, position {k}": p for k, p in _numbered(evals, r"eval/engine_acceptance_(\d+)").items()}}
+    for label, points in measured.items():
+        left.plot(*zip(*points), marker="o", label=label)
+    for k, points in _numbered(evals, r"eval/val_acc_(\d+)").items():
+        left.plot(*zip(*points), marker=".", linestyle="--", label=f"held-out top-1, position {k + 1}")
+    left.set_title("acceptance and held-out accuracy per position" if measured else
                    "held-out accuracy per position over checkpoints")
     left.set_ylim(0, 1)
-    for key, label in (("eval/tau", "τ measured"), ("eval/sim_tau", "τ simulated from held-out accuracy")):
-        points = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
+    for key, label, marker in TAUS:
+        points = [(r["step"], r[key]) for r in _merged_by_step(evals) if r.get(key) is not None]
         if points:
-            right.plot(*zip(*points), marker="o", label=label)
+            right.plot(*zip(*points), marker=marker, label=label)
     right.set_title("τ (tokens per target step) over checkpoints")
     for ax in (left, right):
         ax.set_xlabel("checkpoint step")
@@ -73,6 +82,14 @@ def plot_checkpoints(evals: list[dict[str, Any]], path: Path) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     save_figure(fig, path, dpi=110)
+
+
+def _merged_by_step(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per checkpoint step: a watcher appends its figures for a step in records of their own."""
+    merged: dict[int, dict[str, Any]] = {}
+    for record in evals:
+        merged.setdefault(record["step"], {}).update(record)
+    return [merged[step] for step in sorted(merged)]
 
 
 def write_run_plots(run: RunFolder) -> list[Path]:

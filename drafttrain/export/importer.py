@@ -18,13 +18,20 @@ from safetensors.torch import save_file
 
 from drafttrain import DrafttrainError
 from drafttrain.drafts import drafter_for, load_drafter
-from drafttrain.drafts.foreign import foreign_kind
+from drafttrain.drafts.foreign import foreign_kind, recognised_foreign
 from drafttrain.export.writer import publish, staging_for
 from drafttrain.runfolder import CONFIG_NAME, WEIGHTS_NAME, file_sha256, read_json, read_safetensors, write_manifest
 from drafttrain.targets import Target
 
 
-def read_foreign(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_foreign(source: Path, target: Target) -> tuple[dict, dict[str, torch.Tensor], Path]:
+    """The folder's config, the draft's tensors and the file they come from."""
+    if (source / CONFIG_NAME).is_file():
+        config = read_json(source / CONFIG_NAME)
+        found = recognised_foreign(config) if isinstance(config, dict) and "drafttrain" not in config else None
+        within = found[1].folder_tensors(source, config, target) if found else None
+        if within is not None:  # a model folder that ships its own draft among its weights
+            return config, *within
     if (source / CONFIG_NAME).is_file() and not (source / WEIGHTS_NAME).is_file():
         others = sorted(p.name for p in source.glob("*.safetensors"))
         pickles = sorted(p.name for p in source.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
@@ -41,7 +48,7 @@ def read_foreign(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if isinstance(config.get("drafttrain"), dict):
         raise DrafttrainError(f"{source} was written by drafttrain: evaluate, export or train from it directly")
     tensors, _ = read_safetensors(source / WEIGHTS_NAME)
-    return config, tensors
+    return config, tensors, source / WEIGHTS_NAME
 
 
 def import_draft(source: str | Path, target: Target, out: str | Path, overwrite: bool = False) -> tuple[Path, list[str]]:
@@ -49,7 +56,7 @@ def import_draft(source: str | Path, target: Target, out: str | Path, overwrite:
     folder and the notes on what drafttrain serves differently from the trainer that wrote it."""
     source, out = Path(source), Path(out)
     staging = staging_for(out, overwrite)
-    config, tensors = read_foreign(source)
+    config, tensors, weights = read_foreign(source, target)
     kind, reader = foreign_kind(config, source)
     fmt = reader.format_of(config)
     try:
@@ -57,7 +64,7 @@ def import_draft(source: str | Path, target: Target, out: str | Path, overwrite:
     except (KeyError, TypeError, ValueError) as err:
         raise DrafttrainError(f"{source / CONFIG_NAME} does not describe a {kind.kind} draft in {fmt}'s format "
                               f"({type(err).__name__}: {err})") from None
-    origin = {"path": str(source), "format": fmt, "weights_sha256": file_sha256(source / WEIGHTS_NAME)}
+    origin = {"path": str(source), "format": fmt, "weights_sha256": file_sha256(weights)}
     with tempfile.TemporaryDirectory(prefix="drafttrain-import-") as tmp:
         drafter = _built(kind, draft, config, tensors, target, Path(tmp))
         _check_float_weights(drafter, tensors, source)

@@ -17,7 +17,9 @@ from drafttrain.drafts import start_drafter
 from drafttrain.drafts.continuation import ResolvedDraft, check_vocabulary_choice, kept_target_layers, resolve_draft
 from drafttrain.evaluation.checkpoint_eval import CheckpointEvaluator, check_eval_shape
 from drafttrain.runfolder import DataManifest, RunFolder, RunLock, first_of_launch, open_dataset
-from drafttrain.sources.choose import engine_runs_target, process_target, training_source
+from drafttrain.serving.checkpoint_engine import EngineCheckpoints, check_engine, served_format
+from drafttrain.serving.gate import check_gate, run_gate
+from drafttrain.sources.choose import engine_runs_target, process_target, training_sources
 from drafttrain.targets import Target
 from drafttrain.targets.hidden import decoder_layers, final_norm
 from drafttrain.training.plan import check_fits
@@ -45,26 +47,43 @@ def check_trainable(recipe: Recipe, draft: ResolvedDraft | None = None) -> Resol
             "set data.packing: false"
         )
 
-    if configured_zero_stage(recipe.training) == 3:
-
+    zero3 = configured_zero_stage(recipe.training) == 3
+    if zero3:
         check_zero3(recipe.draft.kind, recipe.draft.trains_target)
-        if recipe.eval.every_checkpoint:
-            raise DrafttrainError(
-                "eval.every_checkpoint decodes with the whole target in one process, which ZeRO-3 partitions over "
-                "all of them: set eval.every_checkpoint: false and measure checkpoints with `drafttrain eval` on a "
-                "machine that holds the target")
-    if recipe.eval.every_checkpoint and engine_runs_target(recipe):
-        raise DrafttrainError(
-            "eval.every_checkpoint decodes with the whole target in this process, and with capture.engine "
-            f"{recipe.capture.engine} the trainers hold only its head: set eval.every_checkpoint: false")
-    if recipe.eval.every_checkpoint:
-        check_eval_shape(recipe)
+    check_checkpoint_evaluation(recipe, zero3)
     run = RunFolder.of(recipe.output_dir)
     if not run.train_split.is_dir():
         raise DrafttrainError(
             f"no prepared training data at {run.train_split}: run `drafttrain prepare` with this recipe first"
         )
     return draft
+
+
+def check_checkpoint_evaluation(recipe: Recipe, zero3: bool) -> None:
+    """drafttrain's evaluator at every checkpoint needs the whole target in this process; the engine (eval.engine)
+    holds the target itself, so it measures checkpoints under ZeRO-3 and beside capture engines too."""
+    engine = recipe.eval.engine != "none"
+    if recipe.eval.every_checkpoint and zero3 and not engine:
+        raise DrafttrainError(
+            "eval.every_checkpoint decodes with the whole target in one process, which ZeRO-3 partitions over "
+            "all of them: set eval.every_checkpoint: false and measure checkpoints in the engine (eval.engine: "
+            "vllm), or with `drafttrain eval` on a machine that holds the target")
+    if recipe.eval.every_checkpoint and engine_runs_target(recipe) and not engine:
+        raise DrafttrainError(
+            "eval.every_checkpoint decodes with the whole target in this process, and with capture.engine "
+            f"{recipe.capture.engine} the trainers hold only its head: set eval.every_checkpoint: false, or measure "
+            "checkpoints in the engine (eval.engine: vllm)")
+    if recipe.eval.every_checkpoint and holds_whole_target(recipe, zero3):
+        check_eval_shape(recipe)
+    if engine or recipe.eval.gate:
+        check_engine(recipe)
+    if recipe.eval.gate:
+        check_gate(recipe, holds_whole_target(recipe, zero3))
+
+
+def holds_whole_target(recipe: Recipe, zero3: bool) -> bool:
+    """Whether a training process holds the whole target, as drafttrain's evaluator needs it."""
+    return not zero3 and not engine_runs_target(recipe)
 
 
 def train(recipe: Recipe, resume: bool = False, target: Target | None = None):
@@ -92,11 +111,17 @@ def _train_in(run: RunFolder, recipe: Recipe, draft: ResolvedDraft, resume: bool
     set_seed(recipe.seed)  # the draft's initial weights
     with gathered(start_weights(target, layers), zero3):  # what a draft may start from, whole while it is built
         drafter = start_drafter(draft, target, run, new_vocabulary=recipe.draft_vocab.enabled)
-    callbacks = checkpoint_callbacks(recipe, target, run)
-    best_metric = recipe.training.best_metric or ("tau" if callbacks else None)  # keep the best by real tau
-    with training_source(recipe, target, drafter.needs(), dataset, fingerprint) as source:
+    if recipe.eval.gate and first_of_launch():  # before the long run: what it trains is what the engine serves
+        run_gate(recipe, draft, target)
+    callbacks = checkpoint_callbacks(recipe, target, run, zero3)
+    validation = open_dataset(run.validation_split) if run.validation_split.is_dir() else None
+    with training_sources(recipe, target, drafter.needs(), dataset, fingerprint, validation,
+                          drafter.held_out_needs()) as (source, held_out):
+        # the best checkpoint by a real tau where one is measured, else by the tau the held-out accuracy predicts
+        best_metric = best_metric_of(recipe, drafter, holds_whole_target(recipe, zero3), held_out is not None)
         trainer = Trainer(recipe, target, drafter, dataset, source=source, callbacks=callbacks,
-                          best_metric=best_metric, accelerator=accelerator, data_fingerprint=fingerprint)
+                          best_metric=best_metric, accelerator=accelerator, data_fingerprint=fingerprint,
+                          held_out=held_out)
         result = trainer.train(resume=resume)
     if trainer.accelerator.is_main_process:
         best = f"; best: {result.best_checkpoint} ({result.best['metric']}={result.best['value']:.4g})" \
@@ -140,11 +165,35 @@ def check_draft_vocab_is_current(recipe: Recipe, run: RunFolder, fingerprint: st
         load_draft_vocab(run.draft_vocab, expect_key=DraftVocabKey(fingerprint, target.tokenizer_fingerprint))
 
 
-def checkpoint_callbacks(recipe: Recipe, target: Target, run: RunFolder) -> list:
-    """Callbacks run after each checkpoint (fn(step, checkpoint_dir) -> metrics): held-out simulated tau and a
-    real tau / speedup on held-out prompts, so the best checkpoint is kept by measured acceptance."""
-    if not recipe.eval.every_checkpoint:
-        return []
+def checkpoint_callbacks(recipe: Recipe, target: Target, run: RunFolder, zero3: bool = False) -> list:
+    """Callbacks run after each checkpoint (fn(step, checkpoint_dir) -> metrics), so the best checkpoint is kept by
+    measured acceptance: drafttrain's evaluator (eval.every_checkpoint: real tau and speedup on held-out prompts,
+    where this process holds the whole target) and the serving engine (eval.engine, inline)."""
+    whole, callbacks = holds_whole_target(recipe, zero3), []
+    if recipe.eval.every_checkpoint and whole:
+        validation = open_dataset(run.validation_split) if run.validation_split.is_dir() else None
+        callbacks.append(CheckpointEvaluator(recipe, target, validation))
+    elif recipe.eval.every_checkpoint:
+        log.info("eval.every_checkpoint: drafttrain's evaluator needs the whole target in one process, which this "
+                 "run's are not; the engine (eval.engine) measures real acceptance instead")
+    if recipe.eval.engine != "none" and recipe.eval.engine_settings.inline:
+        # a partitioned target cannot export a checkpoint: the engine's callback loads the target's head instead
+        callbacks.append(EngineCheckpoints(recipe, None if zero3 else target, whole,
+                                           own_evaluator=bool(callbacks)))
+    return callbacks
 
-    validation = open_dataset(run.validation_split) if run.validation_split.is_dir() else None
-    return [CheckpointEvaluator(recipe, target, validation)]
+
+def best_metric_of(recipe: Recipe, drafter, whole: bool, held_out: bool) -> str | None:
+    """What the best checkpoint is kept by: the recipe's training.best_metric; else drafttrain's real tau where its
+    evaluator measures every checkpoint (eval.every_checkpoint, the whole target here); else the engine's tau
+    (eval.engine, or drafttrain's tau where the engine serves this draft from no format and the target is whole
+    here); else the tau the held-out accuracy predicts."""
+    if recipe.training.best_metric:
+        return recipe.training.best_metric
+    if recipe.eval.every_checkpoint and whole:
+        return "tau"
+    if recipe.eval.engine != "none" and served_format(drafter, recipe.eval.engine_settings) is not None:
+        return "engine_tau"
+    if recipe.eval.engine != "none" and whole:
+        return "tau"
+    return "sim_tau" if held_out else None

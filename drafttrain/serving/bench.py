@@ -90,13 +90,19 @@ def resolve_draft(source: str, engine: Engine, target: Target, out: Path) -> Dra
     if built_from is not None:  # an export: served as written
         return Draft(name, codecs[built_from["format"]].serving(drafter), path, Path(built_from["checkpoint"]),
                      drafter, built_from.get("weights_sha256"))
-    formats = [f for f in drafter.export_formats() if engine.name in codecs[f].engines]
+    formats = served_formats(drafter, engine)
     if not formats:
         raise DrafttrainError(f"{engine.name} serves no format a {drafter.kind} draft like {source} is written in "
                               f"(it writes {', '.join(drafter.export_formats())})")
     export = export_draft(saved, formats[0], out / "exports" / f"{name}-{formats[0]}", target, overwrite=True)
     return Draft(name, codecs[formats[0]].serving(drafter), export, path, drafter,
                  drafter.identity()["weights_sha256"])
+
+
+def served_formats(drafter, engine: Engine) -> list[str]:
+    """The formats this draft is written in that ``engine`` serves, the one it prefers first."""
+    codecs = codecs_of(type(drafter))
+    return [f for f in drafter.export_formats() if engine.name in codecs[f].engines]
 
 
 def export_record(path: Path) -> dict[str, Any] | None:
@@ -189,13 +195,7 @@ def run_bench(inputs: BenchInputs, settings: BenchConfig, out: Path) -> dict[str
     checking = settings.temperature == 0 and 1 in settings.concurrency
     ours = {(d.name, k): our_side(d, target, prompts, settings, k)
             for d in drafts if d.drafter is not None and checking for k in settings.num_speculative_tokens}
-    _describe(out, sides, settings, engine)
-    dataset = prompts.write_dataset(max(settings.requests_at(c) for c in settings.concurrency), out / "prompts.jsonl")
-    with contextlib.ExitStack() as stack:
-        for side in sides:  # one at a time: engines profiling memory side by side on one GPU misjudge it
-            stack.enter_context(side.server)
-            side.server.wait_ready(settings.startup_timeout_s)
-        run_load(inputs.python, jobs(sides, settings, target_dir, dataset, prompts.request_body(), out), out, sides)
+    serve_and_sweep(sides, settings, engine, inputs.python, target_dir, prompts, out)
     report = _report(engine, version, target_name, prompts, settings, sides, out, started, clock)
     _agreement(report, sides, ours, settings)
     report["errors"] += length_errors(report)
@@ -204,6 +204,19 @@ def run_bench(inputs: BenchInputs, settings: BenchConfig, out: Path) -> dict[str
             row.pop("generated_texts", None)
     _write(report, out, drafts)
     return report
+
+
+def serve_and_sweep(sides: list[SweepSide], settings: BenchConfig, engine: Engine, python: str, target_dir: str,
+                    prompts: BenchPrompts, out: Path) -> None:
+    """Start every side's server, run the load generator over the levels, stop the servers: the raw figures are in
+    ``out`` (``build_levels`` reads them)."""
+    _describe(out, sides, settings, engine)
+    dataset = prompts.write_dataset(max(settings.requests_at(c) for c in settings.concurrency), out / "prompts.jsonl")
+    with contextlib.ExitStack() as stack:
+        for side in sides:  # one at a time: engines profiling memory side by side on one GPU misjudge it
+            stack.enter_context(side.server)
+            side.server.wait_ready(settings.startup_timeout_s)
+        run_load(python, jobs(sides, settings, target_dir, dataset, prompts.request_body(), out), out, sides)
 
 
 def _unique(names: list[str]) -> None:

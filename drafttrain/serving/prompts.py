@@ -11,7 +11,7 @@ from pathlib import Path
 
 from drafttrain.data.chat import prompt_text, stop_token_ids
 from drafttrain.data.traffic import Prompt, read_request_log
-from drafttrain.evaluation.suites import load_suite
+from drafttrain.evaluation.suites import Suite, load_suite
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +41,25 @@ def bench_prompts(tokenizer, generation_config, suite: str | None, request_log: 
                   num_prompts: int | None) -> BenchPrompts:
     """The first turns of a suite (built-in name or FastChat file; ``num_prompts`` taken a category at a time),
     or the distinct prompts of an OpenAI-format request log (its first ``num_prompts``)."""
-    if request_log is not None:
-        read = read_request_log(request_log)
-        if read.skipped or read.duplicates:
-            log.warning("%s: %d lines skipped, %d duplicate requests left out%s", request_log, len(read.skipped),
-                        read.duplicates, f" (first skipped: {read.skipped[0]})" if read.skipped else "")
-        # the file's name only: the report may go on a public model card
-        prompts, source = read.prompts[:num_prompts], f"request log {Path(request_log).name}"
-    else:
-        chosen = load_suite(suite).select(num_prompts, turns=1)
-        prompts = [Prompt(({"role": "user", "content": q.turns[0]},)) for q in chosen.questions]
-        source = f"suite {chosen.name} (first turns)"
+    if request_log is None:
+        return suite_prompts(tokenizer, generation_config, load_suite(suite).select(num_prompts, turns=1))
+    read = read_request_log(request_log)
+    if read.skipped or read.duplicates:
+        log.warning("%s: %d lines skipped, %d duplicate requests left out%s", request_log, len(read.skipped),
+                    read.duplicates, f" (first skipped: {read.skipped[0]})" if read.skipped else "")
+    # the file's name only: the report may go on a public model card
+    return rendered_prompts(tokenizer, generation_config, read.prompts[:num_prompts],
+                            f"request log {Path(request_log).name}")
+
+
+def suite_prompts(tokenizer, generation_config, chosen: Suite) -> BenchPrompts:
+    """The first turns of the questions ``chosen`` (a suite already selected, such as a run's held-out prompts)."""
+    prompts = [Prompt(({"role": "user", "content": q.turns[0]},)) for q in chosen.questions]
+    return rendered_prompts(tokenizer, generation_config, prompts, f"suite {chosen.name} (first turns)")
+
+
+def rendered_prompts(tokenizer, generation_config, prompts: list[Prompt], source: str) -> BenchPrompts:
+    """``prompts`` rendered with the chat template and tokenised as the server will tokenise them."""
     rendered = [prompt_text(tokenizer, list(p.messages), list(p.tools) if p.tools else None) for p in prompts]
     special = rendered[0][1]
     ids = [tokenizer(text, add_special_tokens=special)["input_ids"] for text, _ in rendered]

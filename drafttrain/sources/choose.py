@@ -5,6 +5,8 @@ by the first process of a launch on each node, or running already at ``capture.u
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from drafttrain import DrafttrainError
 from drafttrain.config import Recipe
+from drafttrain.data.tokenize import split_fingerprint
 from drafttrain.engines.capture import CaptureClient, Parallelism, capture_servers, served_model
 from drafttrain.engines.server import HEALTH_POLL_S, ready
 from drafttrain.runfolder import RunFolder
@@ -23,6 +26,8 @@ from drafttrain.targets import Target, load_target
 from drafttrain.targets.loading import resolve_model_dir
 from drafttrain.targets.outputs import TargetNeeds
 from drafttrain.targets.partial import load_head, load_shape
+
+log = logging.getLogger(__name__)
 
 
 def capture_folder(recipe: Recipe) -> Path:
@@ -98,21 +103,27 @@ def engine_runs_target(recipe: Recipe) -> bool:
     return recipe.capture.engine != "hf"
 
 
-def hf_source(target: Target, needs: TargetNeeds, dataset=None, cache_argmax: bool = False) -> TargetSource:
-    return HFForward(target, needs, dataset, cache_argmax=cache_argmax)
-
-
 @contextlib.contextmanager
-def cache_source(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, *, rank: int = 0, start: bool = True,
-                 cache_argmax: bool = False) -> Iterator[TargetSource]:
-    """What computes the offline cache's rows (``prepare``): the HF forward here, or the capture servers with
-    ``capture.max_in_flight`` rows at them at once."""
+def cache_sources(recipe: Recipe, target: Target, needs: TargetNeeds, splits: dict[str, object], *, rank: int = 0,
+                  start: bool = True, cache_argmax: bool = False) -> Iterator[dict[str, TargetSource]]:
+    """What computes the offline cache's rows of each split (``prepare``): the HF forward here, or the capture servers
+    (started once for every split) with ``capture.max_in_flight`` rows at them at once. Only the train split is
+    written in speculators' layout (with the final state before the norm) when the recipe asks for it."""
     if not engine_runs_target(recipe):
-        yield HFForward(target, needs, dataset, cache_argmax=cache_argmax, prenorm=keeps_prenorm(recipe))
+        yield {name: HFForward(target, needs, rows, cache_argmax=cache_argmax,
+                               prenorm=keeps_prenorm(recipe) and name == "train") for name, rows in splits.items()}
         return
-    with engine_source(recipe, target, needs, dataset, rank=rank, start=start, window=recipe.capture.max_in_flight,
-                       cache_argmax=cache_argmax) as source:
-        yield source
+    with capture_urls(recipe, needs, target.num_layers, start) as urls:
+        client = CaptureClient(urls, served_model(urls[0]), max_in_flight=recipe.capture.max_in_flight)
+        folder = capture_folder(recipe) / f"rank{rank}"
+        sources = {name: EngineSource(target, needs, rows, client, folder / name, recipe.capture.max_in_flight,
+                                      cache_argmax=cache_argmax, prenorm=keeps_prenorm(recipe) and name == "train")
+                   for name, rows in splits.items()}
+        try:
+            yield sources
+        finally:
+            for source in sources.values():
+                source.close()
 
 
 def process_target(recipe: Recipe, keep_last: int = 0) -> Target:
@@ -124,19 +135,71 @@ def process_target(recipe: Recipe, keep_last: int = 0) -> Target:
     return load_head(recipe.target, keep=tuple(range(layers - keep_last, layers)))
 
 
+@dataclasses.dataclass
+class HeldOut:
+    """The held-out rows a checkpoint is measured on (the validation split), and where their target outputs come from
+    (the run's own kind of source: its HF forward, the validation split's offline cache, or its capture engines)."""
+
+    rows: object
+    source: TargetSource
+
+
 @contextlib.contextmanager
-def training_source(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, split_fingerprint: str
-                    ) -> Iterator[TargetSource]:
-    """The source a training process takes its target outputs from, for ``training.hidden_states``: the HF forward
+def training_sources(recipe: Recipe, target: Target, needs: TargetNeeds, dataset, split_fingerprint: str,
+                     held_out: object | None = None, held_out_needs: TargetNeeds | None = None
+                     ) -> Iterator[tuple[TargetSource, HeldOut | None]]:
+    """The sources a training process takes its target outputs from, for ``training.hidden_states``: the HF forward
     (online), the offline cache prepare wrote, or capture engines streaming them (a window of ``capture.window``
-    micro-batches ahead; servers started from ``capture.python`` by the first process of each node)."""
+    micro-batches ahead; servers started from ``capture.python`` by the first process of each node); and the same
+    kind of source for the ``held_out`` rows (None: none, or an offline run whose prepare cached none)."""
     mode, run = recipe.training.hidden_states, RunFolder.of(recipe.output_dir)
+    held_needs = held_out_needs or needs
     if mode == "online":
-        yield HFForward(target, needs)
+        yield HFForward(target, needs), _held(held_out, lambda: HFForward(target, held_needs))
     elif mode == "offline":
-        yield FeatureCache(run.features, target, needs, split_fingerprint)
+        held = _held_out_cache(run, target, needs, held_out) if held_needs == needs and caches_held_out(needs) else \
+            _held(held_out, lambda: HFForward(target, held_needs))
+        yield FeatureCache(run.features, target, needs, split_fingerprint), held
     else:
-        rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-        window = recipe.capture.window * recipe.training.batch_size
-        with engine_source(recipe, target, needs, dataset, rank=rank, start=local == 0, window=window) as source:
-            yield source
+        with _streams(recipe, target, (needs, held_needs), dataset, held_out) as sources:
+            yield sources
+
+
+def caches_held_out(needs: TargetNeeds) -> bool:
+    """Whether prepare caches the validation split for held-out accuracy: not for a teacher's top-k cache, since the
+    held-out measures (β) read whole distributions. An offline run holds the target: where the held-out rows need
+    what the cache lacks, its HF forward gives them."""
+    return needs.logits_top_k is None
+
+
+def _held(rows, make) -> HeldOut | None:
+    return None if rows is None or not len(rows) else HeldOut(rows, make())
+
+
+def _held_out_cache(run: RunFolder, target: Target, needs: TargetNeeds, rows) -> HeldOut | None:
+    """The validation split's offline cache, when prepare wrote one for these rows."""
+    if rows is None or not len(rows) or not (run.held_out_features / "index.json").is_file():
+        if rows is not None and len(rows):
+            log.warning("no offline cache of the validation split in %s (prepared before it was written): "
+                        "checkpoints get no held-out accuracy; rerun `drafttrain prepare`", run.held_out_features)
+        return None
+    return HeldOut(rows, FeatureCache(run.held_out_features, target, needs, split_fingerprint(rows)))
+
+
+@contextlib.contextmanager
+def _streams(recipe: Recipe, target: Target, needs: tuple[TargetNeeds, TargetNeeds], dataset, held_out
+             ) -> Iterator[tuple[TargetSource, HeldOut | None]]:
+    """The training rows and the held-out ones from the run's capture servers, each process in its own folders."""
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    window = recipe.capture.window * recipe.training.batch_size
+    with capture_urls(recipe, needs[0], target.num_layers, start=local == 0) as urls:
+        client = CaptureClient(urls, served_model(urls[0]), max_in_flight=recipe.capture.max_in_flight)
+        folder = capture_folder(recipe) / f"rank{rank}"
+        train = EngineSource(target, needs[0], dataset, client, folder, window, prenorm=keeps_prenorm(recipe))
+        held = _held(held_out, lambda: EngineSource(target, needs[1], held_out, client, folder / "held-out", window))
+        try:
+            yield train, held
+        finally:
+            train.close()
+            if held is not None:
+                held.source.close()

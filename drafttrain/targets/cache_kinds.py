@@ -18,11 +18,14 @@ row in the family matrix (tests/families.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from drafttrain import DrafttrainError
 from drafttrain.targets.family import is_mla, text_config
+from drafttrain.targets.hidden import decoder_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +36,9 @@ class CacheKind:
     states: bool  # holds recurrent states and convolution inputs per sequence, whatever its length
     trees: bool  # one forward can verify a tree's branches through it (attention alone mixes the tokens)
 
-    def position_bytes(self, config, itemsize: int) -> int:
-        """Bytes one held position costs in one layer of this kind."""
+    def position_bytes(self, config, itemsize: int, tensor: int = 1) -> int:
+        """Bytes one held position costs in one layer of this kind, on one of ``tensor`` tensor-parallel ranks (whole
+        key/value heads: with fewer heads than ranks each is replicated; an MLA latent is on every rank)."""
         if not self.positions:
             return 0
         text = text_config(config)
@@ -42,7 +46,7 @@ class CacheKind:
             return (text.kv_lora_rank + text.qk_rope_head_dim) * itemsize
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return 2 * heads * head_dim * itemsize
+        return 2 * math.ceil(heads / tensor) * head_dim * itemsize
 
     def sees(self, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor | bool:
         """Which key positions a query position attends to in a layer of this kind (beside causality): the last
@@ -106,3 +110,21 @@ def recurrent_state_elements(config) -> int:
     if linear:  # Kimi Delta Attention
         return linear["num_heads"] * linear["head_dim"] * linear["head_dim"]
     return 0
+
+
+def cache_bytes(model: torch.nn.Module, tokens: int, itemsize: int, tensor: int = 1) -> list[tuple[str, int, int]]:
+    """What one sequence of ``tokens`` leaves in ``model``'s cache, per decoder layer: (its kind's name, bytes of
+    keys and values, bytes of recurrent states and convolution inputs), on one of ``tensor`` tensor-parallel ranks
+    (states split evenly over them, as engines split a recurrent layer's heads).
+    ``drafttrain plan`` counts caches by it; tests/test_cache_kinds.py holds it to what transformers' cache holds."""
+    config = text_config(model.config)
+    types, kwargs = get_layer_types_and_kwargs(config)
+    layers, counted = decoder_layers(model), []
+    for i, (layer_type, layer_kwargs) in enumerate(zip(types, kwargs)):
+        kind = kind_of(layer_type, config)
+        window = layer_kwargs.get("sliding_window")  # a window of w keeps the w - 1 positions before the next token
+        positions = kind.held_positions(tokens, window - 1 if window else None) * kind.position_bytes(
+            config, itemsize, tensor)
+        states = math.ceil(state_bytes(layers[i], config, itemsize) / tensor) if kind.states else 0
+        counted.append((kind.name, positions, states))
+    return counted

@@ -202,6 +202,11 @@ class CheckpointManager:
     def record_metrics(self, checkpoint: Path, step: int, metrics: dict[str, float]) -> bool:
         """Store a checkpoint's eval metrics; returns True when it became the best by ``best_metric``."""
         write_text_atomic(checkpoint / EVAL_FILE, json.dumps(metrics, indent=2))
+        return self.consider_best(checkpoint, step, metrics)
+
+    def consider_best(self, checkpoint: Path, step: int, metrics: dict[str, float]) -> bool:
+        """Make ``checkpoint`` the best one (best.json) when ``metrics`` beat the best one's by ``best_metric``;
+        returns whether it did."""
         if self.best_metric is None or self.best_metric not in metrics:
             return False
         value = float(metrics[self.best_metric])

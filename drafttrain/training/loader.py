@@ -116,7 +116,8 @@ class _IndexedRows(Dataset):
 
 
 def training_columns(dataset) -> list[str]:
-    names = list(getattr(dataset, "column_names", None) or [])
+    """The columns training reads, of a ``datasets.Dataset`` or a list of row dicts."""
+    names = list(getattr(dataset, "column_names", None) or (dataset[0] if len(dataset) else []))
     missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
         raise DrafttrainError(

@@ -70,6 +70,7 @@ from drafttrain.runfolder import RunFolder, open_dataset
 from drafttrain.sources.cache import cache_dtype, keeps_argmax
 from drafttrain.sources.choose import capture_folder, engine_runs_target, served_length
 from drafttrain.sources.engine import engine_layer_ids
+from drafttrain.targets.cache_kinds import cache_bytes
 from drafttrain.targets.checks import check_source
 from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target, resolve_model_dir
@@ -532,7 +533,49 @@ def plan(recipe: Recipe, cluster: Cluster | None = None, stage: str = "train", c
         result.notes.append("runtime is this process's measured resident memory after the training imports")
     elif cluster.gpu_memory is None:
         result.notes.append("GPU memory unknown: give --gpu-memory GiB")
+    if stage == "train":
+        result.notes += engine_notes(recipe, target, cluster, result.total)
     return result
+
+
+def engine_notes(recipe: Recipe, target: Target, cluster: Cluster, per_process: int) -> list[str]:
+    """How the serving engine measures checkpoints (eval.engine) and the gate runs, and, inline on a GPU, the
+    memory its two servers (the target plain and with the draft) take beside training's."""
+    settings, notes = recipe.eval.engine_settings, []
+    if recipe.eval.gate:
+        notes.append("eval.gate: before training, the consistency gate serves the target in vLLM twice on one row "
+                     "(plain, then with a draft overfit on it) and stops the run if the export does not draft what "
+                     "the head learned")
+    if recipe.eval.engine == "none":
+        return notes
+    parallelism = (f"TP{settings.tensor_parallel_size} x PP{settings.pipeline_parallel_size} x "
+                   f"DP{settings.data_parallel_size}" + (", expert parallel" if settings.expert_parallel else ""))
+    if not settings.inline:
+        return notes + [f"checkpoints are measured in vLLM ({parallelism}) by `drafttrain watch` on other GPUs or "
+                        "another node (eval.engine_settings.inline false): training does not wait for them"]
+    notes.append(f"checkpoints are measured in vLLM inline: at each one training waits while two servers ({parallelism},"
+                 f" {settings.parallel_gpus} GPU(s) each) start on this node, serve the target plainly and with the "
+                 "draft, and stop; the other training processes wait at a barrier meanwhile (the process group's "
+                 "timeout, 30 minutes by default, bounds it: a target that loads for long is better measured by "
+                 "`drafttrain watch`)")
+    if not _on_gpu(recipe) or cluster.gpu_memory is None:
+        return notes
+    dtype = target.model.dtype if _engine_dtype(recipe) == "auto" else _DTYPES[_engine_dtype(recipe)]
+    weights = server_weights(target.model, settings, dtype)[0]
+    share = int(settings.memory_fraction * cluster.gpu_memory)
+    room = "fits" if per_process + share <= cluster.gpu_memory else \
+        "DOES NOT FIT: lower eval.engine_settings.memory_fraction, or measure with `drafttrain watch` elsewhere"
+    kv = "leaving room for KV cache" if 2 * weights < share else \
+        "more than their share: raise eval.engine_settings.memory_fraction or tensor_parallel_size"
+    notes.append(f"the engine's two servers take {settings.memory_fraction:.0%} of each GPU's memory ({_size(share)}) "
+                 f"beside training's {_size(per_process)} a process: {room}; each holds {_size(weights)} of the "
+                 f"target's weights a GPU, {kv}")
+    return notes
+
+
+def _engine_dtype(recipe: Recipe) -> str:
+    dtype = recipe.eval.engine_settings.dtype
+    return recipe.target.dtype if dtype == "auto" else dtype
 
 
 def _prepare_memory(recipe: Recipe, target: Target, offline: bool) -> dict[str, int]:
@@ -543,7 +586,9 @@ def _prepare_memory(recipe: Recipe, target: Target, offline: bool) -> dict[str, 
     # the offline cache's forward, a training batch at a time, unless capture engines run it
     cached = _batch_tokens(recipe) if offline and not engine_runs_target(recipe) else 0
     memory["target forward (widest batch)"] = _forward_bytes(max(cached, regenerated), target)
-    memory["KV cache (widest regen batch)"] = regenerated * _kv_bytes_per_token(target)
+    row = _regeneration_row_tokens(recipe)
+    # the batch's tokens, as rows at their longest (shorter rows, more of them: at most as many tokens' worth)
+    memory["KV cache (widest regen batch)"] = regenerated * _cache_bytes(target, row) // row if row else 0
     if regenerated and not _on_gpu(recipe):  # the hf backend generates through oneDNN's packed copies
         memory["packed weight copies (regen)"] = packed_weight_bytes(target.model)
     return memory
@@ -617,6 +662,13 @@ def _batch_tokens(recipe: Recipe) -> int:
     return recipe.training.batch_size * (recipe.data.max_length if recipe.data else 2048)
 
 
+def _regeneration_row_tokens(recipe: Recipe) -> int:
+    """One regenerated row at its longest: the longest prompt and the answer."""
+    if recipe.data is None:
+        return 0
+    return recipe.data.max_length + recipe.regenerate.max_new_tokens
+
+
 def _regeneration_batch_tokens(recipe: Recipe) -> int:
     """The hf regeneration backend's widest batch, in tokens: batch_size rows of the longest prompt and the answer,
     at most regenerate.max_batch_tokens (a row wider than that still runs, alone). 0 when nothing is generated
@@ -624,22 +676,22 @@ def _regeneration_batch_tokens(recipe: Recipe) -> int:
     regen = recipe.regenerate
     if not regen.enabled or regen.backend != "hf" or recipe.data is None:
         return 0
-    row = recipe.data.max_length + regen.max_new_tokens
+    row = _regeneration_row_tokens(recipe)
     widest = regen.batch_size * row
     if regen.max_batch_tokens is not None:
         widest = min(widest, max(regen.max_batch_tokens, row))  # one row over the cap still runs, alone
     return widest
 
 
-def _kv_bytes_per_token(target: Target, dtype: torch.dtype | None = None, tensor: int = 1, pipeline: int = 1) -> int:
-    """Keys and values of every layer for one token, in the target's dtype (or ``dtype``). Split over ``tensor`` x
-    ``pipeline`` ranks, one GPU's share: its stage's layers and its key/value heads (whole heads: with fewer heads
-    than ranks each is replicated)."""
-    config = target.model.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layers = math.ceil(config.num_hidden_layers / pipeline)
-    return 2 * layers * math.ceil(heads / tensor) * head_dim * (dtype or target.model.dtype).itemsize
+def _cache_bytes(target: Target, tokens: int, dtype: torch.dtype | None = None, tensor: int = 1,
+                 pipeline: int = 1) -> int:
+    """What one sequence of ``tokens`` leaves in the target's cache, by each layer's cache kind
+    (targets/cache_kinds.py), in the target's dtype (or ``dtype``); over ``tensor`` x ``pipeline`` ranks, one GPU's
+    share: its stage's layers (the widest stage) and its heads."""
+    per_layer = [positions + states for _, positions, states in
+                 cache_bytes(target.model, tokens, (dtype or target.model.dtype).itemsize, tensor)]
+    stage = math.ceil(len(per_layer) / pipeline)
+    return max(sum(per_layer[i:i + stage]) for i in range(0, len(per_layer), stage))
 
 
 def _regenerated_rows(recipe: Recipe) -> int:
@@ -807,8 +859,8 @@ def capture_plan(recipe: Recipe, target: Target, needs: TargetNeeds, cluster: Cl
     dtype = target.model.dtype if settings.dtype == "auto" else _DTYPES[settings.dtype]
     length, taps = served_length(recipe), len(engine_layer_ids(needs, target.num_layers))
     captured = taps * target.hidden_size * dtype.itemsize  # one token's states in a captured file
-    row_kv = length * (_kv_bytes_per_token(target, dtype, settings.tensor_parallel_size,
-                                           settings.pipeline_parallel_size) + captured)
+    row_kv = _cache_bytes(target, length, dtype, settings.tensor_parallel_size,
+                          settings.pipeline_parallel_size) + length * captured
     weights, label, notes = server_weights(target.model, settings, dtype)
     memory = {"runtime (CUDA context)": CUDA_CONTEXT if on_gpu else 0, label: weights,
               "prefill activations, 1 row": _forward_bytes(length, target) // settings.tensor_parallel_size,

@@ -63,7 +63,7 @@ from drafttrain.sources.cache import (
     write_feature_cache,
     write_shards,
 )
-from drafttrain.sources.choose import cache_source, process_target
+from drafttrain.sources.choose import cache_sources, caches_held_out, process_target
 from drafttrain.sources.speculators import capture_files, layout_refusal
 from drafttrain.targets import Target, load_target, load_tokenizer
 from drafttrain.targets.loading import checked_model_dir, missing_model_message, target_name
@@ -389,16 +389,41 @@ def write_validation_prompts(conversations: list[dict], run: RunFolder) -> None:
         run.remove(path, "the held-out prompts an earlier prepare wrote (this one has no validation split)")
 
 
-def _write_features(recipe: Recipe, target: Target, train: tuple, run: RunFolder, progress: bool = True) -> None:
+def _write_features(recipe: Recipe, target: Target, train: tuple, run: RunFolder, progress: bool = True,
+                    validation=None) -> None:
     """Offline target outputs: the target's outputs over the train split (``train``: the split and its
     fingerprint), computed once by the recipe's source (the HF forward, or capture engines), and what the draft kind
-    needs of them stored."""
+    needs of them stored; and over the ``validation`` split, which every checkpoint's held-out accuracy reads."""
     train_ds, fingerprint = train
     needs, options = _feature_plan(recipe, target, fingerprint)
+    splits = {"train": train_ds, **({"validation": validation} if held_out_cached(recipe, target, validation)
+                                    else {})}
     after = "; the shards written whole are kept: make room and rerun `drafttrain prepare` to write the others"
     with writing(run.features, "the offline feature cache", after=after), \
-            cache_source(recipe, target, needs, train_ds, cache_argmax=keeps_argmax(needs)) as source:
-        write_feature_cache(target, train_ds, needs, run.features, **options, progress=progress, source=source)
+            cache_sources(recipe, target, needs, splits, cache_argmax=keeps_argmax(needs)) as sources:
+        write_feature_cache(target, train_ds, needs, run.features, **options, progress=progress,
+                            source=sources["train"])
+        _write_held_out_cache(target, needs, run, options, (splits.get("validation"), sources.get("validation")),
+                              progress)
+
+
+def _write_held_out_cache(target: Target, needs, run: RunFolder, options: dict, held_out: tuple,
+                          progress: bool) -> None:
+    """The validation split's offline cache (``held_out``: its rows and their source; drafttrain's own layout,
+    whatever the train split's), or none."""
+    rows, source = held_out
+    if source is None:
+        run.remove(run.held_out_features, "a validation cache an earlier prepare wrote (this one has no validation)")
+        return
+    write_feature_cache(target, rows, needs, run.held_out_features, dtype=options["dtype"],
+                        split_fingerprint=split_fingerprint(rows), rows_per_shard=options["rows_per_shard"],
+                        progress=progress, source=source)
+
+
+def held_out_cached(recipe: Recipe, target: Target, validation) -> bool:
+    """Whether the validation split gets an offline cache: when there is one, and the kind's held-out measures read
+    what a cache holds (sources/choose.py: caches_held_out)."""
+    return validation is not None and len(validation) > 0 and caches_held_out(run_target_needs(recipe.draft, target))
 
 
 def writes_features(recipe: Recipe) -> bool:
@@ -660,7 +685,7 @@ def _prepare_in(run: RunFolder, recipe: Recipe, data: DataConfig, target: Target
     if features and writes_features(recipe):
         with _timed(seconds, "features"):
             target = target if target is not None else process_target(recipe)
-            _write_features(recipe, target, (train_ds, fingerprint), run, progress)
+            _write_features(recipe, target, (train_ds, fingerprint), run, progress, validation=val_ds)
 
     summary = build_summary(
         recipe, mixture, regen, (train_ds, train_stats), (val_ds, val_stats), vocab_info, run, seconds
@@ -700,12 +725,18 @@ def _prepare_launched(recipe: Recipe, state, limit: int | None, progress: bool) 
         if state.is_main_process:
             start_cache(run.features, settings, train_ds)
         state.wait_for_everyone()
-        with cache_source(recipe, target, needs, train_ds, rank=state.process_index,
-                          start=state.is_main_process, cache_argmax=settings["argmax"]) as source:
-            written = write_shards(source, len(train_ds), run.features, settings, state.process_index,
+        validation = open_dataset(run.validation_split) if run.validation_split.is_dir() else None
+        splits = {"train": train_ds, **({"validation": validation} if held_out_cached(recipe, target, validation)
+                                        else {})}
+        with cache_sources(recipe, target, needs, splits, rank=state.process_index, start=state.is_main_process,
+                           cache_argmax=settings["argmax"]) as sources:
+            written = write_shards(sources["train"], len(train_ds), run.features, settings, state.process_index,
                                    state.num_processes, progress, train=train_ds)
-        log.info("rank %d wrote %d shards", state.process_index, written)
-        state.wait_for_everyone()
-        if state.is_main_process:
-            join_shards(run.features, train_ds)
+            log.info("rank %d wrote %d shards", state.process_index, written)
+            state.wait_for_everyone()
+            if state.is_main_process:
+                join_shards(run.features, train_ds)
+                _write_held_out_cache(target, needs, run, options, (splits.get("validation"), sources.get("validation")),
+                                      progress)
+            state.wait_for_everyone()  # the main process's servers stay up until every process is done
     return result

@@ -198,28 +198,11 @@ class MetricsLog:
         mode = resolve_wandb_mode(recipe.wandb)
         if mode == "disabled":
             return None
-        import wandb  # imported when a run logs to it (its import takes seconds)
-
         id_file = self.run.wandb_id
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:12]
         with writing(id_file, "the wandb run id"):
             id_file.write_text(run_id + "\n")
-        run = wandb.init(
-            project=recipe.wandb.project,
-            name=self.run.root.name,
-            id=run_id,
-            resume="allow",
-            dir=str(self.run.root),
-            mode=mode,
-            config=_public_config(recipe.model_dump(mode="json")),
-            # console capture could record anything printed (e.g. data samples); code is not needed either.
-            settings=wandb.Settings(console="off", save_code=False),
-        )
-        for section in ("train", "eval"):
-            run.define_metric(f"{section}/step")
-            run.define_metric(f"{section}/*", step_metric=f"{section}/step")
-        run.define_metric("eval/tau", step_metric="eval/step", summary="max")
-        return run
+        return wandb_run(recipe, self.run, run_id, mode, config=_public_config(recipe.model_dump(mode="json")))
 
     def _start_bar(self, total_steps: int, start_step: int):
         # On a non-terminal (log files, CI) the bar is off and each record becomes a log line instead.
@@ -236,19 +219,9 @@ class MetricsLog:
 
     def write_eval(self, step: int, measured: CheckpointMetrics) -> None:
         """One checkpoint's evaluation: its numbers as ``eval/...``; on wandb also its tables and images."""
-        self._append({"step": step, **{f"eval/{k}": float(v) for k, v in measured.scalars.items()}})
-        if self._wandb is None:
-            return
-        import wandb  # imported when a run logs to it (its import takes seconds)
-
-        entry: dict[str, Any] = {"eval/step": step,
-                                 **{f"eval/{k}": _finite_or_none(float(v)) for k, v in measured.scalars.items()}}
-        for name, (columns, rows) in measured.tables.items():
-            entry[f"eval/{name}"] = wandb.Table(columns=list(columns), data=[list(r) for r in rows])
-        for name, path in measured.images.items():
-            if Path(path).is_file():
-                entry[f"eval/{name}"] = wandb.Image(str(path))
-        self._wandb.log(entry)
+        self._append(eval_record(step, measured))
+        if self._wandb is not None:
+            self._wandb.log(wandb_eval_entry(step, measured))
 
     def log_checkpoint(self, checkpoint: Path, aliases: list[str]) -> None:
         """The checkpoint's draft files (not its optimizer state) as a wandb model artifact."""
@@ -291,6 +264,82 @@ class MetricsLog:
     def close(self) -> None:
         self._bar.close()
         self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def wandb_run(recipe: Recipe, run: RunFolder, run_id: str, mode: str, config: dict[str, Any] | None = None):
+    """The run's wandb run ``run_id`` (started, or resumed: another process may log into it after the trainer),
+    with training records drawn against ``train/step`` and checkpoint evaluations against ``eval/step``."""
+    import wandb  # imported when a run logs to it (its import takes seconds)
+
+    started = wandb.init(
+        project=recipe.wandb.project,
+        name=run.root.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run.root),
+        mode=mode,
+        config=config,
+        # console capture could record anything printed (e.g. data samples); code is not needed either.
+        settings=wandb.Settings(console="off", save_code=False),
+    )
+    for section in ("train", "eval"):
+        started.define_metric(f"{section}/step")
+        started.define_metric(f"{section}/*", step_metric=f"{section}/step")
+    started.define_metric("eval/tau", step_metric="eval/step", summary="max")
+    started.define_metric("eval/engine_tau", step_metric="eval/step", summary="max")
+    return started
+
+
+def eval_record(step: int, measured: CheckpointMetrics) -> dict[str, Any]:
+    """A checkpoint's evaluation as metrics.jsonl holds it: ``{"step": N, "eval/<name>": value, ...}``."""
+    return {"step": step, **{f"eval/{k}": float(v) for k, v in measured.scalars.items() if v is not None}}
+
+
+def wandb_eval_entry(step: int, measured: CheckpointMetrics) -> dict[str, Any]:
+    """A checkpoint's evaluation as a wandb entry: its numbers as ``eval/...``, its tables and images."""
+    import wandb  # imported when a run logs to it (its import takes seconds)
+
+    entry: dict[str, Any] = {"eval/step": step, **{f"eval/{k}": _finite_or_none(float(v))
+                                                   for k, v in measured.scalars.items() if v is not None}}
+    for name, (columns, rows) in measured.tables.items():
+        entry[f"eval/{name}"] = wandb.Table(columns=list(columns), data=[list(r) for r in rows])
+    for name, path in measured.images.items():
+        if Path(path).is_file():
+            entry[f"eval/{name}"] = wandb.Image(str(path))
+    return entry
+
+
+class EvalLog:
+    """Checkpoint evaluations written into a run's records from another process than its trainer's (``drafttrain
+    watch``): appended to its metrics.jsonl, and logged into its own wandb run (the id in the run folder's
+    ``wandb_run_id``, resumed; started at the first evaluation, when the trainer has written that id)."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe, self.run = recipe, RunFolder.of(recipe.output_dir)
+        self.mode = resolve_wandb_mode(recipe.wandb)
+        self._wandb, self._warned = None, False
+
+    def write_eval(self, step: int, measured: CheckpointMetrics) -> None:
+        with writing(self.run.metrics, "the run's training log"), self.run.metrics.open("a") as out:
+            out.write(json.dumps({k: _finite_or_none(v) for k, v in eval_record(step, measured).items()}) + "\n")
+        run = self._wandb_run()
+        if run is not None:
+            run.log(wandb_eval_entry(step, measured))
+
+    def _wandb_run(self):
+        if self._wandb is None and self.mode != "disabled":
+            if not self.run.wandb_id.is_file():
+                if not self._warned:
+                    log.warning("%s is missing (the trainer has not started wandb): evaluations go to %s alone",
+                                self.run.wandb_id, self.run.metrics)
+                self._warned = True
+                return None
+            self._wandb = wandb_run(self.recipe, self.run, self.run.wandb_id.read_text().strip(), self.mode)
+        return self._wandb
+
+    def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
 

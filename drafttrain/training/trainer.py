@@ -35,6 +35,7 @@ from drafttrain.runfolder import (
     write_manifest,
 )
 from drafttrain.sources.base import TargetSource, mean_stats
+from drafttrain.sources.choose import HeldOut
 from drafttrain.sources.hf import HFForward
 from drafttrain.targets import Target
 from drafttrain.training.checkpoint import (
@@ -44,6 +45,7 @@ from drafttrain.training.checkpoint import (
     TrainerState,
     recipe_changes,
 )
+from drafttrain.training.held_out import held_out_accuracy
 from drafttrain.training.loader import (
     ROW_INDEX,
     BatchLayout,
@@ -91,9 +93,10 @@ class TrainStep(nn.Module):
         # engine tracks, shards and saves them; the frozen rest of the target is not (checkpoints hold no copy).
         self.trained_target = nn.ModuleList(owners(target.model, drafter.trainable_target_parameters()))
 
-    def forward(self, batch: dict[str, torch.Tensor]):
-        own = self.drafter.own_step_inputs(batch)  # asked first: the target then runs once, on the rows that train
-        batch, outputs = own if own is not None else (batch, self.source.outputs(batch))
+    def forward(self, batch: dict[str, torch.Tensor], source: TargetSource | None = None):
+        """The kind's step on ``batch``; ``source``: held-out rows' outputs, measured as they are (no own inputs)."""
+        own = self.drafter.own_step_inputs(batch) if source is None else None  # asked first: the target then runs
+        batch, outputs = own if own is not None else (batch, (source or self.source).outputs(batch))  # once
         if self.mask_shift:  # training.loss_mask_shift: the mask of the token fed in, kept inside each row
             mask = batch["loss_mask"]
             later = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1) * batch["attention_mask"]
@@ -135,12 +138,14 @@ class Trainer:
         best_metric: str | None = None,
         accelerator=None,
         data_fingerprint: str | None = None,  # the train split's, when the caller has hashed it already
+        held_out: HeldOut | None = None,  # the validation rows every checkpoint's held-out accuracy is measured on
     ):
         self.recipe, self.training = recipe, recipe.training
         self._data_fingerprint = data_fingerprint
         self._given_accelerator = accelerator  # made before the target loaded (ZeRO-3 partitions it at load)
         self.target, self.drafter, self.dataset = target, drafter, train_dataset
         self.source = source or online_outputs(target, drafter)  # where the target's outputs come from
+        self.held_out = held_out
         self.on_checkpoint: list[CheckpointCallback] = list(callbacks or [])
         self.run = RunFolder.of(recipe.output_dir)
         self.checkpoints = CheckpointManager(
@@ -359,14 +364,18 @@ class Trainer:
         """Stop before a NaN/inf reaches the weights. Collective under several processes, so every rank stops
         together instead of the others hanging in the next all-reduce."""
         bad_here = not bool(torch.isfinite(loss.detach()).all())
-        bad_anywhere = bad_here
-        if self.accelerator.num_processes > 1:
-            flag = torch.tensor(float(bad_here), device=self.accelerator.device)
-            bad_anywhere = float(self.accelerator.reduce(flag, reduction="sum")) > 0
+        bad_anywhere = self._on_any_process(bad_here)
         if bad_here:
             self._fail(f"non-finite loss ({float(loss.detach())})", state, micro, rows)
         if bad_anywhere:
             self._fail("non-finite loss on another process", state, micro, rows)
+
+    def _on_any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (collective: every process asks together)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        count = self.accelerator.reduce(torch.tensor(float(flag), device=self.accelerator.device), reduction="sum")
+        return float(count) > 0
 
     def _weight_scale(self) -> float:
         """The largest absolute trainable weight (this process's part of each)."""
@@ -440,19 +449,23 @@ class Trainer:
                     write_manifest(tmp, self.built_from)  # last: checksums of every file, what they were built from
             acc.wait_for_everyone()
             final = self.checkpoints.commit(state.step) if acc.is_main_process else None
+        held = self._held_out_accuracy()  # every process: its share of the rows, in the sharded forward
         if final is not None:
-            self._evaluate(final, state.step)  # its report and plots are written whole or refused in one line
+            self._evaluate(final, state.step, held)  # its report and plots are written whole or refused in one line
             self.checkpoints.prune()
         acc.wait_for_everyone()
+
+    def _held_out_accuracy(self) -> dict[str, float]:
+        if self.held_out is None:
+            return {}
+        with evaluation_mode(self.module, self.target.model):
+            return held_out_accuracy(self.module, self.held_out, self.accelerator, _pad_id(self.target))
 
     def _check_weights_finite(self, state: TrainerState) -> None:
         """Refuse to save NaN/inf weights as a checkpoint (a loss can still be finite the step the weights blow up).
         Collective, so every rank stops together."""
-        bad = any(not bool(torch.isfinite(local_part(p).detach()).all())
-                  for p in self.module.parameters() if p.requires_grad)
-        if self.accelerator.num_processes > 1:
-            flag = torch.tensor(float(bad), device=self.accelerator.device)
-            bad = float(self.accelerator.reduce(flag, reduction="sum")) > 0
+        bad = self._on_any_process(any(not bool(torch.isfinite(local_part(p).detach()).all())
+                                       for p in self.module.parameters() if p.requires_grad))
         if bad:
             latest = self.checkpoints.latest()
             kept = f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved yet"
@@ -462,8 +475,8 @@ class Trainer:
                 "training.learning_rate or training.max_grad_norm"
             )
 
-    def _evaluate(self, checkpoint: Path, step: int) -> None:
-        measured = CheckpointMetrics({})
+    def _evaluate(self, checkpoint: Path, step: int, held: dict[str, float]) -> None:
+        measured = CheckpointMetrics(dict(held))
         with evaluation_mode(self.module, self.target.model):  # no dropout while measuring; training resumes as it was
             for callback in self.on_checkpoint:
                 measured.merge(callback(step, checkpoint))

@@ -98,7 +98,7 @@ def main() -> int:
     export = export_draft(checkpoint, "speculators", out / "export", target, overwrite=True,
                           verifier=str(target.source_dir))
     stops = set(stop_token_ids(target.tokenizer, target.model.generation_config))
-    kind = "peagle" if getattr(drafter, "parallel", False) and drafter.kind == "eagle3" else drafter.kind
+    kind = json.loads((export / "config.json").read_text())["speculators_model_type"]  # the class speculators picks
     agree = total = 0
     worst = 0.0
     loaded = {}

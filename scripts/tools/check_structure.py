@@ -245,6 +245,21 @@ def string_prefix_roles() -> list[str]:
     return found
 
 
+def string_owners(value: str) -> list[str]:
+    """The modules outside the recipe schema whose code holds the string ``value`` (a format's or a file's name)."""
+    return sorted(module for module, tree in TREES.items()
+                  if not module.startswith("drafttrain.config")
+                  and any(isinstance(n, ast.Constant) and n.value == value for n in ast.walk(tree)))
+
+
+def serving_formats() -> list[str]:
+    from drafttrain.drafts.codecs import codecs_of
+
+    kinds, variants, _, _ = registry()
+    return sorted({name for cls in [*kinds.values(), *(v for vs in variants.values() for v in vs)]
+                   for name in codecs_of(cls)})
+
+
 def imports_in_functions() -> tuple[int, int]:
     """(imports inside function bodies, all imports) in drafttrain/."""
     inside = total = 0
@@ -276,6 +291,12 @@ def main() -> int:
     print(f"imports inside function bodies: {inside} of {total} ({100 * inside / total:.0f}%)")
     print(f"largest classes (lines): {', '.join(largest_classes())}")
     print(f"largest modules (lines): {', '.join(largest_modules())}")
+    print("modules naming each serving format (its owners: the codecs, the engines that serve it, the commands):")
+    for name in serving_formats():
+        owners = string_owners(name)
+        print(f"  {name}: {len(owners)}: {', '.join(o.removeprefix('drafttrain.') for o in owners)}")
+    opens = string_owners("config.json")
+    print(f"modules naming config.json: {len(opens)}: {', '.join(o.removeprefix('drafttrain.') for o in opens)}")
     return 1 if any(checks.values()) else 0
 
 

@@ -9,9 +9,11 @@ from drafttrain.config.kinds.draft_model import DraftModelConfig, StudentLora
 from drafttrain.config.kinds.eagle import EagleConfig
 from drafttrain.config.kinds.eagle3 import Eagle3Config
 from drafttrain.config.kinds.medusa import MedusaConfig
+from drafttrain.config.kinds.mtp import MtpConfig
 
 __all__ = ["DRAFT_KINDS", "DRAFT_SECTIONS", "DFlashConfig", "DraftModelConfig", "Eagle3Config", "EagleConfig",
-           "MedusaConfig", "StudentLora"]
+           "MedusaConfig", "MtpConfig", "StudentLora"]
 
-DRAFT_SECTIONS: list[type[DraftConfig]] = [Eagle3Config, EagleConfig, MedusaConfig, DraftModelConfig, DFlashConfig]
+DRAFT_SECTIONS: list[type[DraftConfig]] = [Eagle3Config, EagleConfig, MedusaConfig, DraftModelConfig, DFlashConfig,
+                                            MtpConfig]
 DRAFT_KINDS: list[str] = [section.model_fields["kind"].default for section in DRAFT_SECTIONS]

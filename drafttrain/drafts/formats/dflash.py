@@ -9,8 +9,8 @@ from drafttrain import DrafttrainError, __version__
 from drafttrain.config import DFlashConfig
 from drafttrain.drafts.codecs import Codec, Exported, ForeignReader, speculators_config
 from drafttrain.drafts.dflash import DFlashDrafter
-from drafttrain.drafts.eagle3 import check_aux_layers
 from drafttrain.drafts.layers import check_foreign_layers, foreign_tensors
+from drafttrain.drafts.taps import check_taps
 from drafttrain.targets import Target
 
 
@@ -65,7 +65,7 @@ class SpeculatorsTrained(ForeignReader):
         if config.get("mask_token_id") is None:
             raise DrafttrainError("the draft's config names no mask_token_id: the token its blocks were trained with "
                                   "is unknown (set it in config.json to the one its trainer used)")
-        check_aux_layers(config["aux_hidden_state_layer_ids"], target.num_layers)
+        check_taps(config["aux_hidden_state_layer_ids"], target.num_layers)
         draft = DFlashConfig(num_layers=layer["num_hidden_layers"], block_size=config["block_size"],
                              layers=config["aux_hidden_state_layer_ids"], block_attention=foreign_block_attention(config),
                              sample_from_anchor=bool(config.get("sample_from_anchor")),

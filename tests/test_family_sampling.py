@@ -42,10 +42,14 @@ def exact_joint(target: Target, sampling: Sampling) -> np.ndarray:
 def engine_pvalue(family: str, samples: int = SAMPLES) -> tuple[float, int]:
     """The chi-squared p-value of the engine's tokens 2 and 3, and how many verifications refused a draft token."""
     target, draft = tiny(family, 0), tiny(family, 1)
-    sampling = Sampling(1.0, 1.0, 0)
-    exact = exact_joint(target, sampling)
-    decoder = SpeculativeDecoder(target, build_proposer("draft_model", target, draft=draft), depth=2,
-                                 temperature=1.0)
+    return joint_pvalue(target, build_proposer("draft_model", target, draft=draft), samples)
+
+
+def joint_pvalue(target: Target, proposer, samples: int) -> tuple[float, int]:
+    """The chi-squared p-value of tokens 2 and 3 sampled at T=1 by speculative decoding with ``proposer`` (depth 2)
+    against the target's exact joint distribution, and how many verifications refused a draft token."""
+    exact = exact_joint(target, Sampling(1.0, 1.0, 0))
+    decoder = SpeculativeDecoder(target, proposer, depth=2, temperature=1.0)
     counts = np.zeros((V, V), dtype=np.int64)
     refused = 0
     for seed in range(samples):
@@ -58,12 +62,7 @@ def engine_pvalue(family: str, samples: int = SAMPLES) -> tuple[float, int]:
     return chi2_pvalue(np.append(flat[~rare], flat[rare].sum()), np.append(probs[~rare], probs[rare].sum())), refused
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread a test
 
 
 @pytest.mark.parametrize("family", list(ONE_PER_CACHE_KIND.values()), ids=list(ONE_PER_CACHE_KIND))

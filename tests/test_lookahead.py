@@ -40,12 +40,7 @@ SAMPLED = 5  # tokens generated per sample; tokens 4 and 5 are tested (the pool 
 SAMPLES = 400
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread a test
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from conftest import small_recipe
+from conftest import fitted_on_its_answer, small_recipe
 from families import MTP_FAMILIES, family_model, mtp_ready, save_with_native_mtp
 from safetensors.torch import load_file
-from test_decoding_sampling import BROKEN_THRESHOLD, P_THRESHOLD, _TinyTokenizer, chi2_pvalue
+from test_decoding_sampling import BROKEN_THRESHOLD, P_THRESHOLD, _TinyTokenizer
+from test_family_sampling import SAMPLES, V, joint_pvalue
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import MtpModel
 
@@ -31,7 +31,6 @@ from drafttrain.decoding import DynamicTree, SpeculativeDecoder, build_proposer,
 from drafttrain.drafts import build_drafter, load_drafter
 from drafttrain.export.importer import import_draft
 from drafttrain.export.writer import export_draft
-from drafttrain.sampling import Sampling, probabilities
 from drafttrain.targets import Target, load_target, load_tokenizer, run_target
 
 RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}  # linear-attention targets: chains only
@@ -102,28 +101,13 @@ def test_training_unrolls_the_draft_steps_exactly_as_decoding_runs_them(family, 
 
 def fitted(target: Target, prompt: list[int], steps: int) -> torch.nn.Module:
     """A fresh MTP layer trained ``steps`` steps on the target's greedy answer to ``prompt``."""
-    greedy = plain_decode(target, prompt, 40).tokens
-    torch.manual_seed(0)
-    drafter = build_drafter(mtp_section(init_from_target=[], steps=2), target).train()
-    ids = torch.tensor([prompt + greedy])
-    mask = torch.zeros_like(ids, dtype=torch.float32)
-    mask[:, len(prompt):] = 1
-    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
-    with torch.no_grad():
-        outputs = run_target(target, batch, drafter.needs())
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
-        result = drafter.training_step(batch, outputs)
-        optimizer.zero_grad()
-        result.loss.backward()
-        optimizer.step()
+    drafter, *_ = fitted_on_its_answer(target, mtp_section(init_from_target=[], steps=2), steps, 3e-3, prompt)
     assert not any(p.grad is not None for p in target.model.parameters())  # the target stays frozen
-    return drafter.eval()
+    return drafter
 
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)
-def test_greedy_speculative_decoding_is_the_targets(family, tokenizer, restore_threads):
-    torch.set_num_threads(1)
+def test_greedy_speculative_decoding_is_the_targets(family, tokenizer, one_thread):
     target = Target(family, family_model(family), tokenizer)
     prompt = prompt_of(tokenizer)
     reference = plain_decode(target, prompt, 40).tokens
@@ -209,50 +193,18 @@ def test_a_published_models_own_layer_imports_as_a_checkpoint(family, native, tm
 
 # ------------------------------------------------------------------------------------------ sampling (chi-squared)
 
-V = 6
-PROMPT = [0, 3, 1, 4, 1, 5, 2, 0, 3, 5, 4]
-SAMPLES = 400
-
-
 def mtp_sampling_pvalue(family: str, samples: int = SAMPLES) -> tuple[float, int]:
     """The chi-squared p-value of the engine's tokens 2 and 3 at T=1, drafted by a fresh MTP layer (two tokens per
     step), against the target's exact joint distribution; and how many verifications refused a draft token."""
     target = Target(family, family_model(family, vocab_size=V), _TinyTokenizer())
     torch.manual_seed(1)
     drafter = build_drafter(mtp_section(init_from_target=[]), target).eval()
-    sampling = Sampling(1.0, 1.0, 0)
-    exact = exact_joint(target, sampling)
-    decoder = SpeculativeDecoder(target, build_proposer("eagle", target, draft=drafter), depth=2, temperature=1.0)
-    counts, refused = np.zeros((V, V), dtype=np.int64), 0
-    for seed in range(samples):
-        decoder.seed = seed
-        out = decoder.generate(PROMPT, 3)
-        counts[out.tokens[1], out.tokens[2]] += 1
-        refused += sum(out.stats.rejected_per_step)
-    probs, flat = exact.ravel(), counts.ravel()
-    rare = probs * flat.sum() < 5
-    return chi2_pvalue(np.append(flat[~rare], flat[rare].sum()), np.append(probs[~rare], probs[rare].sum())), refused
-
-
-def exact_joint(target: Target, sampling: Sampling) -> np.ndarray:
-    """P(token 2 = b, token 3 = c) under the target's warped distribution, by full forwards without a cache."""
-    def dist(ctx):
-        return probabilities(target.model(torch.tensor([ctx])).logits[0, -1].double(), sampling)
-
-    exact = torch.zeros(V, V, dtype=torch.float64)
-    with torch.no_grad():
-        p1 = dist(PROMPT)
-        for a in range(V):
-            p2 = dist(PROMPT + [a])
-            for b in range(V):
-                exact[b] += p1[a] * p2[b] * dist(PROMPT + [a, b])
-    return exact.numpy()
+    return joint_pvalue(target, build_proposer("eagle", target, draft=drafter), samples)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MTP_FAMILIES)
-def test_sampling_with_the_mtp_draft_follows_the_target(family, restore_threads):
-    torch.set_num_threads(1)
+def test_sampling_with_the_mtp_draft_follows_the_target(family, one_thread):
     pvalue, refused = mtp_sampling_pvalue(family)
     assert refused > SAMPLES // 10  # rollbacks happened
     assert pvalue > P_THRESHOLD
@@ -260,7 +212,7 @@ def test_sampling_with_the_mtp_draft_follows_the_target(family, restore_threads)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MTP_FAMILIES)
-def test_a_sampler_that_keeps_every_mtp_draft_token_fails(family, monkeypatch, restore_threads):
+def test_a_sampler_that_keeps_every_mtp_draft_token_fails(family, monkeypatch, one_thread):
     """The broken rule emits the draft's distribution instead of the target's: the same test must reject it."""
     import drafttrain.decoding.engine as engine
 
@@ -268,7 +220,6 @@ def test_a_sampler_that_keeps_every_mtp_draft_token_fails(family, monkeypatch, r
         k = tokens.shape[1]
         return torch.tensor(k), int(torch.multinomial(p[0, k], 1, generator=generator))
 
-    torch.set_num_threads(1)
     monkeypatch.setattr(engine, "verify_chain", accept_everything)
     assert mtp_sampling_pvalue(family, samples=SAMPLES // 2)[0] < BROKEN_THRESHOLD
 
@@ -277,11 +228,10 @@ def test_a_sampler_that_keeps_every_mtp_draft_token_fails(family, monkeypatch, r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MTP_FAMILIES)
-def test_import_train_evaluate_export_and_evaluate_the_export(family, native, tmp_path, restore_threads):
+def test_import_train_evaluate_export_and_evaluate_the_export(family, native, tmp_path, one_thread):
     """The published layer imported, continued for a few steps from a recipe (prepare, train, the checkpoint
     evaluated by decoding), exported in both formats, and each export evaluated by `drafttrain eval`: greedy output
     the target's throughout."""
-    torch.set_num_threads(1)
     folder, _ = native(family)
     imported = tmp_path / "imported"
     assert main(["import", str(folder), "--target", str(folder), "--out", str(imported)]) == 0

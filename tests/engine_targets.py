@@ -21,9 +21,10 @@ def engine_target_folder(family: str, out: Path) -> Path:
     if not (folder / "config.json").is_file():
         layer_types = FAMILIES[family][1].get("layer_types")
         extra = {"layer_types": layer_types * 2} if layer_types else {}
-        if family == "deepseek_v3":  # MLA: as many key-value heads as query heads, a query head of 64 (32 rotary)
-            extra.update(num_key_value_heads=2, head_dim=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
-                         kv_lora_rank=64, q_lora_rank=96, topk_method="noaux_tc")  # vLLM then reads the router bias
+        if family == "deepseek_v3":  # MLA: as many key-value heads as query heads; vLLM's MLA takes a latent and
+            # rotary part of 576 on a CPU (its decode kernel: 512 + 64, a value head of 512)
+            extra.update(num_key_value_heads=2, head_dim=64, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                         kv_lora_rank=512, q_lora_rank=96, topk_method="noaux_tc")  # vLLM then reads the router bias
         family_model(family, **{**VLLM_SHAPES, **extra}).save_pretrained(folder)
         load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
     return folder

@@ -280,7 +280,9 @@ INLINE_FITS = r"beside training's [\d.]+ GiB a process: fits; each holds [\d.]+ 
     ("dflash_qwen3_8b.yaml", "Qwen--Qwen3-8B.json", INLINE_FITS),
 ])
 def test_the_flagship_recipes_name_the_engine_and_plan_says_how_it_runs(recipe, config, says):
-    from drafttrain.training.plan import GIB, Cluster, plan
+    from drafttrain.training.cluster import Cluster
+    from drafttrain.training.plan import plan
+    from drafttrain.training.sizes import GIB
 
     loaded = load_recipe(REPO / "recipes" / recipe)
     assert loaded.eval.engine == "vllm" and loaded.eval.engine_settings.python

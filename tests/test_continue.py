@@ -32,7 +32,7 @@ from drafttrain.drafts.continuation import check_vocabulary_choice, continued_co
 from drafttrain.evaluation.report import _config_line
 from drafttrain.runfolder import WEIGHTS_NAME, DataManifest, RunFolder, read_safetensors
 from drafttrain.targets import load_target
-from drafttrain.training.plan import _draft_section as draft_section
+from drafttrain.training.footprint import _draft_section as draft_section
 from drafttrain.training.prepare import prepare
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")

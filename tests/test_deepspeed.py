@@ -168,6 +168,19 @@ def test_zero3_partitions_an_moe_target_and_computes_what_zero2_computes(tmp_pat
                                                       "init_from_target": ["lm_head", "fc"]})
 
 
+def test_zero3_fine_tunes_a_targets_own_mtp_layer_as_zero2_does(tmp_path):
+    """The mtp kind under ZeRO-3 on a GLM-4.5-layout MoE target that ships an MTP layer: the layer starts from the
+    checkpoint's own weights, drafts through the target's embeddings and lm_head (partitioned over the processes,
+    gathered where the layer calls them), and trains as under ZeRO-2."""
+    from families import family_model, save_with_native_mtp
+
+    from drafttrain.targets import load_tokenizer
+
+    folder = tmp_path / "glm4_moe"
+    save_with_native_mtp(family_model("glm4_moe"), folder, load_tokenizer("smollm2-135m-instruct"))
+    zero3_against_zero2(tmp_path, folder, {"kind": "mtp", "steps": 2})
+
+
 def zero3_against_zero2(tmp_path, target_folder, draft) -> None:
     from conftest import small_recipe
     from safetensors.torch import load_file

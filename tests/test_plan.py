@@ -15,7 +15,10 @@ from conftest import small_recipe
 from drafttrain import DrafttrainError
 from drafttrain.commands import main
 from drafttrain.config import load_recipe
-from drafttrain.training.plan import GIB, Cluster, _MetaScalars, check_fits, plan
+from drafttrain.training.cluster import Cluster
+from drafttrain.training.footprint import _MetaScalars
+from drafttrain.training.plan import check_fits, plan
+from drafttrain.training.sizes import GIB
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
@@ -167,7 +170,7 @@ def test_an_offline_cache_larger_than_the_disk_is_refused_before_prepare(tmp_pat
 
 
 def test_a_hostfile_naming_an_unknown_host_is_refused_and_a_good_one_sizes_the_cluster(tmp_path, capsys):
-    from drafttrain.training.plan import read_hostfile
+    from drafttrain.training.cluster import read_hostfile
 
     bad = tmp_path / "hostfile"
     bad.write_text("localhost slots=2\nno-such-node.invalid slots=2\n")
@@ -384,7 +387,7 @@ def test_expert_parallelism_splits_an_moes_experts_over_tensor_and_data_ranks():
 def test_experts_are_found_by_name_or_type_and_shared_experts_stay_dense():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from drafttrain.training.plan import expert_parameter_names
+    from drafttrain.training.capture_plan import expert_parameter_names
 
     config = AutoConfig.from_pretrained(REPO / "tests" / "published_configs" / "deepseek_v3.json")
     config.num_hidden_layers = 4  # its first three are dense

@@ -18,7 +18,9 @@ import torch
 from drafttrain import DrafttrainError
 from drafttrain.config import load_recipe
 from drafttrain.targets.loading import models_from_configs
-from drafttrain.training.plan import GIB, Cluster, plan, read_hostfile
+from drafttrain.training.cluster import Cluster, read_hostfile
+from drafttrain.training.plan import plan
+from drafttrain.training.sizes import GIB
 
 
 def positive_int(text: str) -> int:

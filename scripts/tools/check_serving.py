@@ -3,6 +3,7 @@ drafttrain's evaluator on the same prompts (greedy, same depth, same stop tokens
 
     python scripts/tools/check_serving.py RUN_OR_CHECKPOINT [--formats vllm speculators] [--num-prompts 8]
         [--max-new-tokens 64] [--depth 3] [--vllm-python .venvs/vllm/bin/python] [--out DIR] [--trace]
+        [--attention-backend CPU_MLA]
     python scripts/tools/check_serving.py MODEL_FOLDER --target NAME [...]   # another trainer's draft model
 
 A plain HF model folder (no drafttrain checkpoint: TRL's student in scripts/experiments/parity/distill.sh) is served as it is
@@ -64,6 +65,9 @@ def main() -> int:
     parser.add_argument("--vllm-python", default=".venvs/vllm/bin/python")
     parser.add_argument("--out", default="runs/serving_check")
     parser.add_argument("--trace", action="store_true", help="record vLLM's draft of every cycle")
+    parser.add_argument("--attention-backend", default=None,
+                        help="vLLM's attention backend for the target and the draft, e.g. CPU_MLA for an MLA target on "
+                             "a CPU with AMX tiles (vLLM's AMX backend takes bfloat16 weights alone)")
     args = parser.parse_args()
 
     check_exists(ENGINES["vllm"], args.vllm_python)  # before minutes of our own decoding, not after them
@@ -88,7 +92,7 @@ def main() -> int:
                "speculative_config": speculative_config, "num_speculative_tokens": side.depth,
                "prompts": prompts,
                "max_tokens": args.max_new_tokens, "stop_token_ids": stops, "dtype": "float32",
-               "trace_drafts": args.trace}
+               "trace_drafts": args.trace, "attention_backend": args.attention_backend}
         (out / f"job-{fmt}.json").write_text(json.dumps(job))
         started = time.perf_counter()
         done = subprocess.run([args.vllm_python, str(WORKER), str(out / f"job-{fmt}.json"), str(out / f"vllm-{fmt}.json")],

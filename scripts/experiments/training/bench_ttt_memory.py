@@ -43,7 +43,7 @@ def measure(length: int, ttt: int, out: str, steps: int, recipe_path: str = RECI
     from drafttrain.drafts import drafter_class
     from drafttrain.targets import run_target
     from drafttrain.targets.loading import load_target
-    from drafttrain.training.plan import _draft_section
+    from drafttrain.training.footprint import _draft_section
 
     torch.manual_seed(0)
     recipe = load_recipe(REPO / recipe_path, settings(length, ttt, Path(out)))

@@ -6,7 +6,7 @@ given prompt token ids, greedy, and writes what vLLM measured: its spec-decode c
 JOB: {"target": dir, "draft": dir, "speculative_config": {"method": "eagle3"|"eagle"|"medusa"|"draft_model"|"dflash",
       and e.g. "parallel_drafting": true}, "num_speculative_tokens": k,
       "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [ids], "dtype": "float32",
-      "trace_drafts": false}
+      "trace_drafts": false, "attention_backend": null (vLLM's choice) or e.g. "CPU_MLA"}
 
 With "trace_drafts", the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the prompts go one at a
 time, and OUT also holds, per prompt, every cycle's draft: each drafted slot's token and the draft's five best
@@ -79,10 +79,13 @@ class DraftTrace:
 
 def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
+    # an attention backend named by the job, for the target and the draft: MLA on a CPU with AMX tiles takes bfloat16
+    # weights alone, CPU_MLA float32 too
+    backend = {"attention_backend": job["attention_backend"]} if job.get("attention_backend") else {}
     llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"), max_model_len=2048,
               seed=0, disable_log_stats=False, enforce_eager=True, gpu_memory_utilization=job.get("memory_fraction", 0.3),
               speculative_config={**job["speculative_config"], "model": job["draft"],
-                                  "num_speculative_tokens": job["num_speculative_tokens"]})
+                                  "num_speculative_tokens": job["num_speculative_tokens"], **backend}, **backend)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], stop_token_ids=job["stop_token_ids"])
     started = time.perf_counter()
     if job.get("trace_drafts"):

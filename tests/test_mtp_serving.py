@@ -74,13 +74,13 @@ def slot_logit_gaps(drafter, target, job: dict, served: dict) -> list[list[float
         steps = list(drafter.unrolled(ids, torch.ones_like(ids), hidden, DEPTH))
         anchor = 0  # index in ``out`` of the cycle's last accepted token
         for slots in cycles:
-            wanted = out[anchor + 1: anchor + 1 + DEPTH]
+            wanted, accepted = out[anchor + 1: anchor + 1 + DEPTH], 0
             for k, slot in enumerate(slots[: len(wanted)]):
                 logits = steps[k][0, len(prompt) + anchor - 1]
                 gaps[k].append(max(abs(float(logits[i]) - v) for i, v in zip(slot["top_ids"], slot["top_logits"])))
                 if slot["token"] != wanted[k]:
                     break
-            accepted = next((k for k, s in enumerate(slots[: len(wanted)]) if s["token"] != wanted[k]), len(wanted))
+                accepted += 1
             anchor += accepted + 1
             if anchor >= len(out) - 1:
                 break

@@ -25,7 +25,7 @@ from drafttrain.targets.hidden import decoder_layers
 from drafttrain.targets.loading import _DTYPES, Target
 from drafttrain.targets.outputs import TargetNeeds
 from drafttrain.training.cluster import Cluster
-from drafttrain.training.sizes import CUDA_CONTEXT, SLACK, _cache_bytes, _on_gpu, _size
+from drafttrain.training.sizes import CUDA_CONTEXT, _cache_bytes, _on_gpu, _size, clearly_exceeds, within
 
 # Bits a weight of a published quantized target takes as the engine holds it, its scales included: mxfp4 packs 32
 # values of 4 bits with one 8-bit scale; fp8 keeps a float32 scale per 128 x 128 block. Other methods are counted at
@@ -68,16 +68,15 @@ class CapturePlan:
 
     @property
     def memory_fits(self) -> bool:
-        return self.budget is None or self.total <= self.budget
+        return within(self.total, self.budget)
 
     @property
     def window_fits(self) -> bool:
-        return self.window_bytes is None or self.disk_free is None or self.window_bytes <= self.disk_free
+        return within(self.window_bytes, self.disk_free)
 
     @property
     def window_clearly_too_big(self) -> bool:
-        return self.window_bytes is not None and self.disk_free is not None and SLACK * self.window_bytes > \
-            self.disk_free
+        return clearly_exceeds(self.window_bytes, self.disk_free)
 
     @property
     def needed(self) -> float | None:

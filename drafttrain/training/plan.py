@@ -69,7 +69,7 @@ from drafttrain.training.footprint import (
     target_forward_bytes,
 )
 from drafttrain.training.runtime import configured_zero_stage
-from drafttrain.training.sizes import CUDA_CONTEXT, SLACK, _cache_bytes, _on_gpu, _size
+from drafttrain.training.sizes import CUDA_CONTEXT, _cache_bytes, _on_gpu, _size, clearly_exceeds, within
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +98,11 @@ class Plan:
 
     @property
     def memory_fits(self) -> bool:
-        return self.capacity is None or self.total <= self.capacity
+        return within(self.total, self.capacity)
 
     @property
     def disk_fits(self) -> bool:
-        return self.cache_bytes is None or self.disk_free is None or self.cache_bytes <= self.disk_free
+        return within(self.cache_bytes, self.disk_free)
 
     @property
     def fits(self) -> bool:
@@ -110,10 +110,8 @@ class Plan:
 
     @property
     def clearly_cannot_fit(self) -> bool:
-        too_big = self.capacity is not None and SLACK * self.total > self.capacity
         window = self.capture is not None and self.capture.window_clearly_too_big
-        return too_big or window or (self.cache_bytes is not None and self.disk_free is not None
-                                     and SLACK * self.cache_bytes > self.disk_free)
+        return clearly_exceeds(self.total, self.capacity) or window or clearly_exceeds(self.cache_bytes, self.disk_free)
 
     def render(self) -> str:
         lines = [f"drafttrain plan ({self.stage}): {self.where}", "", "memory per process:"]

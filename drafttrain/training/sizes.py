@@ -16,6 +16,16 @@ CUDA_CONTEXT = int(1.0 * GIB)  # CUDA context + cuBLAS workspace + allocator sla
 SLACK = 0.8  # the estimate is good to about 20%: a run "clearly cannot fit" when even 80% of it exceeds the memory
 
 
+def within(need: int | None, room: int | None) -> bool:
+    """A need within the room there is (either unknown: not refused)."""
+    return need is None or room is None or need <= room
+
+
+def clearly_exceeds(need: int | None, room: int | None) -> bool:
+    """Even :data:`SLACK` of the need exceeds the room: a run to refuse before any work."""
+    return need is not None and room is not None and SLACK * need > room
+
+
 def _size(n: int | float) -> str:
     for unit, scale in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20)):
         if abs(n) >= scale:
